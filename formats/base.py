@@ -1,0 +1,108 @@
+"""What every weight format provides, and the registry that maps names to formats.
+
+A format turns one linear weight ``W`` of shape ``[out, in]`` (float, the dequantized source) into
+a dict of stored tensors keyed by *local* names — relative to the module prefix, e.g. ``weight``,
+``weight_scale`` — and back. ``stored(shape)`` gives the names, dtypes and shapes of those tensors
+from the shape alone, so plans and loaders never touch data. Formats are frozen dataclasses: their
+parameters (group size, …) are fields, and ``get_format("awq_w4a16", group_size=64)`` returns a
+variant. Callers look formats up by name; nobody branches on a format's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .dtypes import itemsize
+from .errors import HetquantError
+
+__all__ = ["FORMATS", "TensorMeta", "WeightFormat", "get_format", "register"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """dtype (safetensors string) and shape of one stored tensor."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class WeightFormat(ABC):
+    """Base of every on-disk weight format (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
+        """Local name → dtype/shape of every stored tensor for a weight of ``shape`` [out, in].
+
+        Raises HetquantError when the format cannot store that shape (e.g. ``in`` not divisible
+        by the group size), naming the constraint.
+        """
+
+    @abstractmethod
+    def quantize(self, weight: torch.Tensor, **options: Any) -> dict[str, torch.Tensor]:
+        """Float weight [out, in] → stored tensors (local names). Pure: never mutates ``weight``."""
+
+    @abstractmethod
+    def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Stored tensors → float32 weight [out, in]; the reference every kernel is checked against."""
+
+    def nbytes(self, shape: tuple[int, int]) -> int:
+        """Bytes stored for a weight of ``shape``."""
+        return sum(m.nbytes for m in self.stored(shape).values())
+
+    def bits_per_weight(self, shape: tuple[int, int]) -> float:
+        """Stored bits per weight element, scales and zeros included."""
+        return 8 * self.nbytes(shape) / math.prod(shape)
+
+    def check_stored(self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        """Raise unless ``tensors`` has exactly the names, dtypes and shapes ``stored`` promises."""
+        from .dtypes import st_dtype
+
+        want = self.stored(shape)
+        if set(tensors) != set(want):
+            raise HetquantError(
+                f"{self.name}: stored tensors {sorted(tensors)} != expected {sorted(want)}"
+            )
+        for key, meta in want.items():
+            got = TensorMeta(st_dtype(tensors[key].dtype), tuple(tensors[key].shape))
+            if got != meta:
+                raise HetquantError(f"{self.name}: {key} is {got}, expected {meta}")
+
+
+FORMATS: dict[str, WeightFormat] = {}
+
+
+def register(fmt: WeightFormat) -> WeightFormat:
+    """Add a format instance (with its default parameters) to the registry under ``fmt.name``."""
+    if fmt.name in FORMATS:
+        raise RuntimeError(f"format {fmt.name!r} registered twice")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def get_format(name: str, **params: Any) -> WeightFormat:
+    """The registered format ``name``, with ``params`` replacing its default fields."""
+    try:
+        fmt = FORMATS[name]
+    except KeyError:
+        raise HetquantError(
+            f"unknown format {name!r}; known formats: {', '.join(sorted(FORMATS))}"
+        ) from None
+    return dataclasses.replace(fmt, **params) if params else fmt

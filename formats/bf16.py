@@ -1,0 +1,35 @@
+"""Unquantized BF16 — the "FLOAT" format of Ascend descriptions and the ``bf16`` recipe.
+
+Stored tensors for a linear weight [out, in]: ``weight`` BF16 [out, in]. Dequantize: f32(weight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .base import TensorMeta, WeightFormat, register
+
+__all__ = ["Bf16"]
+
+
+@dataclass(frozen=True)
+class Bf16(WeightFormat):
+    """A plain BF16 weight."""
+
+    name: ClassVar[str] = "bf16"
+
+    def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
+        return {"weight": TensorMeta("BF16", tuple(shape))}
+
+    def quantize(self, weight: torch.Tensor, **options: Any) -> dict[str, torch.Tensor]:
+        return {"weight": weight.to(torch.bfloat16).contiguous()}
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return tensors["weight"].to(torch.float32)
+
+
+register(Bf16())

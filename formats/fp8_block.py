@@ -1,0 +1,115 @@
+"""DeepSeek-V3's FP8 block format — the source format of every conversion.
+
+Stored tensors for a linear weight of shape [out, in] (names relative to the module prefix):
+
+=====================  =========  ============================================  ==============
+name                   dtype      shape                                         meaning
+=====================  =========  ============================================  ==============
+``weight``             F8_E4M3    [out, in]                                     E4M3 codes
+``weight_scale_inv``   F32        [ceil(out / 128), ceil(in / 128)]             block multiplier
+=====================  =========  ============================================  ==============
+
+Despite its name, ``weight_scale_inv`` is a *multiplier* (DeepSeek ``inference/kernel.py``,
+``weight_dequant``; README_WEIGHTS.md). Dequantization, bit-exact against DeepSeek's formula::
+
+    W[m, n] = bf16( f32(weight[m, n]) * weight_scale_inv[m // 128, n // 128] )   # round-to-nearest-even
+
+Edge blocks that do not fill 128×128 (``kv_a_proj_with_mqa``: 576 rows → 4.5 blocks) use the scale
+of the block that contains them. Quantization (used to build test checkpoints exactly as DeepSeek
+ships them): per 128×128 block, ``s = amax / 448`` (``s = 1`` for an all-zero block) and
+``weight = e4m3(W / s)``, saturating at ±448.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .base import TensorMeta, WeightFormat, register
+from .errors import HetquantError
+
+__all__ = ["FP8_E4M3_MAX", "Fp8Block", "dequantize_rows", "scale_shape"]
+
+FP8_E4M3_MAX = 448.0
+
+
+def scale_shape(shape: tuple[int, int], block: int) -> tuple[int, int]:
+    """Shape of ``weight_scale_inv`` for a weight of ``shape`` and square ``block``."""
+    return (-(-shape[0] // block), -(-shape[1] // block))
+
+
+def dequantize_rows(
+    weight: torch.Tensor, scale_inv: torch.Tensor, row0: int, block: int = 128
+) -> torch.Tensor:
+    """Dequantize rows ``row0 : row0 + len(weight)`` of a block-FP8 weight to BF16, bit-exactly.
+
+    ``weight`` is a row slice [r, in] (E4M3) that lies inside ONE block row (``row0 // block ==
+    (row0 + r - 1) // block``); ``scale_inv`` is the full [ceil(out/b), ceil(in/b)] F32 scale.
+    Streaming callers use this to keep memory at one block row.
+    """
+    rows, cols = weight.shape
+    brow = row0 // block
+    if (row0 + rows - 1) // block != brow:
+        raise HetquantError(f"dequantize_rows: rows {row0}..{row0 + rows} cross a block row")
+    s_row = scale_inv[brow].repeat_interleave(block)[:cols]  # (in,)
+    return (weight.to(torch.float32) * s_row).to(torch.bfloat16)  # (r, in)
+
+
+@dataclass(frozen=True)
+class Fp8Block(WeightFormat):
+    """E4M3 weight + F32 per-block multiplier (see module docstring)."""
+
+    name: ClassVar[str] = "fp8_block"
+    block: int = 128
+
+    def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
+        return {
+            "weight": TensorMeta("F8_E4M3", tuple(shape)),
+            "weight_scale_inv": TensorMeta("F32", scale_shape(shape, self.block)),
+        }
+
+    def quantize(self, weight: torch.Tensor, **options: Any) -> dict[str, torch.Tensor]:
+        if weight.ndim != 2:
+            raise HetquantError(
+                f"fp8_block.quantize: expected a 2-D weight, got {tuple(weight.shape)}"
+            )
+        out, inp = weight.shape
+        b = self.block
+        sr, sc = scale_shape((out, inp), b)
+        w = torch.zeros(sr * b, sc * b, dtype=torch.float32)  # zero-padded to whole blocks
+        w[:out, :inp] = weight.to(torch.float32)
+        blocks = w.reshape(sr, b, sc, b)  # (sr, b, sc, b)
+        amax = blocks.abs().amax(dim=(1, 3))  # (sr, sc)
+        s = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+        q = (blocks / s[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        q = q.reshape(sr * b, sc * b)[:out, :inp].to(torch.float8_e4m3fn)  # (out, in)
+        return {"weight": q.contiguous(), "weight_scale_inv": s.contiguous()}
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.dequantize_bf16(tensors["weight"], tensors["weight_scale_inv"]).float()
+
+    def dequantize_bf16(self, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's exact dequantization: bf16(f32(x) * s[m // b, n // b])."""
+        self.check_scale("weight", tuple(weight.shape), tuple(scale_inv.shape))
+        s = scale_inv.to(torch.float32)
+        s = s.repeat_interleave(self.block, 0)[: weight.shape[0]]  # (out, sc)
+        s = s.repeat_interleave(self.block, 1)[:, : weight.shape[1]]  # (out, in)
+        return (weight.to(torch.float32) * s).to(torch.bfloat16)
+
+    def check_scale(self, name: str, wshape: tuple[int, ...], sshape: tuple[int, ...]) -> None:
+        """Raise unless ``sshape`` is the scale shape for a weight of ``wshape``."""
+        if len(wshape) != 2:
+            raise HetquantError(f"{name}: FP8 block weight must be 2-D, got shape {list(wshape)}")
+        want = scale_shape((wshape[0], wshape[1]), self.block)
+        if tuple(sshape) != want:
+            raise HetquantError(
+                f"{name}_scale_inv has shape {list(sshape)}, expected {list(want)} for weight "
+                f"{list(wshape)} with {self.block}x{self.block} blocks; the checkpoint is corrupt "
+                "or not DeepSeek's block-FP8 format"
+            )
+
+
+register(Fp8Block())
