@@ -61,7 +61,7 @@ class WeightFormat(ABC):
 
     @abstractmethod
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Stored tensors → float32 weight [out, in]; the reference every kernel is checked against."""
+        """Stored tensors → float32 weight [out, in]; the reference kernels are checked against."""
 
     def nbytes(self, shape: tuple[int, int]) -> int:
         """Bytes stored for a weight of ``shape``."""

@@ -12,7 +12,7 @@ name                   dtype      shape                                         
 Despite its name, ``weight_scale_inv`` is a *multiplier* (DeepSeek ``inference/kernel.py``,
 ``weight_dequant``; README_WEIGHTS.md). Dequantization, bit-exact against DeepSeek's formula::
 
-    W[m, n] = bf16( f32(weight[m, n]) * weight_scale_inv[m // 128, n // 128] )   # round-to-nearest-even
+    W[m, n] = bf16( f32(weight[m, n]) * weight_scale_inv[m // 128, n // 128] )  # RNE
 
 Edge blocks that do not fill 128×128 (``kv_a_proj_with_mqa``: 576 rows → 4.5 blocks) use the scale
 of the block that contains them. Quantization (used to build test checkpoints exactly as DeepSeek
