@@ -46,6 +46,9 @@ class WeightFormat(ABC):
     """Base of every on-disk weight format (see the module docstring)."""
 
     name: ClassVar[str]
+    # True when every stored tensor has the weight's rows as dim 0 and row r of it depends only on
+    # weight row r: the converter may then quantize a weight one block of rows at a time.
+    rows_independent: ClassVar[bool] = False
 
     @abstractmethod
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:

@@ -21,6 +21,7 @@ class Bf16(WeightFormat):
     """A plain BF16 weight."""
 
     name: ClassVar[str] = "bf16"
+    rows_independent: ClassVar[bool] = True  # stored rows depend only on the same weight rows
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return {"weight": TensorMeta("BF16", tuple(shape))}

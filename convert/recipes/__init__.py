@@ -1,1 +1,74 @@
-"""hetquant.convert.recipes."""
+"""Recipes: what becomes of each source tensor. A small registry keyed by name.
+
+A recipe looks at one source tensor (its role in the DeepSeek table and its source dtype) and
+returns a :class:`Target`: which part of the artifact it goes to and in which format. ``copy``
+keeps the source bytes as they are. Recipes are data; the engine never branches on their names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetquant.formats import HetquantError
+
+from ..deepseek_v3 import TensorRole
+
+__all__ = ["COPY", "RECIPES", "Recipe", "Target", "get_recipe", "register_recipe"]
+
+COPY = "copy"
+ROOT = "root"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one source tensor goes: artifact part and format name (``copy`` = bytes as they are)."""
+
+    fmt: str
+    part: str = ROOT
+    params: tuple[tuple[str, Any], ...] = ()
+    file: str | None = None  # parts other than the root name their file (e.g. one per layer)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named conversion: ``assign`` maps (role, source dtype) to a Target."""
+
+    name: str
+    summary: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def assign(self, role: TensorRole, src_dtype: str) -> Target:
+        raise NotImplementedError
+
+    def with_options(self, options: dict[str, Any]) -> Recipe:
+        """This recipe with ``options`` (e.g. ``{"group_size": 64}``) replacing its defaults."""
+        import dataclasses
+
+        return dataclasses.replace(self, options={**self.options, **options})
+
+    def quantization_config(self) -> dict[str, Any] | None:
+        """The ``quantization_config`` of the root part's config.json (None: unquantized)."""
+        return None
+
+
+RECIPES: dict[str, Recipe] = {}
+
+
+def register_recipe(recipe: Recipe) -> Recipe:
+    if recipe.name in RECIPES:
+        raise RuntimeError(f"recipe {recipe.name!r} registered twice")
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise HetquantError(
+            f"unknown recipe {name!r}; `hetquant recipes` lists them: {', '.join(sorted(RECIPES))}"
+        ) from None
+
+
+from . import bf16  # noqa: E402,F401  (registration)

@@ -1,0 +1,189 @@
+"""The ``hetquant`` command line. Each command parses, calls the library and reports.
+
+Exit codes: 0 success; 1 a check failed; 2 bad input or usage — one ``error: …`` line, no
+traceback (``-v`` shows it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from hetquant.formats import HetquantError
+
+__all__ = ["main"]
+
+log = logging.getLogger("hetquant")
+
+
+class Progress:
+    """tqdm bar (bytes, ETA) on a terminal; a log line every ``every`` seconds otherwise."""
+
+    def __init__(self, total: int, every: float = 10.0) -> None:
+        self.total, self.done, self.every = total, 0, every
+        self.start = self.last = time.monotonic()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert")
+
+    def __call__(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+        elif (now := time.monotonic()) - self.last >= self.every:
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            eta = (self.total - self.done) / rate if rate else float("inf")
+            log.info(
+                "converted %.1f%% (%.2f GB, %.0f MB/s, ETA %.0f s)",
+                100 * self.done / self.total,
+                self.done / 1e9,
+                rate / 1e6,
+                eta,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except HetquantError as e:
+            if log.isEnabledFor(logging.DEBUG):
+                log.exception("failed")
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging and tracebacks.")
+def main(verbose: bool) -> None:
+    """Convert DeepSeek-V3-family FP8 checkpoints for Ascend NPUs and CPU expert pools."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@main.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("output", type=click.Path(path_type=Path))
+@click.option("--recipe", required=True, help="Recipe name (`hetquant recipes` lists them).")
+@click.option(
+    "--workers", default=1, show_default=True, type=click.IntRange(1), help="Worker processes."
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    help="Largest root shard (e.g. 5GB, 500MB).",
+)
+@click.option(
+    "--calib-data",
+    type=click.Path(exists=True, path_type=Path),
+    help="Calibration text (calibrating recipes).",
+)
+@click.option("--dry-run", is_flag=True, help="Print the plan (outputs, sizes, memory) and exit.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing artifact in OUTPUT.")
+def convert(
+    source: Path,
+    output: Path,
+    recipe: str,
+    workers: int,
+    max_shard_size: str,
+    calib_data: Path | None,
+    dry_run: bool,
+    overwrite: bool,
+) -> None:
+    """Convert SOURCE (a checkpoint directory) into the artifact directory OUTPUT."""
+    from .engine import convert as run_convert
+    from .engine import plan_for
+    from .inspect import format_precision
+    from .manifest import precision_table
+    from .plan import parse_size
+    from .recipes import get_recipe
+    from .source import SourceCheckpoint
+
+    rec = get_recipe(recipe)
+    if calib_data is not None:
+        raise HetquantError(f"recipe {recipe} does not calibrate; drop --calib-data")
+    src = SourceCheckpoint.open(source)
+    size = parse_size(max_shard_size)
+    if dry_run:
+        plan = plan_for(src, rec, size)
+        _print_plan(plan, src, workers)
+        click.echo(format_precision(precision_table(plan)))
+        return
+    progress = Progress(src.total_bytes)
+    try:
+        result = run_convert(
+            src,
+            output,
+            rec,
+            max_shard_size=size,
+            workers=workers,
+            overwrite=overwrite,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+    click.echo(f"wrote {output} ({len(result.manifest['files'])} files)")
+    click.echo(format_precision(result.manifest["precision"]))
+
+
+def _print_plan(plan, src, workers: int) -> None:
+    from .jobs import job_peak_bytes
+
+    click.echo(
+        f"plan: {len(plan.jobs)} jobs from {len(src.shard_files)} source shards ({src.total_bytes:,} bytes)"
+    )
+    for f in plan.files:
+        click.echo(f"  {f.name:<48} {f.size:>16,} bytes  {len(f.tensors):>6} tensors")
+    total = sum(f.size for f in plan.files)
+    peak = max((job_peak_bytes(j, src) for j in plan.jobs), default=0)
+    click.echo(
+        f"total output: {total:,} bytes; peak anonymous memory ≈ {workers} × {peak / 2**20:,.0f} MiB of job buffers + interpreter"
+    )
+
+
+@main.command()
+def recipes() -> None:
+    """List the recipes, one line each."""
+    from .recipes import RECIPES
+
+    for name in sorted(RECIPES):
+        click.echo(f"{name:<16} {RECIPES[name].summary}")
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+def inspect(path: Path) -> None:
+    """Summarise a source checkpoint or an artifact: model, formats by group, sizes, bits/weight."""
+    from .inspect import describe
+
+    click.echo(describe(path))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(exists=True, path_type=Path))
+def verify(artifact: Path) -> None:
+    """Check every file of ARTIFACT against its manifest; exit 1 if anything is off."""
+    from .verify import verify_artifact
+
+    problems = verify_artifact(artifact)
+    for p in problems:
+        click.echo(f"FAIL {p}")
+    if problems:
+        click.echo(f"{artifact}: {len(problems)} problem(s)")
+        sys.exit(1)
+    click.echo(f"{artifact}: OK")

@@ -1,0 +1,148 @@
+"""Executing one job: read a source tensor, convert it, write its outputs at their offsets.
+
+Jobs are independent and idempotent (fixed offsets, deterministic bytes). A format whose stored
+tensors are all row-aligned with the weight (``rows_independent``) is converted one source block
+row at a time, so memory stays at one block row however large the weight.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hetquant.formats import HetquantError, get_format
+from hetquant.formats.fp8_block import Fp8Block, dequantize_rows
+from hetquant.formats.safetensors_io import write_at
+
+from .plan import Job, Plan
+from .recipes import COPY
+from .source import SourceCheckpoint
+
+__all__ = ["JobRunner", "job_peak_bytes"]
+
+_FP8_NAN_MASK = 0x7F  # E4M3FN: S.1111.111 is NaN (no infinities)
+CHUNK_TARGET_BYTES = 8 << 20
+
+
+@dataclass
+class JobRunner:
+    """Runs jobs of ``plan`` against ``source``, writing into the files under ``work_dir``."""
+
+    source: SourceCheckpoint
+    plan: Plan
+    work_dir: Path
+    _fds: dict[str, int] = field(default_factory=dict)
+    _where: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for f in self.plan.files:
+            for name, off in f.offsets().items():
+                self._where[name] = (f.name, off)
+        bs = self.source.config.weight_block_size
+        self._fp8 = Fp8Block(bs[0]) if bs else Fp8Block()
+
+    def run(self, job: Job) -> int:
+        """Run one job; returns the source bytes it consumed."""
+        t = self.source.tensors[job.source]
+        if job.target.fmt == COPY:
+            data = self.source.weight(job.source)
+            _check_finite(job.source, data)
+            self._write(job.outputs[0].name, 0, data)
+        else:
+            self._convert(job)
+        return t.entry.nbytes + (t.scale.nbytes if t.scale else 0)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _convert(self, job: Job) -> None:
+        fmt = get_format(job.target.fmt, **dict(job.target.params))
+        if getattr(fmt, "rows_independent", False):
+            for row0, rows in self._row_chunks(job.source):
+                stored = fmt.quantize(rows)
+                for o in job.outputs:
+                    local = o.name[len(job.source.removesuffix("weight")) :]
+                    row_bytes = o.meta.nbytes // o.meta.shape[0]
+                    self._write(o.name, row0 * row_bytes, stored[local])
+        else:
+            stored = fmt.quantize(self._dequantized(job.source))
+            prefix = job.source.removesuffix("weight")
+            for o in job.outputs:
+                self._write(o.name, 0, stored[o.name[len(prefix) :]])
+
+    def _row_chunks(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, BF16 rows) of a source weight, one FP8 block row (or chunk) at a time."""
+        t = self.source.tensors[name]
+        w = self.source.weight(name)
+        out, inp = w.shape
+        if t.scale is None:
+            step = max(1, CHUNK_TARGET_BYTES // max(1, inp * w.element_size()))
+            for r in range(0, out, step):
+                _check_finite(name, w[r : r + step])
+                yield r, w[r : r + step]
+            return
+        s = self.source.scale(name)
+        _check_scale(name, s)
+        b = self._fp8.block
+        for r in range(0, out, b):
+            rows = w[r : r + b]
+            _check_fp8(name, rows)
+            yield r, dequantize_rows(rows, s, r, b)
+
+    def _dequantized(self, name: str) -> torch.Tensor:
+        """The whole source weight as BF16 (FP8 dequantized exactly)."""
+        parts = [rows for _, rows in self._row_chunks(name)]
+        return torch.cat(parts) if parts else self.source.weight(name).to(torch.bfloat16)
+
+    def _write(self, out_name: str, rel: int, data: torch.Tensor) -> None:
+        file, off = self._where[out_name]
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = os.open(self.work_dir / file, os.O_WRONLY)
+        write_at(fd, off + rel, data)
+
+
+def _check_finite(name: str, data: torch.Tensor) -> None:
+    if (
+        data.is_floating_point()
+        and data.element_size() > 1
+        and not bool(torch.isfinite(data).all())
+    ):
+        bad = int((~torch.isfinite(data)).sum())
+        raise HetquantError(
+            f"{name}: {bad} NaN/Inf value(s) in the source; the checkpoint is corrupt"
+        )
+    if data.dtype == torch.float8_e4m3fn:
+        _check_fp8(name, data)
+
+
+def _check_fp8(name: str, codes: torch.Tensor) -> None:
+    if bool(((codes.view(torch.uint8) & _FP8_NAN_MASK) == _FP8_NAN_MASK).any()):
+        raise HetquantError(f"{name}: NaN code(s) in the FP8 weight; the checkpoint is corrupt")
+
+
+def _check_scale(name: str, s: torch.Tensor) -> None:
+    if not bool(torch.isfinite(s).all()):
+        n = int((~torch.isfinite(s)).sum())
+        raise HetquantError(
+            f"{name}_scale_inv: {n} NaN/Inf value(s) of {math.prod(s.shape)}; corrupt scale"
+        )
+
+
+def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
+    """Estimated transient memory of one job: a block row streamed, or the whole weight."""
+    t = source.tensors[job.source]
+    if job.target.fmt == COPY:
+        return 0
+    rows, cols = t.entry.shape
+    fmt = get_format(job.target.fmt, **dict(job.target.params))
+    if getattr(fmt, "rows_independent", False):
+        rows = min(rows, 128)
+    return rows * cols * (2 + 4 + 4) + job.nbytes * rows // max(t.entry.shape[0], 1)

@@ -1,0 +1,108 @@
+"""The artifact manifest ``hetquant.json``: written last, its ``complete: true`` makes an artifact.
+
+It records the schema and hetquant versions, the resolved recipe, the source fingerprint (hash of
+index + config, revision), the parts and their files, every file's size and sha256, the source
+dtype of every role (so the plan can be replayed from the manifest alone), and the precision table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from .plan import Plan
+
+__all__ = ["MANIFEST_NAME", "SCHEMA_VERSION", "build_manifest", "file_digest", "write_json_atomic"]
+
+MANIFEST_NAME = "hetquant.json"
+SCHEMA_VERSION = 1
+_READ = 8 << 20
+
+
+def hetquant_version() -> str:
+    try:
+        return version("hetquant")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """Size and sha256 of a file, read in large blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ):
+            h.update(chunk)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def write_json_atomic(path: Path, doc: Any) -> None:
+    """Write JSON under a temporary name, fsync, rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def precision_table(plan: Plan) -> dict[str, Any]:
+    """Per precision group: format(s), params, bytes, bits/weight; and the effective bits/weight."""
+    groups: dict[str, dict[str, Any]] = {}
+    for item, job in zip(plan.items, plan.jobs, strict=True):
+        name = "mtp" if item.role.mtp else item.role.role.group
+        g = groups.setdefault(name, {"name": name, "formats": set(), "params": 0, "bytes": 0})
+        g["formats"].add(item.dtype if job.target.fmt == "copy" else job.target.fmt)
+        g["params"] += _numel(item.role.shape)
+        g["bytes"] += job.nbytes
+    rows = []
+    for g in groups.values():
+        fmts = sorted(g.pop("formats"))
+        rows.append(
+            {
+                "name": g["name"],
+                "format": "+".join(fmts),
+                **g,
+                "bits_per_weight": round(8 * g["bytes"] / g["params"], 4),
+            }
+        )
+    params = sum(r["params"] for r in rows)
+    total = sum(r["bytes"] for r in rows)
+    return {
+        "groups": rows,
+        "params": params,
+        "bytes": total,
+        "effective_bits_per_weight": round(8 * total / params, 4),
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def build_manifest(
+    plan: Plan,
+    source: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    parts: dict[str, list[str]],
+    plan_digest: str,
+) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "hetquant_version": hetquant_version(),
+        "complete": True,
+        "recipe": {"name": plan.recipe.name, "options": plan.recipe.options},
+        "source": source,
+        "max_shard_size": plan.max_shard_size,
+        "plan_digest": plan_digest,
+        "parts": {k: {"files": v} for k, v in parts.items()},
+        "files": files,
+        "precision": precision_table(plan),
+    }

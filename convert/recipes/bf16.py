@@ -1,0 +1,26 @@
+"""Recipe ``bf16``: every FP8 weight dequantized to BF16, everything else copied byte for byte.
+
+What DeepSeek's ``fp8_cast_bf16.py`` does, on CPU and streaming; the baseline for engines without FP8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..deepseek_v3 import TensorRole
+from . import COPY, Recipe, Target, register_recipe
+
+__all__ = ["Bf16Recipe"]
+
+
+@dataclass(frozen=True)
+class Bf16Recipe(Recipe):
+    def assign(self, role: TensorRole, src_dtype: str) -> Target:
+        return Target("bf16") if src_dtype == "F8_E4M3" else Target(COPY)
+
+
+register_recipe(
+    Bf16Recipe(
+        "bf16", "every FP8 weight dequantized to BF16 (DeepSeek's fp8_cast_bf16, on CPU, streaming)"
+    )
+)

@@ -1,0 +1,101 @@
+"""``hetquant verify``: an artifact checked against its manifest, byte for byte and shape for shape.
+
+Checks, each reported as a line: the manifest is complete and of a known schema; every listed file
+exists with its size and sha256; nothing unlisted lies beside them; every safetensors header is
+valid; the index maps exactly the root shards' tensors; and every file's header is byte-identical
+to the one the plan — replayed from config.json and the manifest's recipe and source dtypes —
+prescribes, which proves every tensor's name, dtype, shape and offset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hetquant.formats import HetquantError
+from hetquant.formats.safetensors_io import read_header
+
+from .deepseek_v3 import expected_tensors
+from .manifest import MANIFEST_NAME, SCHEMA_VERSION, file_digest
+from .model_config import ModelConfig, load_json
+from .plan import Plan, SourceItem, make_plan
+from .recipes import get_recipe
+from .source import INDEX_NAME
+
+__all__ = ["load_manifest", "replay_plan", "verify_artifact"]
+
+FP8_DTYPE = "F8_E4M3"
+
+
+def load_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST_NAME
+    if not path.exists():
+        raise HetquantError(f"{root}: no {MANIFEST_NAME}; not a (complete) hetquant artifact")
+    doc = load_json(path)
+    if not isinstance(doc, dict) or doc.get("schema_version") != SCHEMA_VERSION:
+        raise HetquantError(
+            f"{path}: unknown manifest schema {doc.get('schema_version') if isinstance(doc, dict) else doc!r}"
+        )
+    return doc
+
+
+def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
+    """The plan that produced the artifact, rebuilt from config.json and the manifest alone."""
+    cfg = ModelConfig.load(root / "config.json")
+    recipe = get_recipe(manifest["recipe"]["name"]).with_options(manifest["recipe"]["options"])
+    dtypes = manifest["source"]["dtypes"]
+    items = [
+        SourceItem(name, role, dtypes[role.role.name], dtypes[role.role.name] == FP8_DTYPE)
+        for name, role in expected_tensors(cfg).items()
+    ]
+    return make_plan(items, recipe, manifest["max_shard_size"])
+
+
+def verify_artifact(root: Path) -> list[str]:
+    """Every problem found (empty: the artifact is intact)."""
+    manifest = load_manifest(root)
+    problems: list[str] = []
+    if manifest.get("complete") is not True:
+        problems.append(f"{MANIFEST_NAME}: not marked complete")
+    listed: dict[str, dict[str, Any]] = manifest.get("files", {})
+    for name, want in listed.items():
+        path = root / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+            continue
+        got = file_digest(path)
+        if got["size"] != want["size"]:
+            problems.append(f"{name}: size {got['size']} != {want['size']} in the manifest")
+        elif got["sha256"] != want["sha256"]:
+            problems.append(f"{name}: sha256 differs from the manifest (corrupt or modified)")
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {MANIFEST_NAME}
+    problems += [f"{n}: not listed in the manifest" for n in sorted(on_disk - set(listed))]
+    problems += _check_structure(root, manifest)
+    return problems
+
+
+def _check_structure(root: Path, manifest: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
+    try:
+        plan = replay_plan(root, manifest)
+    except (HetquantError, KeyError) as e:
+        return [f"cannot replay the plan from the manifest: {e}"]
+    for f in plan.files:
+        path = root / f.name
+        if not path.is_file():
+            continue  # already reported as missing
+        try:
+            read_header(path)
+        except HetquantError as e:
+            problems.append(str(e))
+            continue
+        with open(path, "rb") as fh:
+            if fh.read(len(f.header)) != f.header:
+                problems.append(
+                    f"{f.name}: header differs from the plan (tensor names, dtypes or shapes)"
+                )
+    index = load_json(root / INDEX_NAME) if (root / INDEX_NAME).exists() else {}
+    want_map = {t.name: f.name for f in plan.files if f.part == "root" for t in f.tensors}
+    if index.get("weight_map") != want_map:
+        problems.append(f"{INDEX_NAME}: weight_map does not match the root shards")
+    return problems

@@ -1,0 +1,188 @@
+"""Safetensors files read from headers and byte ranges, and written header-first.
+
+File layout (https://github.com/huggingface/safetensors, "Format"): ``u64 little-endian N`` ·
+``N bytes of JSON header`` (padded with spaces to a multiple of 8) · data. The header maps each
+tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the start of the
+data, plus an optional ``"__metadata__"`` of string → string.
+
+Reading validates everything a corrupt or truncated file can get wrong (header length past the
+file, offsets past the data, offsets that disagree with dtype × shape) and maps tensors through a
+private copy-on-write memory map, so source pages stay reclaimable page cache and the source file
+is never written. Writing knows every tensor's dtype and shape in advance: the header is written
+first, the file is sized, and tensors (or parts of them) are written at their offsets with
+``pwrite`` — by any process, in any order, idempotently, which is what resumable multi-worker
+conversion needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .base import TensorMeta
+from .dtypes import itemsize, torch_dtype
+from .errors import HetquantError
+
+__all__ = [
+    "HeaderEntry",
+    "SafetensorsHeader",
+    "build_header",
+    "create_file",
+    "read_header",
+    "tensor_view",
+    "write_at",
+]
+
+_LEN = struct.Struct("<Q")
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors header; ``start``/``end`` are absolute file offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def meta(self) -> TensorMeta:
+        return TensorMeta(self.dtype, self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed, validated header: entries in file order, metadata, sizes."""
+
+    path: Path
+    entries: dict[str, HeaderEntry]
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+
+def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
+    """Parse and validate the header of ``path``; touches no tensor data."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw_len = f.read(_LEN.size)
+        if len(raw_len) < _LEN.size:
+            raise HetquantError(f"{path}: only {size} bytes, not a safetensors file (truncated?)")
+        (n,) = _LEN.unpack(raw_len)
+        if n > _MAX_HEADER or _LEN.size + n > size:
+            raise HetquantError(
+                f"{path}: header claims {n} bytes but the file has {size}; the file is truncated "
+                "or not safetensors — re-download it"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HetquantError(
+            f"{path}: header is not valid JSON ({e}); re-download the file"
+        ) from None
+    if not isinstance(header, dict):
+        raise HetquantError(f"{path}: header is not a JSON object")
+    data_start = _LEN.size + n
+    metadata = header.pop("__metadata__", None) or {}
+    entries = [_entry(path, name, spec, data_start, size) for name, spec in header.items()]
+    entries.sort(key=lambda e: e.start)
+    return SafetensorsHeader(path, {e.name: e for e in entries}, dict(metadata), data_start, size)
+
+
+def _entry(path: Path, name: str, spec: object, data_start: int, size: int) -> HeaderEntry:
+    try:
+        dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]  # type: ignore[index]
+        shape = tuple(int(d) for d in shape)
+    except (KeyError, TypeError, ValueError):
+        raise HetquantError(f"{path}: malformed header entry for tensor {name!r}") from None
+    want = math.prod(shape) * itemsize(dtype)
+    if not (0 <= begin <= end) or end - begin != want:
+        raise HetquantError(
+            f"{path}: tensor {name!r} has data_offsets [{begin}, {end}] but {dtype}{list(shape)} "
+            f"needs {want} bytes; the header is corrupt"
+        )
+    if data_start + end > size:
+        raise HetquantError(
+            f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has only {size} "
+            "bytes; the shard is truncated or its header offsets point past the end — re-download it"
+        )
+    return HeaderEntry(name, dtype, shape, data_start + begin, data_start + end)
+
+
+class MappedFile:
+    """A private (copy-on-write) memory map of a whole file; the file itself is never written."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self.path = Path(path)
+
+    def view(self, entry: HeaderEntry) -> torch.Tensor:
+        return tensor_view(self._mm, entry)
+
+    def advise_dontneed(self) -> None:
+        """Tell the kernel the mapped pages may go (the bytes stay in the page cache)."""
+        if self._mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._mm.madvise(mmap.MADV_DONTNEED)
+
+
+def tensor_view(buf: mmap.mmap | None, entry: HeaderEntry) -> torch.Tensor:
+    """A zero-copy tensor over ``entry``'s bytes in ``buf`` (copied only if misaligned)."""
+    dtype = torch_dtype(entry.dtype)
+    if entry.nbytes == 0 or buf is None:
+        return torch.empty(entry.shape, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
+    if entry.start % itemsize(entry.dtype):
+        raw = raw.clone()
+    return raw.view(dtype).reshape(entry.shape)
+
+
+def build_header(tensors: Iterable[tuple[str, TensorMeta]], metadata: dict[str, str]) -> bytes:
+    """Header bytes (length prefix + padded JSON) for ``tensors`` laid out in the given order."""
+    doc: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, meta in tensors:
+        doc[name] = {
+            "dtype": meta.dtype,
+            "shape": list(meta.shape),
+            "data_offsets": [offset, offset + meta.nbytes],
+        }
+        offset += meta.nbytes
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (-(len(body) + _LEN.size) % _ALIGN)
+    return _LEN.pack(len(body)) + body
+
+
+def create_file(path: str | os.PathLike[str], header: bytes, data_size: int) -> None:
+    """Create ``path`` holding ``header`` followed by ``data_size`` zero bytes (sparse)."""
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + data_size)
+
+
+def write_at(fd: int, offset: int, data: torch.Tensor | bytes) -> None:
+    """Write ``data`` (a contiguous tensor's bytes, or bytes) at absolute ``offset`` of ``fd``."""
+    if isinstance(data, torch.Tensor):
+        data = data.contiguous().view(-1).view(torch.uint8).numpy().data
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
