@@ -111,7 +111,8 @@ def _weight_map(root: Path) -> tuple[dict[str, str], bytes]:
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise HetquantError(f"{index}: no weight_map; the index is corrupt")
-        for name, file in wm.items():
+        first_name = {file: name for name, file in reversed(wm.items())}  # one check per shard
+        for file, name in first_name.items():
             _check_inside(root, index, name, file)
             if not (root / file).is_file():
                 raise HetquantError(
