@@ -1,6 +1,15 @@
 """On-disk formats: one module per format, each registered by name in ``FORMATS``."""
 
-from . import awq_w4a16, bf16, ct_pack_quantized, fp8_block, int4_cpu  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration)
+    awq_w4a16,
+    bf16,
+    ct_pack_quantized,
+    fp8_block,
+    int4_cpu,
+    nvfp4,
+    nvfp4_ascend,
+    w8a8_npu,
+)
 from .base import FORMATS, TensorMeta, WeightFormat, get_format, register
 from .errors import HetquantError
 
