@@ -25,6 +25,7 @@ from .jobs import JobRunner
 from .manifest import MANIFEST_NAME, build_manifest, file_digest, write_json_atomic
 from .plan import Job, Plan, SourceItem, make_plan
 from .recipes import ROOT, Recipe
+from .recipes.metadata import artifact_metadata
 from .source import INDEX_NAME, SourceCheckpoint
 
 __all__ = ["AUX_PATTERNS", "PARTIAL_DIR", "ConvertResult", "convert", "plan_for"]
@@ -72,7 +73,8 @@ def convert(
     work = _prepare_output(output, digest, overwrite)
     done = _open_work_files(plan, work)
     todo = [j for j in plan.jobs if j.id not in done]
-    log.info("%d jobs, %d already done (resume)", len(plan.jobs), len(done))
+    if done:  # a fresh run stays quiet: a bad-input error must be the only line on stderr
+        log.info("%d jobs, %d already done (resume)", len(plan.jobs), len(done))
     with open(work / JOURNAL, "a") as journal:
         for job_id in _run_jobs(source, plan, work, todo, workers, progress):
             journal.write(f"{job_id}\n")
@@ -145,7 +147,7 @@ def _open_work_files(plan: Plan, work: Path) -> set[int]:
             with open(path, "wb") as fh:
                 fh.write(f.header)
                 fh.truncate(f.size)
-            done -= {j.id for j in plan.jobs if any(file_of[o.name] is f for o in j.outputs)}
+            done -= {j.id for j in plan.jobs if any(file_of[o.tensor] is f for o in j.outputs)}
     return done
 
 
@@ -160,12 +162,16 @@ def _header_matches(path: Path, header: bytes, size: int) -> bool:
 _WORKER: JobRunner | None = None
 
 
-def _worker_init(source_root: str, revision: str | None, plan: Plan, work: str) -> None:
+def _worker_init(
+    source_root: str, revision: str | None, recipe: Recipe, max_shard_size: int, work: str
+) -> None:
     global _WORKER
     import torch
 
     torch.set_num_threads(1)
-    _WORKER = JobRunner(SourceCheckpoint.open(source_root, revision), plan, Path(work))
+    source = SourceCheckpoint.open(source_root, revision)
+    # The plan is rebuilt here, not sent: it holds role-table lambdas, which cannot be pickled.
+    _WORKER = JobRunner(source, plan_for(source, recipe, max_shard_size), Path(work))
 
 
 def _worker_run(job: Job) -> tuple[int, int]:
@@ -189,7 +195,7 @@ def _run_jobs(
             runner.close()
         return
     ctx = get_context("spawn")
-    args = (str(source.root), source.revision, plan, str(work))
+    args = (str(source.root), source.revision, plan.recipe, plan.max_shard_size, str(work))
     order = sorted(todo, key=lambda j: -j.nbytes)  # big jobs first: better balance
     with ProcessPoolExecutor(
         workers, mp_context=ctx, initializer=_worker_init, initargs=args
@@ -217,14 +223,17 @@ def _finalize(
         "weight_map": {t.name: f.name for f in root_files for t in f.tensors},
     }
     write_json_atomic(out / INDEX_NAME, index)
-    write_json_atomic(out / "config.json", _artifact_config(source, plan.recipe))
+    config, extra = artifact_metadata(plan, source.config.raw)
+    write_json_atomic(out / "config.json", config)
+    for name, doc in extra.items():
+        write_json_atomic(out / name, doc)
     aux = _copy_aux(source.root, out)
-    names = [f.name for f in plan.files] + [INDEX_NAME, "config.json", *aux]
+    names = [f.name for f in plan.files] + [INDEX_NAME, "config.json", *sorted(extra), *aux]
     files = {n: file_digest(out / n) for n in names}
     parts: dict[str, list[str]] = {}
     for f in plan.files:
         parts.setdefault(f.part, []).append(f.name)
-    parts[ROOT] += [INDEX_NAME, "config.json", *aux]
+    parts[ROOT] += [INDEX_NAME, "config.json", *sorted(extra), *aux]
     src_doc = {
         "path": str(source.root),
         "fingerprint": source.fingerprint,
@@ -236,16 +245,6 @@ def _finalize(
     write_json_atomic(out / MANIFEST_NAME, manifest)
     shutil.rmtree(work, ignore_errors=True)
     return manifest
-
-
-def _artifact_config(source: SourceCheckpoint, recipe: Recipe) -> dict[str, Any]:
-    cfg = dict(source.config.raw)
-    qc = recipe.quantization_config()
-    if qc is None:
-        cfg.pop("quantization_config", None)
-    else:
-        cfg["quantization_config"] = qc
-    return cfg
 
 
 def _copy_aux(src: Path, out: Path) -> list[str]:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from hetquant.formats import HetquantError, get_format
+from hetquant.formats import HetquantError, get_expert_format, get_format
 from hetquant.formats.fp8_block import Fp8Block, dequantize_rows
 from hetquant.formats.safetensors_io import write_at
 
-from .plan import Job, Plan
+from .plan import Job, OutPiece, Plan
 from .recipes import COPY
 from .source import SourceCheckpoint
 
@@ -45,37 +45,46 @@ class JobRunner:
                 self._where[name] = (f.name, off)
         bs = self.source.config.weight_block_size
         self._fp8 = Fp8Block(bs[0]) if bs else Fp8Block()
+        self._handlers = {COPY: self._copy, "linear": self._linear, "experts": self._experts}
 
     def run(self, job: Job) -> int:
         """Run one job; returns the source bytes it consumed."""
-        t = self.source.tensors[job.source]
-        if job.target.fmt == COPY:
-            data = self.source.weight(job.source)
-            _check_finite(job.source, data)
-            self._write(job.outputs[0].name, 0, data)
-        else:
-            self._convert(job)
-        return t.entry.nbytes + (t.scale.nbytes if t.scale else 0)
+        self._handlers[job.kind](job)
+        return sum(self._source_bytes(name) for name in job.sources)
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
 
-    def _convert(self, job: Job) -> None:
+    def _source_bytes(self, name: str) -> int:
+        t = self.source.tensors[name]
+        return t.entry.nbytes + (t.scale.nbytes if t.scale else 0)
+
+    def _copy(self, job: Job) -> None:
+        data = self.source.weight(job.source)
+        _check_finite(job.source, data)
+        self._write(job.outputs[0], data)
+
+    def _linear(self, job: Job) -> None:
         fmt = get_format(job.target.fmt, **dict(job.target.params))
-        if getattr(fmt, "rows_independent", False):
-            for row0, rows in self._row_chunks(job.source):
-                stored = fmt.quantize(rows)
-                for o in job.outputs:
-                    local = o.name[len(job.source.removesuffix("weight")) :]
-                    row_bytes = o.meta.nbytes // o.meta.shape[0]
-                    self._write(o.name, row0 * row_bytes, stored[local])
-        else:
+        if not getattr(fmt, "rows_independent", False):
             stored = fmt.quantize(self._dequantized(job.source))
-            prefix = job.source.removesuffix("weight")
-            for o in job.outputs:
-                self._write(o.name, 0, stored[o.name[len(prefix) :]])
+            for piece in job.outputs:
+                self._write(piece, stored[piece.key])
+            return
+        for row0, rows in self._row_chunks(job.source):
+            stored = fmt.quantize(rows)
+            for piece in job.outputs:
+                row_bytes = piece.meta.nbytes // piece.meta.shape[0]
+                self._write(piece, stored[piece.key], row0 * row_bytes)
+
+    def _experts(self, job: Job) -> None:
+        fmt = get_expert_format(job.target.fmt)
+        gate, up, down = (self._dequantized(name) for name in job.sources)
+        stored = fmt.quantize_expert(gate, up, down)
+        for piece in job.outputs:
+            self._write(piece, stored[piece.key])
 
     def _row_chunks(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, BF16 rows) of a source weight, one FP8 block row (or chunk) at a time."""
@@ -101,12 +110,13 @@ class JobRunner:
         parts = [rows for _, rows in self._row_chunks(name)]
         return torch.cat(parts) if parts else self.source.weight(name).to(torch.bfloat16)
 
-    def _write(self, out_name: str, rel: int, data: torch.Tensor) -> None:
-        file, off = self._where[out_name]
+    def _write(self, piece: OutPiece, data: torch.Tensor, rel: int = 0) -> None:
+        """Write ``data`` into ``piece`` at ``rel`` bytes past the piece's start."""
+        file, off = self._where[piece.tensor]
         fd = self._fds.get(file)
         if fd is None:
             fd = self._fds[file] = os.open(self.work_dir / file, os.O_WRONLY)
-        write_at(fd, off + rel, data)
+        write_at(fd, off + piece.offset + rel, data)
 
 
 def _check_finite(name: str, data: torch.Tensor) -> None:
@@ -137,12 +147,15 @@ def _check_scale(name: str, s: torch.Tensor) -> None:
 
 
 def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
-    """Estimated transient memory of one job: a block row streamed, or the whole weight."""
-    t = source.tensors[job.source]
-    if job.target.fmt == COPY:
+    """Estimated transient memory of one job: a block row streamed, or whole weights."""
+    if job.kind == COPY:
         return 0
-    rows, cols = t.entry.shape
-    fmt = get_format(job.target.fmt, **dict(job.target.params))
-    if getattr(fmt, "rows_independent", False):
-        rows = min(rows, 128)
-    return rows * cols * (2 + 4 + 4) + job.nbytes * rows // max(t.entry.shape[0], 1)
+    total = 0
+    for name in job.sources:
+        rows, cols = source.tensors[name].entry.shape
+        if job.kind == "linear" and getattr(
+            get_format(job.target.fmt, **dict(job.target.params)), "rows_independent", False
+        ):
+            rows = min(rows, 128)
+        total += rows * cols * (2 + 4 + 4)  # bf16 weight, f32 working copy, f32 temporaries
+    return total + job.nbytes

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .plan import Plan
+from .recipes import COPY
 
 __all__ = ["MANIFEST_NAME", "SCHEMA_VERSION", "build_manifest", "file_digest", "write_json_atomic"]
 
@@ -51,14 +52,29 @@ def write_json_atomic(path: Path, doc: Any) -> None:
 
 
 def precision_table(plan: Plan) -> dict[str, Any]:
-    """Per precision group: format(s), params, bytes, bits/weight; and the effective bits/weight."""
+    """Per precision group: format(s), params, bytes, bits/weight; and the effective bits/weight.
+
+    Params count every source tensor (dropped ones too, in format ``dropped``), so they add up to
+    the source's parameter count; bytes count what the artifact stores.
+    """
+    item_of = {i.name: i for i in plan.items}
+    job_of = {src: job for job in plan.jobs for src in job.sources}
     groups: dict[str, dict[str, Any]] = {}
-    for item, job in zip(plan.items, plan.jobs, strict=True):
-        name = "mtp" if item.role.mtp else item.role.role.group
-        g = groups.setdefault(name, {"name": name, "formats": set(), "params": 0, "bytes": 0})
-        g["formats"].add(item.dtype if job.target.fmt == "copy" else job.target.fmt)
+
+    def group(name: str) -> dict[str, Any]:
+        item = item_of[name]
+        key = "mtp" if item.role.mtp else item.role.role.group
+        return groups.setdefault(key, {"name": key, "formats": set(), "params": 0, "bytes": 0})
+
+    for item in plan.items:
+        job = job_of.get(item.name)
+        g = group(item.name)
+        g["formats"].add(
+            "dropped" if job is None else item.dtype if job.kind == COPY else job.target.fmt
+        )
         g["params"] += _numel(item.role.shape)
-        g["bytes"] += job.nbytes
+    for job in plan.jobs:
+        group(job.source)["bytes"] += job.nbytes
     rows = []
     for g in groups.values():
         fmts = sorted(g.pop("formats"))

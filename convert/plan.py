@@ -3,9 +3,10 @@
 ``make_plan`` never touches tensor data: it takes shape-only :class:`SourceItem` s (from a source's
 headers, or replayed from a manifest), asks the recipe where each goes and the format what it
 stores, and lays the root part out in shards of at most ``max_shard_size`` bytes (a tensor larger
-than that gets a shard of its own, as ``transformers`` does). Each job converts one source tensor
-and owns the byte ranges of its outputs, so jobs can run in any order, in any process, and be
-redone after a crash with identical results.
+than that gets a shard of its own, as ``transformers`` does). Routed experts sent to an
+expert-layer format are stacked: one file per layer, one job per expert writing its slice of every
+stacked tensor. Each job owns the byte ranges of its outputs (``OutPiece``), so jobs run in any
+order, in any process, and can be redone after a crash with identical results.
 """
 
 from __future__ import annotations
@@ -14,18 +15,27 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from hetquant.formats import TensorMeta, get_format
+from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta, get_format
 from hetquant.formats.safetensors_io import build_header
 
 from .deepseek_v3 import TensorRole
-from .recipes import COPY, ROOT, Recipe, Target
+from .recipes import COPY, DROP, ROOT, Recipe, Target
 
-__all__ = ["Job", "OutFile", "OutTensor", "Plan", "SourceItem", "make_plan", "parse_size"]
+__all__ = [
+    "Job",
+    "OutFile",
+    "OutPiece",
+    "OutTensor",
+    "Plan",
+    "SourceItem",
+    "make_plan",
+    "parse_size",
+]
 
 WEIGHT_SUFFIX = ".weight"
 HEADER_METADATA = {"format": "pt"}
+EXPERT_ROLES = ("expert_gate", "expert_up", "expert_down")  # the order quantize_expert takes
 
 
 @dataclass(frozen=True)
@@ -45,13 +55,28 @@ class OutTensor:
 
 
 @dataclass(frozen=True)
+class OutPiece:
+    """Bytes a job writes: ``meta``-shaped data at byte ``offset`` of output tensor ``tensor``."""
+
+    tensor: str
+    key: str  # key of the piece in the dict the job's conversion returns
+    offset: int
+    meta: TensorMeta
+
+
+@dataclass(frozen=True)
 class Job:
-    """Convert source tensor ``source`` into ``outputs`` with format ``target.fmt``."""
+    """Convert ``sources`` with ``target`` into ``outputs``. kind: copy | linear | experts."""
 
     id: int
-    source: str
+    kind: str
+    sources: tuple[str, ...]
     target: Target
-    outputs: tuple[OutTensor, ...]
+    outputs: tuple[OutPiece, ...]
+
+    @property
+    def source(self) -> str:
+        return self.sources[0]
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +124,13 @@ class Plan:
         """Output tensor name → the file holding it."""
         return {t.name: f for f in self.files for t in f.tensors}
 
+    def item(self, name: str) -> SourceItem:
+        """The source item called ``name``."""
+        index = self.__dict__.get("_index")
+        if index is None:
+            index = self.__dict__["_index"] = {i.name: i for i in self.items}
+        return index[name]
+
     def digest(self, fingerprint: str) -> str:
         """Identity of this plan for resume: same source, recipe, options and layout."""
         doc = {
@@ -106,7 +138,7 @@ class Plan:
             "recipe": self.recipe.name,
             "options": self.recipe.options,
             "files": [[f.name, hashlib.sha256(f.header).hexdigest()] for f in self.files],
-            "jobs": [[j.source, j.target.fmt, j.target.params] for j in self.jobs],
+            "jobs": [[j.kind, j.sources, j.target.fmt, j.target.params] for j in self.jobs],
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -122,62 +154,101 @@ def parse_size(text: str | int) -> int:
     try:
         value = float(num) * units[s[len(num) :].strip()]
     except (KeyError, ValueError):
-        from hetquant.formats import HetquantError
-
         raise HetquantError(f"cannot parse size {text!r}; use e.g. 5GB, 500MB or 2GiB") from None
+    if not 1 <= value < float("inf"):  # also nan, inf and sizes that int() would make 0
+        raise HetquantError(f"size {text!r} must be at least 1 byte and finite, e.g. 5GB")
     return int(value)
 
 
 def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) -> Plan:
     """Lay out every output of converting ``items`` with ``recipe`` (shape-only)."""
     items = list(items)
-    jobs = [_job(i, item, recipe.assign(item.role, item.dtype)) for i, item in enumerate(items)]
-    files = _layout(jobs, max_shard_size)
+    jobs: list[Job] = []
+    stacked: dict[str, OutFile] = {}
+    experts: dict[tuple[str, int, int], dict[str, SourceItem]] = {}
+    for item in items:
+        target = recipe.assign(item.role, item.dtype)
+        if target.fmt == DROP:
+            continue
+        if target.fmt in EXPERT_FORMATS:
+            key = (target.file or "", item.role.layer or 0, item.role.expert or 0)
+            experts.setdefault(key, {})[item.role.role.name] = item
+            continue
+        jobs.append(_job(len(jobs), item, target))
+    n_experts: dict[tuple[str, int], int] = {}
+    for file, layer, e in experts:
+        n_experts[file, layer] = max(n_experts.get((file, layer), 0), e + 1)
+    for (file, layer, e), members in experts.items():
+        n = n_experts[file, layer]
+        jobs.append(_expert_job(len(jobs), file, layer, e, n, members, recipe, stacked))
+    files = _shard_root(jobs, max_shard_size) + [stacked[k] for k in sorted(stacked)]
     return Plan(recipe, items, jobs, files, max_shard_size)
 
 
 def _job(idx: int, item: SourceItem, target: Target) -> Job:
     if target.fmt == COPY:
-        outputs = (OutTensor(item.name, TensorMeta(item.dtype, item.role.shape)),)
-    else:
-        fmt = get_format(target.fmt, **dict(target.params))
-        prefix = item.name.removesuffix(WEIGHT_SUFFIX)
-        stored = fmt.stored(item.role.shape)  # type: ignore[arg-type]
-        outputs = tuple(OutTensor(f"{prefix}.{k}", m) for k, m in stored.items())
-    return Job(idx, item.name, target, outputs)
+        meta = TensorMeta(item.dtype, item.role.shape)
+        return Job(idx, COPY, (item.name,), target, (OutPiece(item.name, item.name, 0, meta),))
+    fmt = get_format(target.fmt, **dict(target.params))
+    prefix = item.name.removesuffix(WEIGHT_SUFFIX)
+    stored = fmt.stored(item.role.shape)  # type: ignore[arg-type]
+    outputs = tuple(OutPiece(f"{prefix}.{k}", k, 0, m) for k, m in stored.items())
+    return Job(idx, "linear", (item.name,), target, outputs)
 
 
-def _layout(jobs: list[Job], max_shard_size: int) -> list[OutFile]:
-    root: list[list[Job]] = [[]]
+def _expert_job(
+    idx: int, file: str, layer: int, e: int, n_experts: int, members: dict[str, SourceItem], recipe: Recipe,
+    stacked: dict[str, OutFile],
+) -> Job:  # fmt: skip
+    missing = [r for r in EXPERT_ROLES if r not in members]
+    if missing or not file:
+        raise HetquantError(
+            f"layer {layer} expert {e}: recipe {recipe.name} stacks {sorted(members)} but not {missing}"
+        )
+    gate, down = members["expert_gate"], members["expert_down"]
+    target = recipe.assign(gate.role, gate.dtype)
+    if target.part == ROOT:
+        raise HetquantError(
+            f"recipe {recipe.name}: stacked experts must go to a part of their own, not the root"
+        )
+    fmt = EXPERT_FORMATS[target.fmt]
+    inter, hidden = gate.role.shape
+    layer_metas = fmt.stored(n_experts, hidden, inter)
+    prefix = down.name.split(".experts.")[0] + ".experts"
+    out = stacked.get(file)
+    if out is None:
+        out = stacked[file] = OutFile(file, target.part)
+    if not any(t.name.startswith(prefix + ".") for t in out.tensors):
+        out.tensors.extend(OutTensor(f"{prefix}.{k}", m) for k, m in layer_metas.items())
+    pieces = []
+    for k, m in layer_metas.items():
+        per = TensorMeta(m.dtype, m.shape[1:])
+        pieces.append(OutPiece(f"{prefix}.{k}", k, e * per.nbytes, per))
+    sources = tuple(members[r].name for r in EXPERT_ROLES)
+    return Job(idx, "experts", sources, target, tuple(pieces))
+
+
+def _shard_root(jobs: list[Job], max_shard_size: int) -> list[OutFile]:
+    groups: list[list[Job]] = [[]]
     size = 0
-    named: dict[str, OutFile] = {}
     for job in jobs:
         if job.target.part != ROOT:
-            if job.target.file is None:
-                raise ValueError(
-                    f"recipe sent {job.source} to part {job.target.part} without a file"
+            if job.kind != "experts":
+                raise HetquantError(
+                    f"recipe sent {job.source} to part {job.target.part}, which only takes stacked experts"
                 )
-            f = named.setdefault(job.target.file, OutFile(job.target.file, job.target.part))
-            f.tensors.extend(job.outputs)
             continue
-        if root[-1] and size + job.nbytes > max_shard_size:
-            root.append([])
+        if groups[-1] and size + job.nbytes > max_shard_size:
+            groups.append([])
             size = 0
-        root[-1].append(job)
+        groups[-1].append(job)
         size += job.nbytes
-    n = len(root)
-    files = [
+    n = len(groups)
+    return [
         OutFile(
-            f"model-{i + 1:05d}-of-{n:05d}.safetensors", ROOT, [o for j in js for o in j.outputs]
+            f"model-{i + 1:05d}-of-{n:05d}.safetensors",
+            ROOT,
+            [OutTensor(o.tensor, o.meta) for j in js for o in j.outputs],
         )
-        for i, js in enumerate(root)
+        for i, js in enumerate(groups)
     ]
-    return files + [named[k] for k in sorted(named)]
-
-
-def plan_summary(plan: Plan) -> dict[str, Any]:
-    return {
-        "files": len(plan.files),
-        "bytes": sum(f.size for f in plan.files),
-        "jobs": len(plan.jobs),
-    }

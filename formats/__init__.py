@@ -10,7 +10,26 @@ from . import (  # noqa: F401  (registration)
     nvfp4_ascend,
     w8a8_npu,
 )
-from .base import FORMATS, TensorMeta, WeightFormat, get_format, register
+from .base import (
+    EXPERT_FORMATS,
+    FORMATS,
+    ExpertLayerFormat,
+    TensorMeta,
+    WeightFormat,
+    get_expert_format,
+    get_format,
+    register,
+)
 from .errors import HetquantError
 
-__all__ = ["FORMATS", "HetquantError", "TensorMeta", "WeightFormat", "get_format", "register"]
+__all__ = [
+    "EXPERT_FORMATS",
+    "FORMATS",
+    "ExpertLayerFormat",
+    "HetquantError",
+    "TensorMeta",
+    "WeightFormat",
+    "get_expert_format",
+    "get_format",
+    "register",
+]

@@ -6,9 +6,16 @@ argument so the bit twiddling exists once.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .errors import HetquantError
+
+if (
+    sys.byteorder != "little"
+):  # int32 words are built by viewing bytes; safetensors is little-endian
+    raise ImportError("hetquant's nibble packing assumes a little-endian machine")
 
 __all__ = ["pack_nibbles_i32", "pack_nibbles_u8", "unpack_nibbles_i32", "unpack_nibbles_u8"]
 
@@ -36,30 +43,25 @@ def unpack_nibbles_u8(packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_nibbles_i32(codes: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
-    """Pack codes [..., K] into int32 [..., K/8].
+    """Pack codes [..., K] (values 0..15) into int32 [..., K/8].
 
     ``order[i]`` is the index (within each group of 8 consecutive elements) of the element
     stored at bits ``4i..4i+3``. ``order=(0,1,…,7)`` is the plain order (compressed-tensors);
     AutoAWQ's GEMM order is ``(0, 2, 4, 6, 1, 3, 5, 7)``.
     """
     _check_codes(codes, 8, "pack_nibbles_i32")
-    c = codes.to(torch.int64).reshape(*codes.shape[:-1], -1, 8)  # (..., K/8, 8)
-    word = torch.zeros(c.shape[:-1], dtype=torch.int64)
-    for i, src in enumerate(order):
-        word |= (c[..., src] & 0xF) << (4 * i)
-    return _u32_to_i32(word)
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, 8)[..., list(order)]  # (..., K/8, 8)
+    # Nibble i of a word is bits 4i..4i+3: byte i//2 of the little-endian word, low half if i even.
+    return pack_nibbles_u8(c).contiguous().view(torch.int32).squeeze(-1)  # (..., K/8)
 
 
 def unpack_nibbles_i32(
     words: torch.Tensor, order: tuple[int, ...] = tuple(range(8))
 ) -> torch.Tensor:
     """Inverse of :func:`pack_nibbles_i32`: int32 [..., K/8] → uint8 codes [..., K]."""
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    out = torch.empty((*w.shape, 8), dtype=torch.uint8)  # (..., K/8, 8)
-    for i, dst in enumerate(order):
-        out[..., dst] = ((w >> (4 * i)) & 0xF).to(torch.uint8)
-    return out.reshape(*w.shape[:-1], -1)
+    nib = (words.to(torch.int64)[..., None] >> _SHIFTS) & 0xF  # (..., K/8, 8) in nibble order
+    inverse = [order.index(k) for k in range(8)]
+    return nib[..., inverse].to(torch.uint8).reshape(*words.shape[:-1], -1)
 
 
-def _u32_to_i32(word: torch.Tensor) -> torch.Tensor:
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)

@@ -22,7 +22,17 @@ import torch
 from .dtypes import itemsize
 from .errors import HetquantError
 
-__all__ = ["FORMATS", "TensorMeta", "WeightFormat", "get_format", "register"]
+__all__ = [
+    "EXPERT_FORMATS",
+    "FORMATS",
+    "ExpertLayerFormat",
+    "TensorMeta",
+    "WeightFormat",
+    "get_expert_format",
+    "get_format",
+    "register",
+    "register_expert_format",
+]
 
 
 @dataclass(frozen=True)
@@ -109,3 +119,44 @@ def get_format(name: str, **params: Any) -> WeightFormat:
             f"unknown format {name!r}; known formats: {', '.join(sorted(FORMATS))}"
         ) from None
     return dataclasses.replace(fmt, **params) if params else fmt
+
+
+@dataclass(frozen=True)
+class ExpertLayerFormat(ABC):
+    """A format that stores all routed experts of one MoE layer as stacked tensors.
+
+    Stacked tensors are expert-major ([E, ...]), so expert ``e``'s part of each is the contiguous
+    byte range ``[e · nbytes / E, (e + 1) · nbytes / E)`` — a converter writes experts one at a time.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
+        """Local name → dtype/shape of the layer's stacked tensors."""
+
+    @abstractmethod
+    def quantize_expert(
+        self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """One expert's weights (gate/up [I, H], down [H, I]) → its slice of every stacked tensor."""
+
+
+EXPERT_FORMATS: dict[str, ExpertLayerFormat] = {}
+
+
+def register_expert_format(fmt: ExpertLayerFormat) -> ExpertLayerFormat:
+    """Add an expert-layer format to ``EXPERT_FORMATS`` under ``fmt.name``."""
+    if fmt.name in EXPERT_FORMATS or fmt.name in FORMATS:
+        raise RuntimeError(f"format {fmt.name!r} registered twice")
+    EXPERT_FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def get_expert_format(name: str) -> ExpertLayerFormat:
+    try:
+        return EXPERT_FORMATS[name]
+    except KeyError:
+        raise HetquantError(
+            f"unknown expert-layer format {name!r}; known: {', '.join(sorted(EXPERT_FORMATS))}"
+        ) from None

@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from ._bits import pack_nibbles_u8, unpack_nibbles_u8
-from .base import TensorMeta, WeightFormat, register
+from .base import ExpertLayerFormat, TensorMeta, WeightFormat, register, register_expert_format
 from .dtypes import st_dtype
 from .errors import HetquantError
 
@@ -324,3 +324,22 @@ def subpool_slice(
 
 
 register(Int4Cpu())
+
+
+@dataclass(frozen=True)
+class Int4CpuExperts(ExpertLayerFormat):
+    """The per-layer stacked layout above, as a registered expert-layer format."""
+
+    name: ClassVar[str] = "int4_cpu_experts"
+    clip_search: bool = False
+
+    def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
+        return layer_stored(num_experts, hidden, inter)
+
+    def quantize_expert(
+        self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        return quantize_expert(gate, up, down, clip_search=self.clip_search)
+
+
+register_expert_format(Int4CpuExperts())

@@ -115,11 +115,17 @@ def block_scales(w: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """Round f32 ``y`` to the nearest E2M1 value (ties to even, saturating): uint8 codes 0..15."""
+    """Round f32 ``y`` to the nearest E2M1 value (ties to even, saturating): uint8 codes 0..15.
+
+    The magnitude code is the number of decision bounds ``|y|`` passes. At a bound (a tie) the
+    even code wins: bounds below an even code count when reached (``>=``, the ``_TIES_UP``), the
+    others only when passed (``>``).
+    """
     mag = y.abs()
-    idx = torch.bucketize(mag, torch.tensor(E2M1_BOUNDS))  # first bound >= mag
-    idx = idx + torch.isin(mag, torch.tensor(_TIES_UP)).to(idx.dtype)
-    return ((y < 0).to(torch.uint8) << 3) | idx.to(torch.uint8)
+    idx = torch.zeros(y.shape, dtype=torch.uint8)
+    for bound in E2M1_BOUNDS:
+        idx += (mag >= bound) if bound in _TIES_UP else (mag > bound)
+    return ((y < 0).to(torch.uint8) << 3) | idx
 
 
 def _effective_scale(weight_scale: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:

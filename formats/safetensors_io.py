@@ -101,6 +101,8 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         raise HetquantError(f"{path}: header is not a JSON object")
     data_start = _LEN.size + n
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise HetquantError(f"{path}: __metadata__ is not a map of strings; the header is corrupt")
     entries = [_entry(path, name, spec, data_start, size) for name, spec in header.items()]
     entries.sort(key=lambda e: e.start)
     return SafetensorsHeader(path, {e.name: e for e in entries}, dict(metadata), data_start, size)
@@ -109,10 +111,20 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
 def _entry(path: Path, name: str, spec: object, data_start: int, size: int) -> HeaderEntry:
     try:
         dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]  # type: ignore[index]
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(shape)
     except (KeyError, TypeError, ValueError):
-        raise HetquantError(f"{path}: malformed header entry for tensor {name!r}") from None
-    want = math.prod(shape) * itemsize(dtype)
+        shape = None
+    if (
+        shape is None
+        or not isinstance(dtype, str)
+        or not all(_is_int(d) and d >= 0 for d in shape)
+        or not (_is_int(begin) and _is_int(end))
+    ):
+        raise HetquantError(f"{path}: malformed header entry for tensor {name!r}")
+    try:
+        want = math.prod(shape) * itemsize(dtype)
+    except HetquantError as e:
+        raise HetquantError(f"{path}: tensor {name!r}: {e}") from None
     if not (0 <= begin <= end) or end - begin != want:
         raise HetquantError(
             f"{path}: tensor {name!r} has data_offsets [{begin}, {end}] but {dtype}{list(shape)} "
@@ -124,6 +136,10 @@ def _entry(path: Path, name: str, spec: object, data_start: int, size: int) -> H
             "bytes; the shard is truncated or its header offsets point past the end — re-download it"
         )
     return HeaderEntry(name, dtype, shape, data_start + begin, data_start + end)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class MappedFile:

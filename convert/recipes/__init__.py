@@ -14,9 +14,10 @@ from hetquant.formats import HetquantError
 
 from ..deepseek_v3 import TensorRole
 
-__all__ = ["COPY", "RECIPES", "Recipe", "Target", "get_recipe", "register_recipe"]
+__all__ = ["COPY", "DROP", "RECIPES", "ROOT", "Recipe", "Target", "get_recipe", "register_recipe"]
 
-COPY = "copy"
+COPY = "copy"  # the source bytes as they are
+DROP = "drop"  # left out of the artifact (e.g. the MTP layer with --mtp drop)
 ROOT = "root"
 
 
@@ -71,4 +72,4 @@ def get_recipe(name: str) -> Recipe:
         ) from None
 
 
-from . import bf16  # noqa: E402,F401  (registration)
+from . import bf16, quantized  # noqa: E402,F401  (registration)

@@ -1,0 +1,122 @@
+"""What an artifact tells its consumers besides the tensors: config.json and format files.
+
+``artifact_metadata(plan, source_config)`` returns the root part's config.json and any extra JSON
+files, from the formats the plan uses (a table, format → writer):
+
+- Ascend W8A8 (``w8a8_dynamic``, ``w8a8``): ``quant_model_description.json`` covering every stored
+  root tensor — quantized modules by their quant type, everything else ``FLOAT`` — as
+  vllm-ascend ``--quantization ascend`` and MindIE read it; ``quantization_config`` is removed
+  from config.json, as msModelSlim's saver does (vllm-ascend otherwise sees "fp8").
+- AutoAWQ (``awq_w4a16``): config.json ``quantization_config`` with ``modules_to_not_convert``
+  = the full module names of the linears left unquantized. Readers match these as *substrings*
+  (AutoAWQ, vLLM), so a bare ``"gate"`` would also skip every ``gate_proj``; a full name such as
+  ``model.layers.3.mlp.gate`` matches only the router.
+- NVFP4 canonical (``nvfp4``): ModelOpt's ``hf_quant_config.json`` and the matching
+  ``quantization_config``, with ``exclude_modules`` likewise.
+- NVFP4 Ascend tiled (``nvfp4_ascend``): a ``quantization_config`` with ``quant_method:
+  hetquant`` naming the layout, and no ``hf_quant_config.json`` — NVIDIA-side tools must not
+  mistake tiled bytes for canonical NVFP4.
+A dropped MTP layer sets ``num_nextn_predict_layers`` to 0.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from hetquant.formats import get_format
+from hetquant.formats.nvfp4 import BLOCK, hf_quant_config
+from hetquant.formats.w8a8_npu import QUANT_TYPE_FLOAT, description_entries, description_header
+
+from . import COPY, ROOT
+
+__all__ = ["DESCRIPTION_NAME", "HF_QUANT_CONFIG_NAME", "artifact_metadata", "unconverted_modules"]
+
+DESCRIPTION_NAME = "quant_model_description.json"
+HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
+_LINEAR_KINDS = {"linear", "router"}
+_HEADS = {"lm_head", "mtp_head"}
+
+
+def unconverted_modules(plan: Any) -> list[str]:
+    """Full names of the linear-like modules the plan keeps at source precision."""
+    kept = []
+    for job in plan.jobs:
+        item = plan.item(job.source)
+        linear_like = item.role.role.kind in _LINEAR_KINDS or item.role.role.name in _HEADS
+        if (
+            linear_like
+            and item.name.endswith(".weight")
+            and (job.kind == COPY or job.target.fmt == "bf16")
+        ):
+            kept.append(item.name.removesuffix(".weight"))
+    return kept
+
+
+def _ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
+    doc: dict[str, Any] = dict(description_header())
+    for job in plan.jobs:
+        if job.target.part != ROOT:
+            continue
+        if job.kind == COPY:
+            doc[job.source] = QUANT_TYPE_FLOAT
+        else:
+            doc.update(description_entries(job.source.removesuffix(".weight"), job.target.fmt))
+    cfg.pop("quantization_config", None)
+    files[DESCRIPTION_NAME] = doc
+
+
+def _awq(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
+    group = next(
+        dict(j.target.params)["group_size"] for j in plan.jobs if j.target.fmt == "awq_w4a16"
+    )
+    cfg["quantization_config"] = get_format("awq_w4a16", group_size=group).quantization_config(
+        unconverted_modules(plan) or None
+    )
+
+
+def _nvfp4(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
+    hf, qc = hf_quant_config(unconverted_modules(plan))
+    files[HF_QUANT_CONFIG_NAME] = hf
+    cfg["quantization_config"] = qc
+
+
+def _nvfp4_ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
+    cfg["quantization_config"] = {
+        "quant_method": "hetquant",
+        "format": "nvfp4_ascend",
+        "layout": "ascend 8x8 FP4 tiles, weight [K, N/2], weight_scale E4M3 [K/16, N]",
+        "group_size": BLOCK,
+        "exclude_modules": sorted(set(unconverted_modules(plan))),
+    }
+
+
+_WRITERS: dict[str, Callable[[Any, dict[str, Any], dict[str, Any]], None]] = {
+    "w8a8_dynamic": _ascend,
+    "w8a8": _ascend,
+    "awq_w4a16": _awq,
+    "nvfp4": _nvfp4,
+    "nvfp4_ascend": _nvfp4_ascend,
+}
+
+
+def artifact_metadata(
+    plan: Any, source_config: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json of the root part, {extra file name: JSON document})."""
+    cfg = copy.deepcopy(source_config)
+    cfg.pop("quantization_config", None)  # the source's FP8 block config no longer applies
+    if any(i.role.mtp for i in plan.items) and not any(
+        plan.item(j.source).role.mtp for j in plan.jobs
+    ):
+        cfg["num_nextn_predict_layers"] = 0
+    files: dict[str, Any] = {}
+    writers = {
+        _WRITERS[j.target.fmt]
+        for j in plan.jobs
+        if j.target.part == ROOT and j.target.fmt in _WRITERS
+    }
+    for writer in sorted(writers, key=lambda w: w.__name__):
+        writer(plan, cfg, files)
+    return cfg, files

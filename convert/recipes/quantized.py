@@ -1,0 +1,152 @@
+"""The quantizing recipes, each a rule table: role class → format.
+
+Role classes (from the DeepSeek role table): ``attention`` (q_a/q_b/q/kv_a/o), ``kv_b``,
+``dense`` (dense-layer MLP), ``shared`` (shared experts), ``routed`` (routed experts), ``router``
+(gate weight + e_score_correction_bias), ``embedding`` (embed_tokens, lm_head), ``norm``, and
+``mtp_extra`` (the MTP layer's enorm/hnorm/eh_proj/embed_tokens/shared_head). ``KEEP`` keeps a
+tensor at source precision: FP8 weights are dequantized to BF16 (exactly), others copied. The MTP
+layer's ordinary tensors follow the same rules as any MoE layer (``--mtp keep``, the default) or
+are left out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
+
+| recipe | attention | kv_b | dense, shared | routed | router, embeddings, norms, MTP extras |
+|---|---|---|---|---|---|
+| ascend-hybrid | w8a8_dynamic | KEEP | w8a8_dynamic | int4_cpu_experts in ``cpu_experts/`` | KEEP |
+| ascend-w8a8 | w8a8_dynamic | KEEP | w8a8_dynamic | w8a8_dynamic | KEEP |
+| awq-w4a16 | awq_w4a16 | awq_w4a16 | awq_w4a16 | awq_w4a16 | KEEP |
+| fp4 | KEEP | KEEP | nvfp4_ascend / nvfp4 | nvfp4_ascend / nvfp4 | KEEP |
+
+vllm-ascend requires ``kv_b_proj`` unquantized (``mla_v1.py``: "We currently do not support quant
+kv_b_proj"); the router is not an nn.Linear in DeepSeek's modeling code and stays FLOAT in
+msModelSlim's output (reference/ascend_formats.md §2.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetquant.formats import HetquantError
+
+from ..deepseek_v3 import TensorRole
+from . import COPY, DROP, Recipe, Target, register_recipe
+
+__all__ = ["KEEP", "RuleRecipe", "role_class"]
+
+KEEP = "keep"
+FP8 = "F8_E4M3"
+CPU_EXPERTS = "cpu_experts"
+_CLASS_OF_GROUP = {
+    "dense_mlp": "dense",
+    "shared_experts": "shared",
+    "routed_experts": "routed",
+    "router": "router",
+    "embeddings": "embedding",
+    "norms": "norm",
+}
+
+
+def role_class(role: TensorRole) -> str:
+    """The recipe-facing class of a tensor role (see module docstring)."""
+    r = role.role
+    if r.scope == "mtp":
+        return "mtp_extra"
+    if r.name == "kv_b":
+        return "kv_b"
+    if r.group == "attention":
+        return "attention"
+    return _CLASS_OF_GROUP[r.group]
+
+
+@dataclass(frozen=True)
+class RuleRecipe(Recipe):
+    """A recipe given by ``rules`` (class → format or KEEP) and option choices."""
+
+    rules: dict[str, str] = field(default_factory=dict)
+    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key, value in self.options.items():
+            allowed = self.choices.get(key)
+            if allowed is None:
+                raise HetquantError(
+                    f"recipe {self.name} has no option {key!r}; it takes: {', '.join(self.choices) or 'none'}"
+                )
+            if value not in allowed:
+                raise HetquantError(
+                    f"recipe {self.name}: {key}={value!r} is not one of {list(allowed)}"
+                )
+
+    def option(self, key: str) -> Any:
+        return self.options.get(key, self.choices[key][0])
+
+    def assign(self, role: TensorRole, src_dtype: str) -> Target:
+        if role.mtp and self.option("mtp") == "drop":
+            return Target(DROP)
+        fmt = self.rules[role_class(role)]
+        if fmt == KEEP:
+            return Target("bf16") if src_dtype == FP8 else Target(COPY)
+        return self._target(fmt, role)
+
+    def _target(self, fmt: str, role: TensorRole) -> Target:
+        if fmt == "int4_cpu_experts":
+            file = f"{CPU_EXPERTS}/layer_{role.layer:03d}.safetensors"
+            return Target(fmt, CPU_EXPERTS, file=file)
+        if fmt == "awq_w4a16":
+            return Target(fmt, params=(("group_size", self.option("group_size")),))
+        if fmt == "nvfp4*":
+            return Target("nvfp4_ascend" if self.option("fp4_layout") == "ascend" else "nvfp4")
+        return Target(fmt)
+
+
+_MTP = {"mtp": ("keep", "drop")}
+_KEEPS = {"router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_extra": KEEP}
+register_recipe(
+    RuleRecipe(
+        "ascend-hybrid",
+        "2×910B4 + Kunpeng: NPU W8A8_DYNAMIC (MLA, dense, shared) + routed experts in CPU INT4 per-channel",
+        rules={
+            "attention": "w8a8_dynamic",
+            "kv_b": KEEP,
+            "dense": "w8a8_dynamic",
+            "shared": "w8a8_dynamic",
+            "routed": "int4_cpu_experts",
+            **_KEEPS,
+        },
+        choices=_MTP,
+    )
+)
+register_recipe(
+    RuleRecipe(
+        "ascend-w8a8",
+        "8×910B int8: W8A8_DYNAMIC everywhere the hybrid uses it, routed experts included",
+        rules={
+            "attention": "w8a8_dynamic",
+            "kv_b": KEEP,
+            "dense": "w8a8_dynamic",
+            "shared": "w8a8_dynamic",
+            "routed": "w8a8_dynamic",
+            **_KEEPS,
+        },
+        choices=_MTP,
+    )
+)
+register_recipe(
+    RuleRecipe(
+        "awq-w4a16",
+        "AutoAWQ GEMM w4a16 (group 128 or 64) for every linear but router and lm_head; round-to-nearest",
+        rules={
+            "attention": "awq_w4a16",
+            "kv_b": "awq_w4a16",
+            "dense": "awq_w4a16",
+            "shared": "awq_w4a16",
+            "routed": "awq_w4a16",
+            **_KEEPS,
+        },
+        choices={**_MTP, "group_size": (128, 64)},
+    )
+)
+register_recipe(RuleRecipe(
+    "fp4", "NVFP4 (E2M1 + E4M3 per 16 + F32 global) for dense MLP and experts, Ascend 8×8 tiled layout by default",
+    rules={"attention": KEEP, "kv_b": KEEP, "dense": "nvfp4*", "shared": "nvfp4*", "routed": "nvfp4*", **_KEEPS},
+    choices={**_MTP, "fp4_layout": ("ascend", "nvfp4")},
+))  # fmt: skip

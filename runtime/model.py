@@ -1,0 +1,221 @@
+"""A reference DeepSeek-V3 forward for one sequence, written from the model's definition.
+
+The forward never touches a weight tensor itself. It asks a *weights provider* (``Weights``):
+
+- ``linear(prefix, x)`` — ``x @ Wᵀ`` for the linear module ``prefix`` (HF name without
+  ``.weight``, e.g. ``model.layers.0.self_attn.q_a_proj``); a quantized backend or a TP rank
+  substitutes its own kernel here;
+- ``get(name)`` — a full tensor by HF name, for norms, the embedding and the router;
+- ``experts(layer, x, topk_ids, topk_weights)`` — the routed-expert sum of one MoE layer, so a
+  CPU expert pool (or an EP rank) can take it over.
+
+``DenseWeights`` is the plain provider: float tensors under their HF names.
+
+Per decoder layer ``l < num_hidden_layers`` (pre-norm, residual)::
+
+    h = h + MLA(rmsnorm(h, input_layernorm))
+    h = h + FFN(rmsnorm(h, post_attention_layernorm))     # dense MLP if l is not a MoE layer
+
+MLA (multi-head latent attention; H heads, dn = qk_nope, dr = qk_rope, dv = v_head dims)::
+
+    q        = q_b(rmsnorm(q_a(x)))  or  q_proj(x)          -> per head [dn | dr]
+    [c | kr] = kv_a_proj_with_mqa(x)                        c: kv_lora_rank latent, kr: [dr]
+    [kn | v] = kv_b(rmsnorm(c, kv_a_layernorm))             -> per head [dn | dv]
+    k        = [kn | rope(kr)]  (kr shared by all heads),   q = [qn | rope(qr)]
+    o        = softmax(q·kᵀ · s + causal) · v,   s = qk_head_dim^-0.5 · YaRN mscale²
+    out      = o_proj(o)
+
+Then ``rmsnorm(h, model.norm)`` and ``lm_head``. RoPE and YaRN are in ``rope.py``, routing in
+``moe.py``. RMSNorm is computed in float32 with ``rms_norm_eps`` from the config for every norm
+(DeepSeek's own code fixes 1e-6 for all of them, HF for the two latent norms; every released
+config has ``rms_norm_eps = 1e-6``). The multi-token-prediction layers (``model.layers.{L}`` for
+``L >= num_hidden_layers``) are not part of the main forward and are never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hetquant.formats import HetquantError
+
+from .moe import RouterSpec, gated_mlp, route, routed_experts
+from .rope import RopeSpec, apply_rope, cos_sin
+
+if TYPE_CHECKING:  # runtime does not import convert at run time (DESIGN.md data flow)
+    from hetquant.convert.model_config import ModelConfig
+
+__all__ = ["DeepseekV3Reference", "DenseWeights", "Weights", "rms_norm"]
+
+
+class Weights(Protocol):
+    """What the forward needs from the weights (see module docstring)."""
+
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+    def experts(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class DenseWeights:
+    """Unquantized weights: ``state`` maps HF tensor names to float tensors (bf16 / f32 / …).
+
+    ``linear`` casts a weight to the activation dtype when they differ (a no-op in the common case
+    where both are the same). Override ``experts`` to move the routed experts elsewhere.
+    """
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.state = dict(state)
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.state[name]
+        except KeyError:
+            raise HetquantError(f"weights: no tensor {name!r}") from None
+
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        w = self.get(f"{name}.weight")  # [out, in]
+        return F.linear(x, w.to(x.dtype))  # [..., out]
+
+    def experts(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return routed_experts(
+            self.linear, f"model.layers.{layer}.mlp.experts", x, topk_ids, topk_weights
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight · x / sqrt(mean(x²) + eps)`` over the last dim, in float32, returned in x's dtype."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(torch.float32) * x32).to(x.dtype)
+
+
+class DeepseekV3Reference:
+    """DeepSeek-V3 causal prefill over one token sequence (no KV cache).
+
+    ``cfg`` is a ``hetquant.convert.model_config.ModelConfig`` (its fields and ``raw`` dict are
+    read); ``weights`` a ``Weights`` provider; ``dtype`` the activation dtype. Logits are float32.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, *, dtype: torch.dtype = torch.float32):
+        raw = cfg.raw
+        if raw.get("hidden_act", "silu") != "silu":
+            raise HetquantError(f"config.json: hidden_act {raw['hidden_act']!r}; expected silu")
+        if raw.get("attention_bias") or raw.get("tie_word_embeddings"):
+            raise HetquantError(
+                "config.json: attention_bias / tie_word_embeddings are not DeepSeek-V3 features"
+            )
+        self.cfg, self.weights, self.dtype = cfg, weights, dtype
+        self.eps = float(raw.get("rms_norm_eps", 1e-6))
+        self.rope = RopeSpec.from_config(raw, cfg.qk_rope_head_dim)
+        self.softmax_scale = cfg.qk_head_dim**-0.5 * self.rope.softmax_mscale
+        moe = any(cfg.is_moe_layer(layer) for layer in range(cfg.num_hidden_layers))
+        self.router = RouterSpec.from_config(raw, cfg.n_routed_experts) if moe else None
+
+    # public API ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits float32 [T, vocab] for token ids ``tokens`` [T] (position t sees tokens ≤ t)."""
+        if tokens.ndim != 1 or tokens.numel() == 0:
+            raise HetquantError(
+                f"forward: expected a non-empty 1-D token tensor, got {tokens.shape}"
+            )
+        vocab = self.cfg.vocab_size
+        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
+            raise HetquantError(f"forward: token ids must lie in [0, {vocab})")
+        t = tokens.shape[0]
+        h = self.weights.get("model.embed_tokens.weight")[tokens].to(self.dtype)  # [T, D]
+        cos, sin = cos_sin(self.rope, torch.arange(t))  # [T, dr/2] each
+        mask = torch.full((t, t), float("-inf")).triu(1)  # [T, T], 0 on and below the diagonal
+        for layer in range(self.cfg.num_hidden_layers):  # MTP layers excluded
+            h = self.decoder_layer(layer, h, cos, sin, mask)
+        h = rms_norm(h, self.weights.get("model.norm.weight"), self.eps)  # [T, D]
+        return self.weights.linear("lm_head", h).to(torch.float32)  # [T, V]
+
+    __call__ = forward
+
+    def generate(self, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """Greedy: append ``k`` argmax tokens (full re-prefill per step); returns [T + k]."""
+        seq = tokens.to(torch.long)
+        for _ in range(k):
+            nxt = self.forward(seq)[-1].argmax()  # []
+            seq = torch.cat([seq, nxt.reshape(1)])  # [T + i + 1]
+        return seq
+
+    # one layer ------------------------------------------------------------------------------
+    def decoder_layer(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decoder layer ``layer`` on hidden states ``h`` [T, D]; returns [T, D]."""
+        p, w = f"model.layers.{layer}", self.weights
+        x = rms_norm(h, w.get(f"{p}.input_layernorm.weight"), self.eps)  # [T, D]
+        h = h + self.attention(layer, x, cos, sin, mask)
+        x = rms_norm(h, w.get(f"{p}.post_attention_layernorm.weight"), self.eps)  # [T, D]
+        if self.cfg.is_moe_layer(layer):
+            return h + self.moe(layer, x)
+        return h + gated_mlp(w.linear, f"{p}.mlp", x)
+
+    def attention(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLA of layer ``layer`` on normed ``x`` [T, D] with rope angles ``cos``/``sin`` [T, dr/2]."""
+        c, w, p = self.cfg, self.weights, f"model.layers.{layer}.self_attn"
+        t, nh = x.shape[0], c.num_attention_heads
+        dn, dr, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        if c.q_lora_rank:
+            q_lat = rms_norm(
+                w.linear(f"{p}.q_a_proj", x), w.get(f"{p}.q_a_layernorm.weight"), self.eps
+            )
+            q = w.linear(f"{p}.q_b_proj", q_lat)  # [T, H·(dn+dr)]
+        else:
+            q = w.linear(f"{p}.q_proj", x)  # [T, H·(dn+dr)]
+        q = q.view(t, nh, dn + dr)  # [T, H, dn+dr]
+        q_nope, q_rope = q.split([dn, dr], dim=-1)  # [T, H, dn], [T, H, dr]
+
+        kv_a = w.linear(f"{p}.kv_a_proj_with_mqa", x)  # [T, r+dr]
+        latent, k_rope = kv_a.split([r, dr], dim=-1)  # [T, r], [T, dr]
+        latent = rms_norm(latent, w.get(f"{p}.kv_a_layernorm.weight"), self.eps)  # [T, r]
+        kv = w.linear(f"{p}.kv_b_proj", latent).view(t, nh, dn + dv)  # [T, H, dn+dv]
+        k_nope, v = kv.split([dn, dv], dim=-1)  # [T, H, dn], [T, H, dv]
+
+        q_rope = apply_rope(q_rope, cos, sin)  # [T, H, dr]
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin)  # [T, 1, dr], shared by all heads
+        q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, dn+dr]
+        k = torch.cat([k_nope, k_rope.expand(t, nh, dr)], dim=-1)  # [T, H, dn+dr]
+
+        scores = torch.einsum("thd,shd->hts", q, k) * self.softmax_scale  # [H, T(q), T(k)]
+        probs = (scores + mask.to(scores.dtype)).softmax(-1, dtype=torch.float32).to(x.dtype)
+        o = torch.einsum("hts,shd->thd", probs, v)  # [T, H, dv]
+        return w.linear(f"{p}.o_proj", o.reshape(t, nh * dv))  # [T, D]
+
+    def moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts (through ``weights.experts``) plus shared experts, [T, D] → [T, D]."""
+        assert self.router is not None
+        w, p = self.weights, f"model.layers.{layer}.mlp"
+        logits = F.linear(
+            x.to(torch.float32), w.get(f"{p}.gate.weight").to(torch.float32)
+        )  # [T, E]
+        bias = w.get(f"{p}.gate.e_score_correction_bias") if self.router.use_bias else None
+        topk_ids, topk_weights = route(logits, bias, self.router)  # [T, k], [T, k]
+        y = w.experts(layer, x, topk_ids, topk_weights)  # [T, D]
+        if self.cfg.n_shared_experts:
+            y = y + gated_mlp(w.linear, f"{p}.shared_experts", x)
+        return y
