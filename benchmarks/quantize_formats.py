@@ -15,6 +15,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,9 +42,12 @@ def main() -> None:
     def baseline() -> object:
         return fp8.dequantize_bf16(src["weight"], src["weight_scale_inv"])
 
+    def quantizer(name: str) -> Callable[[], object]:
+        fmt, opts = get_format(name), OPTIONS.get(name, {})
+        return lambda: fmt.quantize(w, **opts)
+
     cases = {"bf16 dequant (baseline)": baseline}
-    for name in sorted(set(FORMATS) - SKIP):
-        cases[name] = lambda f=get_format(name), o=OPTIONS.get(name, {}): f.quantize(w, **o)
+    cases.update({name: quantizer(name) for name in sorted(set(FORMATS) - SKIP)})
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.repeats):
         for name, fn in cases.items():
