@@ -1,8 +1,9 @@
 """Executing one job: read a source tensor, convert it, write its outputs at their offsets.
 
 Jobs are independent and idempotent (fixed offsets, deterministic bytes). A format whose stored
-tensors are all row-aligned with the weight (``rows_independent``) is converted one source block
-row at a time, so memory stays at one block row however large the weight.
+tensors run along the weight's rows (``WeightFormat.streaming``) is converted one source block row
+at a time: rows-major outputs are written as they come, others are assembled at their packed size,
+so memory stays near one block row plus the (4- or 8-bit) output however large the weight.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from hetquant.formats import HetquantError, get_expert_format, get_format
+from hetquant.formats.dtypes import torch_dtype
 from hetquant.formats.fp8_block import Fp8Block, dequantize_rows
 from hetquant.formats.safetensors_io import write_at
 
@@ -27,6 +29,7 @@ __all__ = ["JobRunner", "job_peak_bytes"]
 
 _FP8_NAN_MASK = 0x7F  # E4M3FN: S.1111.111 is NaN (no infinities)
 CHUNK_TARGET_BYTES = 8 << 20
+STREAM_ROWS = 128  # one FP8 block row
 
 
 @dataclass
@@ -68,16 +71,44 @@ class JobRunner:
 
     def _linear(self, job: Job) -> None:
         fmt = get_format(job.target.fmt, **dict(job.target.params))
-        if not getattr(fmt, "rows_independent", False):
+        shape = self.source.tensors[job.source].entry.shape
+        plan = fmt.streaming(shape)  # type: ignore[arg-type]
+        if plan is None:
             stored = fmt.quantize(self._dequantized(job.source))
             for piece in job.outputs:
                 self._write(piece, stored[piece.key])
             return
+        pieces = {p.key: p for p in job.outputs}
+        direct = {k for k, ax in plan.axes.items() if ax == 0 and plan.finish is None}
+        chunk_metas = plan.chunk_format.stored(shape)  # type: ignore[arg-type]  # before finish
+        buffers = {
+            k: torch.empty(m.shape, dtype=torch_dtype(m.dtype))
+            for k, m in chunk_metas.items()
+            if k not in direct
+        }
+        opts = {"weight_amax": self._amax(job.source)} if plan.needs_amax else {}
         for row0, rows in self._row_chunks(job.source):
-            stored = fmt.quantize(rows)
-            for piece in job.outputs:
-                row_bytes = piece.meta.nbytes // piece.meta.shape[0]
-                self._write(piece, stored[piece.key], row0 * row_bytes)
+            stored = plan.chunk_format.quantize(rows, **opts)
+            for key, part in stored.items():
+                axis = plan.axes[key]
+                if key in direct:
+                    piece = pieces[key]
+                    self._write(piece, part, row0 * (piece.meta.nbytes // piece.meta.shape[0]))
+                elif axis is None:
+                    buffers[key] = part
+                else:
+                    start = (
+                        row0 * buffers[key].shape[axis] // shape[0]
+                    )  # entries per row: len / out
+                    buffers[key].narrow(axis, start, part.shape[axis]).copy_(part)
+        final = plan.finish(buffers) if plan.finish else buffers
+        for key, piece in pieces.items():
+            if key not in direct:
+                self._write(piece, final[key])
+
+    def _amax(self, name: str) -> float:
+        """Absmax of a whole source weight (as dequantized), one block row at a time."""
+        return max((float(rows.abs().amax()) for _, rows in self._row_chunks(name)), default=0.0)
 
     def _experts(self, job: Job) -> None:
         fmt = get_expert_format(job.target.fmt)
@@ -147,15 +178,17 @@ def _check_scale(name: str, s: torch.Tensor) -> None:
 
 
 def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
-    """Estimated transient memory of one job: a block row streamed, or whole weights."""
+    """Estimated transient memory of one job: streamed block rows plus assembled outputs, or
+    whole weights for formats that cannot stream."""
     if job.kind == COPY:
         return 0
     total = 0
     for name in job.sources:
         rows, cols = source.tensors[name].entry.shape
-        if job.kind == "linear" and getattr(
-            get_format(job.target.fmt, **dict(job.target.params)), "rows_independent", False
-        ):
-            rows = min(rows, 128)
+        fmt = (
+            get_format(job.target.fmt, **dict(job.target.params)) if job.kind == "linear" else None
+        )
+        if fmt is not None and fmt.streaming((rows, cols)) is not None:
+            rows = min(rows, STREAM_ROWS)
         total += rows * cols * (2 + 4 + 4)  # bf16 weight, f32 working copy, f32 temporaries
     return total + job.nbytes

@@ -47,7 +47,7 @@ from typing import ClassVar
 import torch
 
 from ._bits import pack_nibbles_i32, unpack_nibbles_i32
-from .base import TensorMeta, WeightFormat, register
+from .base import Streaming, TensorMeta, WeightFormat, register
 from .errors import HetquantError
 
 __all__ = [
@@ -82,6 +82,10 @@ class AwqW4A16(WeightFormat):
                 f"awq_w4a16: group_size {self.group_size} is not supported; use one of "
                 f"{list(GROUP_SIZES)}"
             )
+
+    def streaming(self, shape: tuple[int, int]) -> Streaming:
+        # Stored transposed: weight rows (N) run along dim 1 of every tensor.
+        return Streaming(self, {"qweight": 1, "qzeros": 1, "scales": 1})
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         n, k = self._check_shape(shape)

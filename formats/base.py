@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,6 +26,7 @@ __all__ = [
     "EXPERT_FORMATS",
     "FORMATS",
     "ExpertLayerFormat",
+    "Streaming",
     "TensorMeta",
     "WeightFormat",
     "get_expert_format",
@@ -52,13 +53,28 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
+class Streaming:
+    """A format's contract for row-chunked quantization (see ``WeightFormat.streaming``).
+
+    ``chunk_format.quantize(W[r0:r1], **opts)`` gives, for each stored key, the part of the final
+    tensor along ``axes[key]`` (the dim that runs over weight rows) that rows ``r0:r1`` own, or
+    the whole tensor when ``axes[key]`` is None (a value of the weight as a whole). With
+    ``needs_amax`` the converter first computes the whole weight's absmax and passes it as
+    ``weight_amax=``. ``finish``, when set, turns the assembled tensors into the stored ones
+    (e.g. a tiling); without it, keys along dim 0 may be written as chunks arrive.
+    """
+
+    chunk_format: WeightFormat
+    axes: dict[str, int | None]
+    needs_amax: bool = False
+    finish: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+
+
+@dataclass(frozen=True)
 class WeightFormat(ABC):
     """Base of every on-disk weight format (see the module docstring)."""
 
     name: ClassVar[str]
-    # True when every stored tensor has the weight's rows as dim 0 and row r of it depends only on
-    # weight row r: the converter may then quantize a weight one block of rows at a time.
-    rows_independent: ClassVar[bool] = False
 
     @abstractmethod
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
@@ -75,6 +91,13 @@ class WeightFormat(ABC):
     @abstractmethod
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Stored tensors → float32 weight [out, in]; the reference kernels are checked against."""
+
+    def streaming(self, shape: tuple[int, int]) -> Streaming | None:
+        """How a converter may quantize a weight of ``shape`` a block of rows at a time.
+
+        None (the default): the format needs the whole weight at once.
+        """
+        return None
 
     def nbytes(self, shape: tuple[int, int]) -> int:
         """Bytes stored for a weight of ``shape``."""

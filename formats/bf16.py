@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .base import TensorMeta, WeightFormat, register
+from .base import Streaming, TensorMeta, WeightFormat, register
 
 __all__ = ["Bf16"]
 
@@ -21,7 +21,9 @@ class Bf16(WeightFormat):
     """A plain BF16 weight."""
 
     name: ClassVar[str] = "bf16"
-    rows_independent: ClassVar[bool] = True  # stored rows depend only on the same weight rows
+
+    def streaming(self, shape: tuple[int, int]) -> Streaming:
+        return Streaming(self, {"weight": 0})
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return {"weight": TensorMeta("BF16", tuple(shape))}

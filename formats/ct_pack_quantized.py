@@ -50,7 +50,7 @@ from typing import ClassVar
 import torch
 
 from ._bits import pack_nibbles_i32, unpack_nibbles_i32
-from .base import TensorMeta, WeightFormat, register
+from .base import Streaming, TensorMeta, WeightFormat, register
 from .dtypes import st_dtype, torch_dtype
 from .errors import HetquantError
 
@@ -91,6 +91,14 @@ class CtPackQuantized(WeightFormat):
                     f"ct_pack_quantized: {field} {value!r} is not supported; use one of "
                     f"{list(allowed)}"
                 )
+
+    def streaming(self, shape: tuple[int, int]) -> Streaming:
+        def finish(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            full = torch.tensor(shape, dtype=torch_dtype(self.shape_dtype))  # chunks saw (r, K)
+            return {**stored, "weight_shape": full}
+
+        axes = {"weight_packed": 0, "weight_scale": 0, "weight_shape": None}
+        return Streaming(self, axes, finish=finish)
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         n, k = self._check_shape(shape)

@@ -73,7 +73,14 @@ import torch
 import torch.nn.functional as F
 
 from ._bits import pack_nibbles_u8, unpack_nibbles_u8
-from .base import ExpertLayerFormat, TensorMeta, WeightFormat, register, register_expert_format
+from .base import (
+    ExpertLayerFormat,
+    Streaming,
+    TensorMeta,
+    WeightFormat,
+    register,
+    register_expert_format,
+)
 from .dtypes import st_dtype
 from .errors import HetquantError
 
@@ -169,6 +176,9 @@ class Int4Cpu(WeightFormat):
     """Symmetric INT4 with one F32 scale per output row (see module docstring)."""
 
     name: ClassVar[str] = "int4_cpu"
+
+    def streaming(self, shape: tuple[int, int]) -> Streaming:
+        return Streaming(self, dict.fromkeys(self.stored(shape), 0))
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         out, inp = shape

@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 import torch
 
 from ._bits import pack_nibbles_u8, unpack_nibbles_u8
-from .base import TensorMeta, WeightFormat, register
+from .base import Streaming, TensorMeta, WeightFormat, register
 from .errors import HetquantError
 
 __all__ = [
@@ -140,6 +140,12 @@ class Nvfp4(WeightFormat):
     name: ClassVar[str] = "nvfp4"
     with_input_scale: bool = False
 
+    def streaming(self, shape: tuple[int, int]) -> Streaming:
+        axes: dict[str, int | None] = {"weight": 0, "weight_scale": 0, "weight_scale_2": None}
+        if self.with_input_scale:
+            axes["input_scale"] = None
+        return Streaming(self, axes, needs_amax=True)
+
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         n, k = shape
         _check_k(k)
@@ -153,10 +159,15 @@ class Nvfp4(WeightFormat):
         return out
 
     def quantize(self, weight: torch.Tensor, **options: Any) -> dict[str, torch.Tensor]:
-        """Quantize ``weight`` [N, K]; option ``act_amax`` (calibrated) iff ``with_input_scale``."""
+        """Quantize ``weight`` [N, K]; option ``act_amax`` (calibrated) iff ``with_input_scale``.
+
+        ``weight_amax``: the absmax of the whole weight when ``weight`` is a block of its rows
+        (streaming); the global scale comes from it instead of from ``weight``.
+        """
         w = _finite_f32(weight)
         n, k = w.shape
-        s2 = global_scale(w)
+        amax = options.get("weight_amax")
+        s2 = global_scale(w) if amax is None else global_scale(torch.as_tensor(float(amax)))
         sb = block_scales(w, s2)
         y = w.reshape(n, k // BLOCK, BLOCK) / _effective_scale(sb, s2)[..., None]
         codes = e2m1_codes(y.reshape(n, k))  # (N, K)

@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 import torch
 
 from ._bits import pack_nibbles_u8, unpack_nibbles_u8
-from .base import TensorMeta, WeightFormat, register
+from .base import Streaming, TensorMeta, WeightFormat, register
 from .errors import HetquantError
 from .nvfp4 import BLOCK, Nvfp4
 
@@ -210,6 +210,11 @@ class Nvfp4Ascend(WeightFormat):
 
     def _canonical(self) -> Nvfp4:
         return Nvfp4(with_input_scale=self.with_input_scale)
+
+    def streaming(self, shape: tuple[int, int]) -> Streaming:
+        _check_tileable(*shape)
+        canonical = self._canonical().streaming(shape)
+        return Streaming(canonical.chunk_format, canonical.axes, needs_amax=True, finish=to_tiled)
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         n, k = shape

@@ -63,7 +63,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import TensorMeta, WeightFormat, get_format, register
+from .base import Streaming, TensorMeta, WeightFormat, get_format, register
 from .errors import HetquantError
 
 __all__ = [
@@ -157,6 +157,9 @@ class W8A8Dynamic(WeightFormat):
 
     name: ClassVar[str] = "w8a8_dynamic"
 
+    def streaming(self, shape: tuple[int, int]) -> Streaming:
+        return Streaming(self, dict.fromkeys(self.stored(shape), 0))
+
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return _weight_metas(shape, self.name)
 
@@ -194,6 +197,11 @@ class W8A8Static(WeightFormat):
     """W8A8: int8 per-channel weight; per-tensor static activations from calibration stats."""
 
     name: ClassVar[str] = "w8a8"
+
+    def streaming(self, shape: tuple[int, int]) -> Streaming:
+        axes: dict[str, int | None] = dict.fromkeys(self.stored(shape), 0)
+        axes.update(input_scale=None, input_offset=None)  # from the activation range alone
+        return Streaming(self, axes)
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         metas = _weight_metas(shape, self.name)
