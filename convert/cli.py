@@ -93,6 +93,17 @@ def main(verbose: bool) -> None:
     type=click.Path(exists=True, path_type=Path),
     help="Calibration text (calibrating recipes).",
 )
+@click.option(
+    "--mtp",
+    type=click.Choice(["keep", "drop"]),
+    help="Multi-token-prediction layer: quantized like a MoE layer (keep, default) or left out.",
+)
+@click.option("--group-size", type=int, help="AWQ group size (awq-w4a16: 128 or 64).")
+@click.option(
+    "--fp4-layout",
+    type=click.Choice(["ascend", "nvfp4"]),
+    help="fp4: Ascend 8x8 tiled layout (default) or canonical ModelOpt NVFP4.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan (outputs, sizes, memory) and exit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact in OUTPUT.")
 def convert(
@@ -102,6 +113,9 @@ def convert(
     workers: int,
     max_shard_size: str,
     calib_data: Path | None,
+    mtp: str | None,
+    group_size: int | None,
+    fp4_layout: str | None,
     dry_run: bool,
     overwrite: bool,
 ) -> None:
@@ -114,7 +128,9 @@ def convert(
     from .recipes import get_recipe
     from .source import SourceCheckpoint
 
-    rec = get_recipe(recipe)
+    given = {"mtp": mtp, "group_size": group_size, "fp4_layout": fp4_layout}
+    options = {k: v for k, v in given.items() if v is not None}
+    rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     if calib_data is not None:
         raise HetquantError(f"recipe {recipe} does not calibrate; drop --calib-data")
     src = SourceCheckpoint.open(source)

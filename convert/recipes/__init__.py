@@ -38,6 +38,24 @@ class Recipe:
     name: str
     summary: str
     options: dict[str, Any] = field(default_factory=dict)
+    choices: dict[str, tuple[Any, ...]] = field(
+        default_factory=dict
+    )  # option → allowed, default first
+
+    def __post_init__(self) -> None:
+        for key, value in self.options.items():
+            allowed = self.choices.get(key)
+            if allowed is None:
+                takes = ", ".join(self.choices) or "none"
+                raise HetquantError(f"recipe {self.name} has no option {key!r}; it takes: {takes}")
+            if value not in allowed:
+                raise HetquantError(
+                    f"recipe {self.name}: {key}={value!r} is not one of {list(allowed)}"
+                )
+
+    def option(self, key: str) -> Any:
+        """The value of option ``key``: given, or the default (first choice)."""
+        return self.options.get(key, self.choices[key][0])
 
     def assign(self, role: TensorRole, src_dtype: str) -> Target:
         raise NotImplementedError

@@ -23,9 +23,6 @@ msModelSlim's output (reference/ascend_formats.md §2.3).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-from hetquant.formats import HetquantError
 
 from ..deepseek_v3 import TensorRole
 from . import COPY, DROP, Recipe, Target, register_recipe
@@ -62,22 +59,6 @@ class RuleRecipe(Recipe):
     """A recipe given by ``rules`` (class → format or KEEP) and option choices."""
 
     rules: dict[str, str] = field(default_factory=dict)
-    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for key, value in self.options.items():
-            allowed = self.choices.get(key)
-            if allowed is None:
-                raise HetquantError(
-                    f"recipe {self.name} has no option {key!r}; it takes: {', '.join(self.choices) or 'none'}"
-                )
-            if value not in allowed:
-                raise HetquantError(
-                    f"recipe {self.name}: {key}={value!r} is not one of {list(allowed)}"
-                )
-
-    def option(self, key: str) -> Any:
-        return self.options.get(key, self.choices[key][0])
 
     def assign(self, role: TensorRole, src_dtype: str) -> Target:
         if role.mtp and self.option("mtp") == "drop":
