@@ -1,0 +1,82 @@
+"""What every recipe makes of DeepSeek-V3/R1 (671B), predicted by ``--dry-run`` on the real layout.
+
+Writes the real checkpoint layout (163 shards, every tensor name/dtype/shape, data as sparse holes)
+into a temporary directory, then runs ``hetquant convert SRC OUT --recipe R --dry-run`` for every
+recipe as a subprocess, timing it, and sums the planned files per artifact part.
+
+    python benchmarks/dry_run_671b.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "dry_run_671b.json"
+RECIPES = [("bf16", []), ("ascend-hybrid", []), ("ascend-w8a8", []), ("awq-w4a16", []),
+           ("awq-w4a16", ["--group-size", "64"]), ("fp4", []), ("fp4", ["--fp4-layout", "nvfp4"])]  # fmt: skip
+LINE = re.compile(r"^\s+(\S+)\s+([\d,]+) bytes")
+TOTAL = re.compile(r"^total\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)$")
+
+
+def main() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "ml", REPO / "examples/deepseek-v3-layout/make_layout.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        src = mod.write_layout(Path(tmp) / "DeepSeek-R1")
+        for recipe, extra in RECIPES:
+            t = time.perf_counter()
+            cmd = [
+                "hetquant",
+                "convert",
+                str(src),
+                str(Path(tmp) / "out"),
+                "--recipe",
+                recipe,
+                *extra,
+                "--dry-run",
+            ]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            secs = time.perf_counter() - t
+            parts: dict[str, int] = {}
+            for line in out.splitlines():
+                if m := LINE.match(line):
+                    part = "cpu_experts" if m.group(1).startswith("cpu_experts/") else "root"
+                    parts[part] = parts.get(part, 0) + int(m.group(2).replace(",", ""))
+            bits = next(float(m.group(3)) for ln in out.splitlines() if (m := TOTAL.match(ln)))
+            rows.append(
+                {
+                    "recipe": " ".join([recipe, *extra]),
+                    "seconds": round(secs, 1),
+                    "parts": parts,
+                    "bits_per_weight": bits,
+                }
+            )
+    print(f"{'recipe':<32} {'root GB':>9} {'cpu_experts GB':>15} {'bits/w':>7} {'dry-run s':>10}")
+    for r in rows:
+        print(
+            f"{r['recipe']:<32} {r['parts'].get('root', 0) / 1e9:>9.1f} {r['parts'].get('cpu_experts', 0) / 1e9:>15.1f} {r['bits_per_weight']:>7.3f} {r['seconds']:>10.1f}"
+        )
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {"date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0], "rows": rows},
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
