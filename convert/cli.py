@@ -76,7 +76,7 @@ def main(verbose: bool) -> None:
 
 
 @main.command()
-@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("source")
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option("--recipe", required=True, help="Recipe name (`hetquant recipes` lists them).")
 @click.option(
@@ -106,8 +106,16 @@ def main(verbose: bool) -> None:
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan (outputs, sizes, memory) and exit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact in OUTPUT.")
+@click.option(
+    "--download-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Hub sources: download here instead of the Hugging Face cache.",
+)
+@click.option(
+    "--token", envvar="HF_TOKEN", show_default=False, help="Hub token (default: $HF_TOKEN)."
+)
 def convert(
-    source: Path,
+    source: str,
     output: Path,
     recipe: str,
     workers: int,
@@ -118,10 +126,13 @@ def convert(
     fp4_layout: str | None,
     dry_run: bool,
     overwrite: bool,
+    download_dir: Path | None,
+    token: str | None,
 ) -> None:
-    """Convert SOURCE (a checkpoint directory) into the artifact directory OUTPUT."""
+    """Convert SOURCE (a checkpoint directory or a Hub repo id org/name[@revision]) into OUTPUT."""
     from .engine import convert as run_convert
     from .engine import plan_for
+    from .hub import parse_repo_spec, resolve_source
     from .inspect import format_precision
     from .manifest import precision_table
     from .plan import parse_size
@@ -133,7 +144,9 @@ def convert(
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     if calib_data is not None:
         raise HetquantError(f"recipe {recipe} does not calibrate; drop --calib-data")
-    src = SourceCheckpoint.open(source)
+    root, revision = resolve_source(source, download_dir, token)
+    repo_id = parse_repo_spec(source)[0] if revision is not None else None
+    src = SourceCheckpoint.open(root, revision, repo_id)
     size = parse_size(max_shard_size)
     if dry_run:
         plan = plan_for(src, rec, size)
@@ -203,3 +216,12 @@ def verify(artifact: Path) -> None:
         click.echo(f"{artifact}: {len(problems)} problem(s)")
         sys.exit(1)
     click.echo(f"{artifact}: OK")
+
+
+def _register_publish() -> None:
+    from .publish_cli import publish
+
+    main.add_command(publish)
+
+
+_register_publish()

@@ -238,6 +238,7 @@ def _finalize(
         "path": str(source.root),
         "fingerprint": source.fingerprint,
         "revision": source.revision,
+        "repo_id": source.repo_id,
         "bytes": source.total_bytes,
         "dtypes": {i.role.role.name: i.dtype for i in plan.items},
     }

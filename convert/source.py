@@ -57,10 +57,13 @@ class SourceCheckpoint:
     shard_files: list[str]
     fingerprint: str
     revision: str | None = None
+    repo_id: str | None = None  # Hub repo the source came from, if any
     _maps: dict[Path, MappedFile] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def open(cls, root: str | Path, revision: str | None = None) -> SourceCheckpoint:
+    def open(
+        cls, root: str | Path, revision: str | None = None, repo_id: str | None = None
+    ) -> SourceCheckpoint:
         root = Path(root).resolve()
         if not root.is_dir():
             raise HetquantError(f"{root}: SOURCE is not a directory")
@@ -71,7 +74,7 @@ class SourceCheckpoint:
         entries = _resolve_entries(weight_map, headers)
         tensors = _attach_roles(config, entries)
         digest = hashlib.sha256(index_bytes + b"\0" + cfg_path.read_bytes()).hexdigest()
-        return cls(root, config, tensors, sorted(headers), digest, revision)
+        return cls(root, config, tensors, sorted(headers), digest, revision, repo_id)
 
     def read(self, file: str, entry: HeaderEntry) -> torch.Tensor:
         """A zero-copy view of one tensor's bytes in shard ``file`` (memory-mapped, copy-on-write)."""
@@ -127,6 +130,15 @@ def _weight_map(root: Path) -> tuple[dict[str, str], bytes]:
     raise HetquantError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME}; not an HF checkpoint")
 
 
+def _allowed_bases(root: Path) -> list[Path]:
+    """Where the source's files may really live: the directory itself and, for a snapshot of the
+    Hugging Face cache (``…/snapshots/<commit>``, files symlinked to ``../../blobs/``), its blobs."""
+    bases = [root]
+    if root.parent.name == "snapshots":
+        bases.append(root.parent.parent / "blobs")
+    return bases
+
+
 def _check_inside(root: Path, index: Path, name: str, file: object) -> None:
     if (
         not isinstance(file, str)
@@ -138,7 +150,7 @@ def _check_inside(root: Path, index: Path, name: str, file: object) -> None:
             f"{index}: tensor {name!r} points at {file!r}, outside the source directory; "
             "refusing an index with absolute or '..' paths"
         )
-    if not (root / file).resolve().is_relative_to(root):
+    if not any((root / file).resolve().is_relative_to(base) for base in _allowed_bases(root)):
         raise HetquantError(
             f"{index}: tensor {name!r} points at {file!r}, which resolves outside {root}"
         )

@@ -25,6 +25,10 @@ from .source import INDEX_NAME
 __all__ = ["load_manifest", "replay_plan", "verify_artifact"]
 
 FP8_DTYPE = "F8_E4M3"
+# Files a Hub repo adds beside the artifact (the card `publish` writes, git attributes, the
+# download cache of huggingface_hub's local_dir mode): not part of the artifact, not checked.
+HUB_FILES = {"README.md", ".gitattributes"}
+HUB_CACHE = ".cache/huggingface/"
 
 
 def load_manifest(root: Path) -> dict[str, Any]:
@@ -68,7 +72,10 @@ def verify_artifact(root: Path) -> list[str]:
             problems.append(f"{name}: size {got['size']} != {want['size']} in the manifest")
         elif got["sha256"] != want["sha256"]:
             problems.append(f"{name}: sha256 differs from the manifest (corrupt or modified)")
-    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {MANIFEST_NAME}
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    on_disk = {n for n in on_disk if n not in HUB_FILES and not n.startswith(HUB_CACHE)} - {
+        MANIFEST_NAME
+    }
     problems += [f"{n}: not listed in the manifest" for n in sorted(on_disk - set(listed))]
     problems += _check_structure(root, manifest)
     return problems
@@ -94,8 +101,11 @@ def _check_structure(root: Path, manifest: dict[str, Any]) -> list[str]:
                 problems.append(
                     f"{f.name}: header differs from the plan (tensor names, dtypes or shapes)"
                 )
-    index = load_json(root / INDEX_NAME) if (root / INDEX_NAME).exists() else {}
+    try:  # a corrupt index is a failed check (exit 1), not bad input
+        index = load_json(root / INDEX_NAME) if (root / INDEX_NAME).exists() else {}
+    except HetquantError as e:
+        return [*problems, f"{INDEX_NAME}: {e}"]
     want_map = {t.name: f.name for f in plan.files if f.part == "root" for t in f.tensors}
-    if index.get("weight_map") != want_map:
+    if not isinstance(index, dict) or index.get("weight_map") != want_map:
         problems.append(f"{INDEX_NAME}: weight_map does not match the root shards")
     return problems
