@@ -195,18 +195,20 @@ def recipes() -> None:
 
 
 @main.command()
-@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.argument("path", type=click.Path(path_type=Path))
 def inspect(path: Path) -> None:
     """Summarise a source checkpoint or an artifact: model, formats by group, sizes, bits/weight."""
+    _must_exist(path)
     from .inspect import describe
 
     click.echo(describe(path))
 
 
 @main.command()
-@click.argument("artifact", type=click.Path(exists=True, path_type=Path))
+@click.argument("artifact", type=click.Path(path_type=Path))
 def verify(artifact: Path) -> None:
     """Check every file of ARTIFACT against its manifest; exit 1 if anything is off."""
+    _must_exist(artifact)
     from .verify import verify_artifact
 
     problems = verify_artifact(artifact)
@@ -216,6 +218,11 @@ def verify(artifact: Path) -> None:
         click.echo(f"{artifact}: {len(problems)} problem(s)")
         sys.exit(1)
     click.echo(f"{artifact}: OK")
+
+
+def _must_exist(path: Path) -> None:
+    if not path.exists():
+        raise HetquantError(f"{path}: no such file or directory")
 
 
 def _register_publish() -> None:

@@ -105,6 +105,7 @@ def _prepare_output(out: Path, digest: str, overwrite: bool) -> Path:
                 )
             shutil.rmtree(out)
         elif (out / MANIFEST_NAME).exists():
+            shutil.rmtree(work, ignore_errors=True)  # scratch left by a kill after the manifest
             raise HetquantError(
                 f"OUTPUT {out} already holds an artifact; pass --overwrite to replace it"
             )

@@ -28,7 +28,9 @@ FP8_DTYPE = "F8_E4M3"
 # Files a Hub repo adds beside the artifact (the card `publish` writes, git attributes, the
 # download cache of huggingface_hub's local_dir mode): not part of the artifact, not checked.
 HUB_FILES = {"README.md", ".gitattributes"}
-HUB_CACHE = ".cache/huggingface/"
+# ... and the engine's scratch directory, which a kill between writing the manifest and removing
+# it can leave behind (the next convert into OUTPUT removes it).
+IGNORED_DIRS = (".cache/huggingface/", ".hetquant-partial/")
 
 
 def load_manifest(root: Path) -> dict[str, Any]:
@@ -56,8 +58,17 @@ def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
 
 
 def verify_artifact(root: Path) -> list[str]:
-    """Every problem found (empty: the artifact is intact)."""
-    manifest = load_manifest(root)
+    """Every problem found (empty: the artifact is intact).
+
+    A directory without a manifest is not an artifact (HetquantError: bad input); a manifest that
+    is there but unreadable is a failed check.
+    """
+    if not (root / MANIFEST_NAME).exists():
+        raise HetquantError(f"{root}: no {MANIFEST_NAME}; not a (complete) hetquant artifact")
+    try:
+        manifest = load_manifest(root)
+    except HetquantError as e:
+        return [str(e)]
     problems: list[str] = []
     if manifest.get("complete") is not True:
         problems.append(f"{MANIFEST_NAME}: not marked complete")
@@ -73,9 +84,8 @@ def verify_artifact(root: Path) -> list[str]:
         elif got["sha256"] != want["sha256"]:
             problems.append(f"{name}: sha256 differs from the manifest (corrupt or modified)")
     on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
-    on_disk = {n for n in on_disk if n not in HUB_FILES and not n.startswith(HUB_CACHE)} - {
-        MANIFEST_NAME
-    }
+    on_disk = {n for n in on_disk if n not in HUB_FILES and not n.startswith(IGNORED_DIRS)}
+    on_disk -= {MANIFEST_NAME}
     problems += [f"{n}: not listed in the manifest" for n in sorted(on_disk - set(listed))]
     problems += _check_structure(root, manifest)
     return problems

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import INDEX, MANIFEST, read_json, st_header, tiny_counts, tree_hashes
+from conftest import INDEX, MANIFEST, PARTIAL, TINY, read_json, st_header, tiny_counts, tree_hashes
 
 GROUPS = ("embeddings", "norms", "attention", "dense_mlp", "router", "shared_experts",
           "routed_experts", "mtp")  # fmt: skip
@@ -185,3 +185,26 @@ def test_verify_a_directory_without_manifest_is_bad_input(
         lines = res.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and MANIFEST in lines[0]
         assert "Traceback" not in res.stderr
+
+
+def test_verify_a_corrupt_manifest_is_a_failed_check(cli, artifact_copy: Path) -> None:
+    (artifact_copy / MANIFEST).write_text("{not json")
+    res = cli("verify", artifact_copy)
+    assert res.exit_code == 1 and f"FAIL {artifact_copy / MANIFEST}: invalid JSON" in res.stdout
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_missing_path_is_one_error_line(cli, tmp_path: Path, command: str) -> None:
+    res = cli(command, tmp_path / "nope")
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == [f"error: {tmp_path / 'nope'}: no such file or directory"]
+
+
+def test_scratch_left_after_the_manifest_is_ignored_and_cleaned(cli, artifact_copy: Path) -> None:
+    scratch = artifact_copy / PARTIAL
+    scratch.mkdir()
+    (scratch / "journal").write_text("plan x\n")  # a kill between manifest and cleanup
+    assert cli("verify", artifact_copy).exit_code == 0
+    res = cli("convert", TINY, artifact_copy, "--recipe", "bf16")
+    assert res.exit_code == 2 and "already holds an artifact" in res.stderr
+    assert not scratch.exists()
