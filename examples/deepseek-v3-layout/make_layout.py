@@ -40,13 +40,19 @@ def source_tensors(cfg: ModelConfig) -> list[tuple[str, TensorMeta, bool]]:
         extra = role.scope == "mtp"
         if role.kind == "linear" and role.name not in BF16_LINEARS:
             out.append((name, TensorMeta("F8_E4M3", tr.shape), extra))
-            out.append((name + SCALE_SUFFIX, TensorMeta("F32", scale_shape(tr.shape, block)), extra))  # type: ignore[arg-type]
+            out.append(
+                (name + SCALE_SUFFIX, TensorMeta("F32", scale_shape(tr.shape, block)), extra)
+            )  # type: ignore[arg-type]
         else:
-            out.append((name, TensorMeta("F32" if role.name in F32_ROLES else "BF16", tr.shape), extra))
+            out.append(
+                (name, TensorMeta("F32" if role.name in F32_ROLES else "BF16", tr.shape), extra)
+            )
     return out
 
 
-def split_shards(tensors: list[tuple[str, TensorMeta, bool]], n: int) -> list[list[tuple[str, TensorMeta]]]:
+def split_shards(
+    tensors: list[tuple[str, TensorMeta, bool]], n: int
+) -> list[list[tuple[str, TensorMeta]]]:
     """Main tensors over the first n-1 shards by size; the MTP extras alone in the last."""
     main = [(k, m) for k, m, extra in tensors if not extra]
     total = sum(m.nbytes for _, m in main)
