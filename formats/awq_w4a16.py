@@ -87,6 +87,11 @@ class AwqW4A16(WeightFormat):
         # Stored transposed: weight rows (N) run along dim 1 of every tensor.
         return Streaming(self, {"qweight": 1, "qzeros": 1, "scales": 1})
 
+    def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
+        # Transposed: out (N) runs along dim 1 (8 per word in qweight/qzeros), in (K) along
+        # dim 0 (g per row of qzeros/scales), so a shard keeps whole words and whole groups.
+        return dict.fromkeys(("qweight", "qzeros", "scales"), (1, 0))
+
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         n, k = self._check_shape(shape)
         groups = k // self.group_size

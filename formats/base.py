@@ -99,6 +99,41 @@ class WeightFormat(ABC):
         """
         return None
 
+    def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
+        """How each stored tensor follows the weight's dims, for tensor-parallel slicing.
+
+        For every stored key: (dim that runs along W's ``out`` rows, dim that runs along its
+        ``in`` columns), dims of the tensor as :meth:`shard_view` shapes it; None where the
+        tensor does not vary along that weight dim (a per-tensor scale, a per-row scale along
+        ``in``). The unit of a dim is ``weight size / entries`` (e.g. 8 rows per packed word,
+        ``g`` columns per group scale); a shard is legal only on whole units of every key, and
+        a slice of each view along its dim, reshaped to ``stored(shard shape)``, is the shard.
+
+        Raises NotImplementedError for a format that has no sharding rule.
+        """
+        raise NotImplementedError(f"format {self.name!r} does not define shard_axes")
+
+    def shard_view(self, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+        """Row-major view of each stored tensor in which :meth:`shard_axes` dims are meant.
+
+        Default: the stored shapes. A layout whose shards are not plain slices (a tiling)
+        names a finer view here in which every legal shard is one slice along one dim.
+        """
+        return {key: meta.shape for key, meta in self.stored(shape).items()}
+
+    def shard_fixup(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        out_range: tuple[int, int],
+        in_range: tuple[int, int],
+    ) -> dict[str, torch.Tensor]:
+        """A shard's sliced tensors → its stored tensors (default: unchanged).
+
+        ``out_range`` / ``in_range`` are the ``[start, stop)`` of the weight's rows and columns
+        the shard holds; formats that store a value of the shape itself rewrite it here.
+        """
+        return dict(tensors)
+
     def nbytes(self, shape: tuple[int, int]) -> int:
         """Bytes stored for a weight of ``shape``."""
         return sum(m.nbytes for m in self.stored(shape).values())

@@ -28,6 +28,9 @@ class Bf16(WeightFormat):
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return {"weight": TensorMeta("BF16", tuple(shape))}
 
+    def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
+        return {"weight": (0, 1)}
+
     def quantize(self, weight: torch.Tensor, **options: Any) -> dict[str, torch.Tensor]:
         return {"weight": weight.to(torch.bfloat16).contiguous()}
 

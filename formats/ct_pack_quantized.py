@@ -100,6 +100,21 @@ class CtPackQuantized(WeightFormat):
         axes = {"weight_packed": 0, "weight_scale": 0, "weight_shape": None}
         return Streaming(self, axes, finish=finish)
 
+    def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
+        return {"weight_packed": (0, 1), "weight_scale": (0, 1), "weight_shape": (None, None)}
+
+    def shard_fixup(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        out_range: tuple[int, int],
+        in_range: tuple[int, int],
+    ) -> dict[str, torch.Tensor]:
+        """``weight_shape`` of a shard is the shard's own (out, in)."""
+        out = dict(tensors)
+        shard = (out_range[1] - out_range[0], in_range[1] - in_range[0])
+        out["weight_shape"] = tensors["weight_shape"].new_tensor(shard)
+        return out
+
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         n, k = self._check_shape(shape)
         return {

@@ -71,6 +71,10 @@ class Fp8Block(WeightFormat):
             "weight_scale_inv": TensorMeta("F32", scale_shape(shape, self.block)),
         }
 
+    def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
+        # A scale covers block x block weights; dims padded to whole blocks cannot be split.
+        return {"weight": (0, 1), "weight_scale_inv": (0, 1)}
+
     def quantize(self, weight: torch.Tensor, **options: Any) -> dict[str, torch.Tensor]:
         if weight.ndim != 2:
             raise HetquantError(

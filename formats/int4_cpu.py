@@ -180,6 +180,9 @@ class Int4Cpu(WeightFormat):
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         return Streaming(self, dict.fromkeys(self.stored(shape), 0))
 
+    def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
+        return {"weight_packed": (0, 1), "weight_scale": (0, None)}  # a scale spans its row
+
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         out, inp = shape
         _check_even(self.name, "in", inp)

@@ -146,6 +146,16 @@ class Nvfp4(WeightFormat):
             axes["input_scale"] = None
         return Streaming(self, axes, needs_amax=True)
 
+    def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
+        axes: dict[str, tuple[int | None, int | None]] = {
+            "weight": (0, 1),  # 2 inputs per byte
+            "weight_scale": (0, 1),  # BLOCK inputs per scale
+            "weight_scale_2": (None, None),
+        }
+        if self.with_input_scale:
+            axes["input_scale"] = (None, None)
+        return axes
+
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         n, k = shape
         _check_k(k)

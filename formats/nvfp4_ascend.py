@@ -216,6 +216,23 @@ class Nvfp4Ascend(WeightFormat):
         canonical = self._canonical().streaming(shape)
         return Streaming(canonical.chunk_format, canonical.axes, needs_amax=True, finish=to_tiled)
 
+    def shard_view(self, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+        """``weight`` as (K3, K1, K2, N2, N3, 128-byte run), the view of :func:`tiled_slice`.
+
+        A slice of N3 (dim 4) is its column split, a slice of K3 (dim 0) its row split, so
+        every legal shard is one slice and equals ``tiled_slice`` (tested).
+        """
+        n, k = shape
+        view = super().shard_view(shape)
+        view["weight"] = (k // K_ALIGN, K_SPLIT[1], K_SPLIT[0], N_SPLIT[0], n // N_ALIGN, _RUN)
+        return view
+
+    def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
+        axes = self._canonical().shard_axes(shape)
+        axes["weight"] = (4, 0)  # N3 groups of 256 outputs, K3 slabs of 64 inputs
+        axes["weight_scale"] = (1, 0)  # [K/16, N]
+        return axes
+
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         n, k = shape
         _check_tileable(n, k)

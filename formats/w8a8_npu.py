@@ -97,6 +97,11 @@ _QUANT_TYPE_OF_FORMAT = {
     "bf16": QUANT_TYPE_FLOAT,
 }
 _ANY_SHAPE = (1, 1)  # stored-tensor names of these formats do not depend on the shape
+_WEIGHT_AXES: dict[str, tuple[int | None, int | None]] = {
+    "weight": (0, 1),
+    "weight_scale": (0, None),  # one scale per row, over the whole row
+    "weight_offset": (0, None),
+}
 
 
 def _checked_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
@@ -163,6 +168,9 @@ class W8A8Dynamic(WeightFormat):
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return _weight_metas(shape, self.name)
 
+    def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
+        return dict(_WEIGHT_AXES)
+
     def quantize(self, weight: torch.Tensor, *, name: str = "weight") -> dict[str, torch.Tensor]:
         """``name`` is the tensor's full name, used in error messages."""
         return _weight_tensors(weight, name)
@@ -202,6 +210,17 @@ class W8A8Static(WeightFormat):
         axes: dict[str, int | None] = dict.fromkeys(self.stored(shape), 0)
         axes.update(input_scale=None, input_offset=None)  # from the activation range alone
         return Streaming(self, axes)
+
+    def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
+        """Per-row tensors follow ``out``; the activation parameters are per tensor.
+
+        ``quant_bias`` sums a row over all of ``in``: a row-parallel (``in``-split) shard keeps
+        it whole, and the backend adds it on one rank only (vllm-ascend: TP rank 0).
+        """
+        axes = dict(_WEIGHT_AXES)
+        axes.update(input_scale=(None, None), input_offset=(None, None))
+        axes.update(deq_scale=(0, None), quant_bias=(0, None))
+        return axes
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         metas = _weight_metas(shape, self.name)

@@ -1,0 +1,186 @@
+"""Reading byte spans of safetensors shards into tensors: the loader's I/O.
+
+A rank's part of a stored tensor is a slice along one dim of a row-major view, i.e. a ``Span``:
+``count`` runs of ``run`` bytes, ``stride`` apart. Contiguous spans (row splits, whole tensors)
+are read with ``preadv`` straight into the destination buffers, the spans of adjacent tensors of
+a file merged into one call; strided spans (column splits) are one strided copy out of the
+file's private memory map, which faults in only the pages that hold wanted bytes. Targets:
+
+- CPU: into each tensor's own buffer;
+- CUDA: through two reused pinned staging buffers (64 MiB, or the longest run) with
+  asynchronous host-to-device copies — pageable ``.to(cuda)`` is 5-6x slower
+  (reference/sharding_loading.md §2.1);
+- any other device: a CPU buffer per tensor, then ``.to(device)``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetquant.formats.errors import HetquantError
+
+__all__ = ["LoadStats", "Span", "read_spans"]
+
+_IOV = 512  # iovecs per preadv (Linux IOV_MAX is 1024)
+_STAGE = 64 << 20  # pinned staging chunk for CUDA loads
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes ``[start + i·stride, start + i·stride + run)`` of a file, for ``i < count``."""
+
+    start: int
+    run: int
+    stride: int
+    count: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.run * self.count
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        """The absolute ``[begin, end)`` byte ranges; a contiguous span is a single range."""
+        for i in range(self.count):
+            yield self.start + i * self.stride, self.start + i * self.stride + self.run
+
+
+@dataclass
+class LoadStats:
+    """What one load did: tensor bytes read from files, tensors, read calls, strided copies."""
+
+    bytes_read: int = 0
+    tensors: int = 0
+    syscalls: int = 0
+    strided_copies: int = 0
+
+
+def read_spans(
+    root: Path, items: Sequence[tuple[str, str, Span]], target: torch.device, stats: LoadStats
+) -> dict[str, torch.Tensor]:
+    """``(name, file relative to root, span)`` → {name: uint8 bytes on ``target``}.
+
+    For CUDA the copies are asynchronous: synchronize before using the tensors.
+    """
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise HetquantError(f"device {target} requested but CUDA is not available here")
+    by_file: dict[str, list[tuple[str, Span]]] = {}
+    for name, file, span in items:
+        by_file.setdefault(file, []).append((name, span))
+    stage = _Stage(max((s.run for *_, s in items), default=0)) if target.type == "cuda" else None
+    out: dict[str, torch.Tensor] = {}
+    for file, spans in by_file.items():
+        with _Source(root / file, stats) as src:
+            if stage is None:
+                bufs = {name: torch.empty(s.nbytes, dtype=torch.uint8) for name, s in spans}
+                src.read_many([(s, bufs[name]) for name, s in spans])
+                for name, buf in bufs.items():
+                    out[name] = buf if target.type == "cpu" else buf.to(target)
+                continue
+            for name, span in spans:
+                out[name] = dst = torch.empty(span.nbytes, dtype=torch.uint8, device=target)
+                for sub, offset in _chunks(span, stage.size):
+                    buf = stage.next()[: sub.nbytes]
+                    src.read_many([(sub, buf)])
+                    dst[offset : offset + sub.nbytes].copy_(buf, non_blocking=True)
+                    stage.record()
+    stats.tensors += len(out)
+    return out
+
+
+def _chunks(span: Span, limit: int) -> Iterator[tuple[Span, int]]:
+    """``span`` cut into pieces of at most ``limit`` bytes: (piece, offset in the tensor)."""
+    if span.count == 1:
+        for off in range(0, span.run, limit):
+            n = min(limit, span.run - off)
+            yield Span(span.start + off, n, n), off
+        return
+    rows = max(1, limit // max(span.run, 1))
+    for r in range(0, span.count, rows):
+        m = min(rows, span.count - r)
+        yield Span(span.start + r * span.stride, span.run, span.stride, m), r * span.run
+
+
+class _Stage:
+    """Two pinned host buffers used in turn; a buffer is reused once its copy has finished."""
+
+    def __init__(self, largest_run: int) -> None:
+        self.size = max(_STAGE, largest_run)
+        self.bufs = [torch.empty(self.size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events: list[Any] = [None, None]
+        self.i = 1
+
+    def next(self) -> torch.Tensor:
+        self.i ^= 1
+        if self.events[self.i] is not None:
+            self.events[self.i].synchronize()
+        return self.bufs[self.i]
+
+    def record(self) -> None:
+        self.events[self.i] = torch.cuda.Event()
+        self.events[self.i].record()
+
+
+class _Source:
+    """One open shard: ``preadv`` for contiguous spans, its memory map for strided ones."""
+
+    def __init__(self, path: Path, stats: LoadStats) -> None:
+        self.path, self.stats, self.fd, self.mm = path, stats, os.open(path, os.O_RDONLY), None
+
+    def __enter__(self) -> _Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mm is not None:
+            self.mm.close()
+        os.close(self.fd)
+
+    def read_many(self, items: list[tuple[Span, torch.Tensor]]) -> None:
+        """Fill each CPU uint8 buffer from its span; adjacent contiguous spans share a call."""
+        batch: list[tuple[Span, torch.Tensor]] = []
+        for span, buf in sorted(items, key=lambda it: it[0].start):
+            self.stats.bytes_read += span.nbytes
+            if span.nbytes == 0:
+                continue
+            if span.count > 1:
+                self._strided(span, buf)
+                continue
+            if batch and (
+                batch[-1][0].start + batch[-1][0].run != span.start or len(batch) >= _IOV
+            ):
+                self._preadv(batch)
+                batch = []
+            batch.append((span, buf))
+        if batch:
+            self._preadv(batch)
+
+    def _preadv(self, batch: list[tuple[Span, torch.Tensor]]) -> None:
+        views = [memoryview(buf.numpy()) for _, buf in batch]
+        offset, left = batch[0][0].start, sum(s.run for s, _ in batch)
+        while views:
+            n = os.preadv(self.fd, views, offset)
+            self.stats.syscalls += 1
+            if n <= 0:
+                raise HetquantError(f"{self.path}: ends before byte {offset + left}; truncated")
+            offset, left = offset + n, left - n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if views and n:
+                views[0] = views[0][n:]
+
+    def _strided(self, span: Span, buf: torch.Tensor) -> None:
+        if self.mm is None:
+            self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)  # private: never written
+        count = (span.count - 1) * span.stride + span.run
+        src = torch.frombuffer(self.mm, dtype=torch.uint8, count=count, offset=span.start)
+        buf.view(span.count, span.run).copy_(
+            src.as_strided((span.count, span.run), (span.stride, 1))
+        )
+        self.stats.strided_copies += 1
+        del src  # the map cannot close while a tensor exports it
