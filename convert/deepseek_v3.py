@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .model_config import ModelConfig
+from hetquant.formats.model_config import ModelConfig
 
 __all__ = ["ROLES", "SCALE_SUFFIX", "Role", "TensorRole", "expected_tensors"]
 

@@ -19,10 +19,10 @@ import torch
 
 from hetquant.formats import HetquantError
 from hetquant.formats.fp8_block import Fp8Block
+from hetquant.formats.model_config import ModelConfig, load_json
 from hetquant.formats.safetensors_io import HeaderEntry, MappedFile, read_header
 
 from .deepseek_v3 import SCALE_SUFFIX, TensorRole, expected_tensors
-from .model_config import ModelConfig, load_json
 
 __all__ = ["INDEX_NAME", "SINGLE_NAME", "SourceCheckpoint", "SourceTensor"]
 

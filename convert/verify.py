@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from hetquant.formats import HetquantError
+from hetquant.formats.model_config import ModelConfig, load_json
 from hetquant.formats.safetensors_io import read_header
 
 from .deepseek_v3 import expected_tensors
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, file_digest
-from .model_config import ModelConfig, load_json
 from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
 from .source import INDEX_NAME

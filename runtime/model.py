@@ -46,7 +46,7 @@ from .moe import RouterSpec, gated_mlp, route, routed_experts
 from .rope import RopeSpec, apply_rope, cos_sin
 
 if TYPE_CHECKING:  # runtime does not import convert at run time (DESIGN.md data flow)
-    from hetquant.convert.model_config import ModelConfig
+    from hetquant.formats.model_config import ModelConfig
 
 __all__ = ["DeepseekV3Reference", "DenseWeights", "Weights", "rms_norm"]
 
@@ -101,7 +101,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DeepseekV3Reference:
     """DeepSeek-V3 causal prefill over one token sequence (no KV cache).
 
-    ``cfg`` is a ``hetquant.convert.model_config.ModelConfig`` (its fields and ``raw`` dict are
+    ``cfg`` is a ``hetquant.formats.model_config.ModelConfig`` (its fields and ``raw`` dict are
     read); ``weights`` a ``Weights`` provider; ``dtype`` the activation dtype. Logits are float32.
     """
 

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from hetquant.convert.deepseek_v3 import expected_tensors
-from hetquant.convert.model_config import ModelConfig
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats.fp8_block import Fp8Block
+from hetquant.formats.model_config import ModelConfig
 from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
 from hetquant.runtime.moe import RouterSpec, route
 from hetquant.runtime.rope import RopeSpec, apply_rope, cos_sin, inv_freq, yarn_mscale

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from hetquant.formats import HetquantError
+from .errors import HetquantError
 
 __all__ = ["ModelConfig", "load_json"]
 
