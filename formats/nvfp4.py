@@ -78,7 +78,10 @@ E2M1_BOUNDS: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _TIES_UP = (0.75, 1.75, 3.5)  # midpoints whose even neighbour is the larger one
 
 _SCALAR: tuple[int, ...] = ()
-_HETQUANT_VERSION = importlib.metadata.version("hetquant")
+try:
+    _HETQUANT_VERSION = importlib.metadata.version("hetquant")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+    _HETQUANT_VERSION = "0+unknown"
 
 
 def _check_k(k: int) -> None:
