@@ -220,6 +220,75 @@ def verify(artifact: Path) -> None:
     click.echo(f"{artifact}: OK")
 
 
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--tokens", required=True, help="Comma-separated token ids, e.g. 5,17,42.")
+@click.option(
+    "--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel ranks."
+)
+@click.option("--pp", default=1, show_default=True, type=click.IntRange(1), help="Pipeline stages.")
+@click.option(
+    "--ep", default=1, show_default=True, type=click.IntRange(1), help="Expert-parallel ranks."
+)
+@click.option(
+    "--subpools",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="CPU expert subpools (hybrid).",
+)
+@click.option(
+    "--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True
+)
+@click.option(
+    "--save-logits",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write float32 logits [T, vocab] (.npy).",
+)
+@click.option(
+    "--generate",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Greedily generate K tokens.",
+)
+def run(
+    artifact: Path,
+    tokens: str,
+    tp: int,
+    pp: int,
+    ep: int,
+    subpools: int,
+    device: str,
+    save_logits: Path | None,
+    generate: int,
+) -> None:
+    """Load ARTIFACT into the given layout (ranks spawned on this host) and run a token sequence."""
+    import numpy as np
+
+    from hetquant.runtime.run import RunSpec, run_artifact
+
+    _must_exist(artifact)
+    try:
+        ids = tuple(int(t) for t in tokens.split(",") if t.strip())
+    except ValueError:
+        raise HetquantError(
+            f"--tokens {tokens!r}: expected comma-separated integers like 5,17,42"
+        ) from None
+    spec = RunSpec(
+        str(artifact), ids, tp=tp, pp=pp, ep=ep, subpools=subpools, device=device, generate=generate
+    )
+    logits, generated = run_artifact(spec)
+    if save_logits is not None:
+        np.save(save_logits, logits)
+    top = logits.argmax(-1).tolist()
+    click.echo(
+        f"ran {len(ids)} tokens on tp={tp} pp={pp} ep={ep} ({device}); logits {list(logits.shape)}; next-token argmax {top}"
+    )
+    if generate:
+        click.echo(f"generated: {','.join(map(str, generated))}")
+
+
 def _must_exist(path: Path) -> None:
     if not path.exists():
         raise HetquantError(f"{path}: no such file or directory")

@@ -5,7 +5,8 @@ The forward never touches a weight tensor itself. It asks a *weights provider* (
 - ``linear(prefix, x)`` — ``x @ Wᵀ`` for the linear module ``prefix`` (HF name without
   ``.weight``, e.g. ``model.layers.0.self_attn.q_a_proj``); a quantized backend or a TP rank
   substitutes its own kernel here;
-- ``get(name)`` — a full tensor by HF name, for norms, the embedding and the router;
+- ``get(name)`` — a full tensor by HF name, for norms and the router;
+- ``embed(tokens)`` — embedding rows of ``tokens`` (a vocab-parallel rank gathers them);
 - ``experts(layer, x, topk_ids, topk_weights)`` — the routed-expert sum of one MoE layer, so a
   CPU expert pool (or an EP rank) can take it over.
 
@@ -58,6 +59,8 @@ class Weights(Protocol):
 
     def get(self, name: str) -> torch.Tensor: ...
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
     def experts(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor: ...
@@ -78,6 +81,9 @@ class DenseWeights:
             return self.state[name]
         except KeyError:
             raise HetquantError(f"weights: no tensor {name!r}") from None
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.get("model.embed_tokens.weight")[tokens]  # [T, D]
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         w = self.get(f"{name}.weight")  # [out, in]
@@ -132,7 +138,7 @@ class DeepseekV3Reference:
         if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
             raise HetquantError(f"forward: token ids must lie in [0, {vocab})")
         t = tokens.shape[0]
-        h = self.weights.get("model.embed_tokens.weight")[tokens].to(self.dtype)  # [T, D]
+        h = self.weights.embed(tokens).to(self.dtype)  # [T, D]
         cos, sin = cos_sin(self.rope, torch.arange(t))  # [T, dr/2] each
         mask = torch.full((t, t), float("-inf")).triu(1)  # [T, T], 0 on and below the diagonal
         for layer in range(self.cfg.num_hidden_layers):  # MTP layers excluded
@@ -178,7 +184,7 @@ class DeepseekV3Reference:
     ) -> torch.Tensor:
         """MLA of layer ``layer`` on normed ``x`` [T, D] with rope angles ``cos``/``sin`` [T, dr/2]."""
         c, w, p = self.cfg, self.weights, f"model.layers.{layer}.self_attn"
-        t, nh = x.shape[0], c.num_attention_heads
+        t = x.shape[0]
         dn, dr, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         if c.q_lora_rank:
             q_lat = rms_norm(
@@ -187,6 +193,7 @@ class DeepseekV3Reference:
             q = w.linear(f"{p}.q_b_proj", q_lat)  # [T, H·(dn+dr)]
         else:
             q = w.linear(f"{p}.q_proj", x)  # [T, H·(dn+dr)]
+        nh = q.shape[-1] // (dn + dr)  # this rank's heads (all of them without TP)
         q = q.view(t, nh, dn + dr)  # [T, H, dn+dr]
         q_nope, q_rope = q.split([dn, dr], dim=-1)  # [T, H, dn], [T, H, dr]
 

@@ -1,0 +1,469 @@
+"""CPU INT4 expert GEMV against memory bandwidth and a bf16 GEMV, in one run.
+
+Measures, interleaved repeat by repeat (medians reported):
+
+- memory bandwidth: ``sum`` of a 1 GiB float32 buffer (read-only, like a GEMV) and ``copy_`` of
+  it (read + write counted), with 1 thread and with all of torch's threads;
+- GEMV on DeepSeek expert shapes, gate_up ``[2·2048, 7168]`` and down ``[7168, 2048]``, batch 1
+  and 8 (``--batches``), for
+  - ``int4 native``: ``runtime.int4_gemv`` native kernel (float32 activations), precision
+    ``high`` (22-bit fixed-point activations, the default) and ``fast`` (14-bit),
+  - ``int4 torch``: the pure-torch path (unpack → float32 → matmul),
+  - ``int4 aten``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (bf16 activations, weights
+    repacked with ``_convert_weight_to_int4pack_for_cpu``, per-row scale repeated per group
+    of 256, ``zero = 0``) — torch's own int4 CPU kernel, for comparison,
+  - ``bf16``: ``x @ W.T`` on bf16 weights of the same shape (oneDNN/MKL);
+- one routed-expert layer end to end: ``CpuExpertPool.forward`` with top-8 of 16 experts of
+  DeepSeek size, batch 1, subpools 1 and 2 (a synthetic artifact written to ``--work``).
+
+Every matrix is cycled through ``--set-mb`` MB of distinct copies (default 256, 8× the 32 MB L3
+here), so weights stream from DRAM as in serving, not from cache. GB/s counts the weight bytes a
+call must read (int4: N·K/2 + 4N; aten adds its bf16 scale/zero table; bf16: 2·N·K).
+
+Usage::
+
+    python benchmarks/bench_expert_gemv.py                    # JSON + README table
+    python benchmarks/bench_expert_gemv.py --repeats 3 --no-readme
+
+Writes ``benchmarks/results/bench_expert_gemv.json`` and the table in ``benchmarks/README.md``
+(between the ``bench_expert_gemv`` markers of the "CPU INT4 expert GEMV" section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _measure import machine_info, median, write_result  # noqa: E402
+
+SECTION = "## CPU INT4 expert GEMV"
+START = "<!-- bench_expert_gemv:results:start -->"
+END = "<!-- bench_expert_gemv:results:end -->"
+SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
+GiB = 1 << 30
+
+
+def lscpu() -> dict[str, str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    info = {}
+    for line in out.splitlines():
+        k, _, v = line.partition(":")
+        info[k.strip()] = v.strip()
+    flags = set(info.get("Flags", "").split())
+    keep = ("Model name", "CPU(s)", "Thread(s) per core", "Core(s) per socket", "Socket(s)")
+    res = {k: info[k] for k in keep if k in info}
+    res["L3"] = info.get("L3 cache", "?")
+    res["isa"] = " ".join(
+        f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16") if f in flags
+    )
+    res["hypervisor"] = info.get("Hypervisor vendor", "")
+    return res
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+class Timer:
+    """Named measurements; each call of ``run`` times ``fn`` over all its copies once.
+
+    Records wall time and the calling thread's CPU time (``time.thread_time``). On a shared
+    machine the wall time includes the time the thread waited for a CPU; for single-threaded
+    work (rows ending in ``/1t``) ``bytes / CPU time`` is the rate while actually running.
+    """
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
+        self.bytes: dict[str, int] = {}
+
+    def run(self, name: str, fn: Callable[[int], object], copies: int, nbytes: int) -> None:
+        c0, t0 = time.thread_time(), time.perf_counter()
+        for i in range(copies):
+            fn(i)
+        dt = (time.perf_counter() - t0) / copies
+        dc = (time.thread_time() - c0) / copies
+        self.samples.setdefault(name, []).append(dt)
+        self.cpu.setdefault(name, []).append(dc)
+        self.bytes[name] = nbytes
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for k, v in self.samples.items():
+            t = median(v)
+            out[k] = {
+                "ms": t * 1e3,
+                "gbps": self.bytes[k] / t / 1e9,
+                "bytes": self.bytes[k],
+                "samples_ms": [round(s * 1e3, 4) for s in v],
+            }
+            if k.endswith("/1t") and not k.startswith("pool/"):  # work in this thread
+                c = median(self.cpu[k])
+                out[k]["cpu_ms"] = c * 1e3
+                out[k]["cpu_gbps"] = self.bytes[k] / c / 1e9 if c > 0 else None
+        return out
+
+
+def make_layer_artifact(root: Path, experts: int, hidden: int, inter: int, seed: int) -> Path:
+    """A minimal hybrid artifact: one cpu_experts layer of random codes and scales."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hetquant.formats.int4_cpu import layer_stored
+
+    art = root / "synthetic-hybrid"
+    f = art / "cpu_experts" / "layer_003.safetensors"
+    if f.exists():
+        return art
+    f.parent.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, meta in layer_stored(experts, hidden, inter).items():
+        name = f"model.layers.3.mlp.experts.{key}"
+        if meta.dtype == "U8":
+            codes = torch.randint(1, 16, (*meta.shape[:-1], 2 * meta.shape[-1]), generator=g)
+            c = codes.to(torch.uint8)
+            tensors[name] = c[..., 0::2] | (c[..., 1::2] << 4)
+        else:
+            tensors[name] = torch.rand(meta.shape, generator=g) * 0.01 + 1e-4
+    save_file(tensors, str(f))
+    manifest = {
+        "schema_version": 1,
+        "complete": True,
+        "recipe": {"name": "synthetic"},
+        "parts": {"cpu_experts": {"files": ["cpu_experts/layer_003.safetensors"]}},
+    }
+    (art / "hetquant.json").write_text(json.dumps(manifest))
+    return art
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--set-mb", type=int, default=256, help="MB of distinct weight copies")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: as is)")
+    ap.add_argument("--skip-slow", action="store_true", help="skip the pure-torch int4 path")
+    ap.add_argument("--no-pool", action="store_true", help="skip the CpuExpertPool layer run")
+    ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
+    ap.add_argument("--json", default=str(HERE / "results" / "bench_expert_gemv.json"))
+    ap.add_argument("--readme", default=str(HERE / "README.md"))
+    ap.add_argument("--no-readme", action="store_true")
+    args = ap.parse_args()
+
+    # Build the kernel into a fresh cache dir so the compile time is measured.
+    cache = tempfile.mkdtemp(prefix="hetquant-bench-cache-")
+    os.environ["HETQUANT_CACHE_DIR"] = cache
+    import torch
+
+    from hetquant.runtime import int4_gemv as G
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    nthreads = torch.get_num_threads()
+    t0 = time.perf_counter()
+    info = G.native_info()
+    first_use_s = time.perf_counter() - t0
+    if not info["available"]:
+        print(f"native kernel unavailable: {info['error']}", file=sys.stderr)
+
+    machine = machine_info()
+    machine.update(
+        lscpu=lscpu(),
+        openblas_coretype=os.environ.get("OPENBLAS_CORETYPE"),
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+        torch_threads=nthreads,
+        torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        loadavg_start=loadavg(),
+        command="python " + " ".join(shlex.quote(a) for a in sys.argv),
+    )
+    print(f"torch {torch.__version__}, {nthreads} threads, load {machine['loadavg_start']}")
+    print(f"native: {info}  (first use {first_use_s:.2f} s)")
+
+    thread_cfgs = sorted({1, nthreads})
+    timer = Timer()
+    g = torch.Generator().manual_seed(0)
+
+    # ---- bandwidth buffers
+    buf = torch.ones(GiB // 4, dtype=torch.float32)
+    dst = torch.empty_like(buf)
+
+    # ---- weights, cycled through a set larger than the caches
+    data: dict[str, dict[str, Any]] = {}
+    for name, (n, k) in SHAPES.items():
+        int4_bytes = n * k // 2 + 4 * n
+        copies = max(4, args.set_mb * (1 << 20) // int4_bytes)
+        packed = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)]
+        packed += [packed[0].clone() for _ in range(copies - 1)]
+        scale = [torch.rand(n, generator=g) * 0.01 + 1e-4 for _ in range(copies)]
+        bf16_copies = max(4, args.set_mb * (1 << 20) // (2 * n * k))
+        w16 = [torch.randn(n, k, generator=g).to(torch.bfloat16) for _ in range(bf16_copies)]
+        aten = None
+        if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            gs = 256
+            codes = torch.stack([packed[0] & 15, packed[0] >> 4], -1).reshape(n, k).to(torch.int32)
+            p0 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            del codes
+            sz = torch.zeros(k // gs, n, 2, dtype=torch.bfloat16)
+            sz[..., 0] = scale[0].to(torch.bfloat16)
+            aten = {
+                "gs": gs,
+                "packed": [p0] + [p0.clone() for _ in range(copies - 1)],
+                "sz": [sz.clone() for _ in range(copies)],
+                "bytes": p0.numel() + sz.numel() * 2,
+            }
+        data[name] = {
+            "n": n,
+            "k": k,
+            "packed": packed,
+            "scale": scale,
+            "int4_bytes": int4_bytes,
+            "w16": w16,
+            "aten": aten,
+        }
+        print(f"{name} [{n}, {k}]: {copies} int4 copies, {bf16_copies} bf16 copies")
+
+    # ---- correctness spot check of the native kernel on these shapes
+    for name, d in data.items():
+        x = torch.randn(2, d["k"], generator=g)
+        a = G.int4_gemv(d["packed"][0], d["scale"][0], x, backend="auto")
+        b = G.int4_gemv(d["packed"][0], d["scale"][0], x, backend="torch")
+        rel = ((a - b).abs().max() / b.abs().max()).item()
+        assert rel < 1e-5, (name, rel)
+
+    # ---- the pool, end to end
+    pool_cfgs: list[tuple[str, Any]] = []
+    work = Path(args.work or tempfile.mkdtemp(prefix="hetquant-bench-"))
+    if not args.no_pool:
+        from hetquant.runtime.expert_pool import CpuExpertPool
+
+        art = make_layer_artifact(work, experts=16, hidden=7168, inter=2048, seed=1)
+        for s in sorted({1, 2, nthreads}):
+            for th in sorted({1, max(1, nthreads // s)}):
+                pool = CpuExpertPool.open(art, subpools=s, threads=th)
+                pool_cfgs.append((f"S{s}/{th}t", pool))
+        layer_bytes = 8 * (2 * 2048 * 7168 // 2 + 4 * 2 * 2048 + 7168 * 2048 // 2 + 4 * 7168)
+
+    xs = {
+        b: {name: torch.randn(b, d["k"], generator=g) for name, d in data.items()} for b in (1, 8)
+    }
+    for b in args.batches:
+        xs.setdefault(b, {name: torch.randn(b, d["k"], generator=g) for name, d in data.items()})
+
+    for rep in range(args.repeats):
+        for th in thread_cfgs:
+            torch.set_num_threads(th)
+            timer.run(f"bw/read/{th}t", lambda i: buf.sum(), 1, buf.numel() * 4)
+            timer.run(f"bw/copy/{th}t", lambda i: dst.copy_(buf), 1, 2 * buf.numel() * 4)
+        torch.set_num_threads(nthreads)
+        for name, d in data.items():
+            for b in args.batches:
+                x = xs[b][name]
+                x16 = x.to(torch.bfloat16)
+                ncp = len(d["packed"])
+                if info["available"]:
+                    for th in thread_cfgs:
+                        for prec in ("high", "fast"):
+                            timer.run(
+                                f"{name}/b{b}/int4_native_{prec}/{th}t",
+                                lambda i, x=x, d=d, th=th, prec=prec: G.int4_gemv(
+                                    d["packed"][i],
+                                    d["scale"][i],
+                                    x,
+                                    backend="native",
+                                    threads=th,
+                                    precision=prec,
+                                ),
+                                ncp,
+                                d["int4_bytes"],
+                            )
+                if not args.skip_slow and rep < max(2, args.repeats // 3):
+                    timer.run(
+                        f"{name}/b{b}/int4_torch/{nthreads}t",
+                        lambda i, x=x, d=d: G.int4_gemv_torch(d["packed"][i], d["scale"][i], x),
+                        min(ncp, 4),
+                        d["int4_bytes"],
+                    )
+                for th in thread_cfgs:
+                    torch.set_num_threads(th)
+                    if d["aten"] is not None:
+                        at = d["aten"]
+                        timer.run(
+                            f"{name}/b{b}/int4_aten_bf16/{th}t",
+                            lambda i, x16=x16, at=at: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                                x16, at["packed"][i], at["gs"], at["sz"][i]
+                            ),
+                            ncp,
+                            at["bytes"],
+                        )
+                    w16 = d["w16"]
+                    timer.run(
+                        f"{name}/b{b}/bf16/{th}t",
+                        lambda i, x16=x16, w16=w16: x16 @ w16[i].T,
+                        len(w16),
+                        2 * d["n"] * d["k"],
+                    )
+                torch.set_num_threads(nthreads)
+        for s, pool in pool_cfgs:
+            layer = pool.layers[0]
+            ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(4)])
+            w = torch.rand(4, 8, generator=g)
+            x = torch.randn(4, 7168, generator=g).to(torch.bfloat16)
+            # four different tokens → four different expert sets (cycles the 16 experts)
+            timer.run(
+                f"pool/b1/forward/{s}",
+                lambda i, pool=pool, layer=layer, x=x, ids=ids, w=w: pool.forward(
+                    layer, x[i : i + 1], ids[i : i + 1], w[i : i + 1]
+                ),
+                4,
+                layer_bytes,
+            )
+        machine.setdefault("loadavg_repeats", []).append(loadavg())
+        print(f"repeat {rep + 1}/{args.repeats} done (load {loadavg()})", flush=True)
+
+    for _, pool in pool_cfgs:
+        pool.close()
+    shutil.rmtree(cache, ignore_errors=True)
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    machine["loadavg_end"] = loadavg()
+    res = timer.summary()
+    bw_read = max(v["gbps"] for k, v in res.items() if k.startswith("bw/read/"))
+    bw_copy = max(v["gbps"] for k, v in res.items() if k.startswith("bw/copy/"))
+    bandwidth = max(bw_read, bw_copy)
+    bw_cpu = res.get("bw/read/1t", {}).get("cpu_gbps")
+    for v in res.values():
+        v["pct_of_bandwidth"] = 100 * v["gbps"] / bandwidth
+        if v.get("cpu_gbps") and bw_cpu:
+            v["cpu_pct_of_bandwidth"] = 100 * v["cpu_gbps"] / bw_cpu
+    # speed against bf16 (time ratio) for every GEMV row
+    for k, v in res.items():
+        parts = k.split("/")
+        if len(parts) == 4 and parts[0] in SHAPES:
+            ref = res.get(f"{parts[0]}/{parts[1]}/bf16/{parts[3]}") or res.get(
+                f"{parts[0]}/{parts[1]}/bf16/{nthreads}t"
+            )
+            if ref:
+                v["speedup_vs_bf16"] = ref["ms"] / v["ms"]
+    doc = {
+        "machine": machine,
+        "native": {**info, "first_use_s": first_use_s},
+        "bandwidth_gbps": {
+            "read": bw_read,
+            "copy": bw_copy,
+            "reference": bandwidth,
+            "read_1t_cpu_time": bw_cpu,
+        },
+        "target_pct_batch1": 60.0,
+        "results": res,
+    }
+    write_result(args.json, doc)
+    print(f"wrote {args.json}")
+    table = render(doc, nthreads)
+    print(table)
+    if not args.no_readme:
+        update_readme(Path(args.readme), table)
+        print(f"updated {args.readme}")
+    return 0
+
+
+def render(doc: dict[str, Any], nthreads: int) -> str:
+    m = doc["machine"]
+    cpu = m.get("lscpu", {})
+    res = doc["results"]
+    bw = doc["bandwidth_gbps"]
+    nat = doc["native"]
+    lines = [
+        f"Run {m['date']} · `{m['command']}` · {cpu.get('Model name', m.get('cpu_model'))}, "
+        f"{cpu.get('CPU(s)', m.get('nproc'))} CPUs ({cpu.get('Thread(s) per core', '?')} "
+        f"thread/core, L3 {cpu.get('L3', '?')}, {cpu.get('isa', '')}"
+        f"{', ' + cpu['hypervisor'] + ' VM' if cpu.get('hypervisor') else ''}) · torch "
+        f"{m['torch']} ({m['torch_threads']} threads, OPENBLAS_CORETYPE="
+        f"{m.get('openblas_coretype')}) · load average {m['loadavg_start']} → {m['loadavg_end']}",
+        "",
+        f"Native kernel: `{nat.get('isa')}`, built in {nat.get('compile_s') or 0:.1f} s "
+        f"(first use {nat.get('first_use_s', 0):.1f} s).",
+        "",
+        f"Memory bandwidth (1 GiB buffer, median): read (sum) {bw['read']:.1f} GB/s, copy "
+        f"(read + write) {bw['copy']:.1f} GB/s; reference = {bw['reference']:.1f} GB/s. "
+        f"One thread by CPU time: read {bw.get('read_1t_cpu_time') or 0:.1f} GB/s.",
+        "",
+        "| shape | batch | method | threads | ms / call | weight GB/s | % of bandwidth | vs bf16 "
+        "| 1 thread, CPU time: GB/s (% of read) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k, v in res.items():
+        parts = k.split("/")
+        if len(parts) != 4 or parts[0] not in SHAPES:
+            continue
+        shape, b, method, th = parts
+        n, kk = SHAPES[shape]
+        cpu = (
+            f"{v['cpu_gbps']:.2f} ({v['cpu_pct_of_bandwidth']:.0f}%)"
+            if v.get("cpu_pct_of_bandwidth")
+            else ""
+        )
+        lines.append(
+            f"| {shape} [{n}, {kk}] | {b[1:]} | {method} | {th[:-1]} | {v['ms']:.3f} | "
+            f"{v['gbps']:.2f} | {v['pct_of_bandwidth']:.0f}% | "
+            f"{v.get('speedup_vs_bf16', 0):.2f}× | {cpu} |"
+        )
+    pool_rows = [(k, v) for k, v in res.items() if k.startswith("pool/")]
+    if pool_rows:
+        lines += [
+            "",
+            "`CpuExpertPool.forward`, one token, top-8 of 16 DeepSeek-size experts (bf16 in/out, "
+            "176 MB of INT4 per call):",
+            "",
+            "| subpools | kernel threads per subpool | ms / token·layer | weight GB/s "
+            "| % of bandwidth |",
+            "|---|---|---|---|---|",
+        ]
+        for k, v in pool_rows:
+            sp, th = k.split("/")[-2:]
+            lines.append(
+                f"| {sp[1:]} | {th[:-1]} | {v['ms']:.2f} | {v['gbps']:.2f} | "
+                f"{v['pct_of_bandwidth']:.0f}% |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(path: Path, table: str) -> None:
+    """Replace the text between the markers, or append the section; other sections untouched."""
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
+    block = f"{START}\n{table}{END}\n"
+    if START in text and END in text:
+        a, b = text.index(START), text.index(END) + len(END)
+        text = text[:a] + block.rstrip("\n") + text[b:]
+    else:
+        if SECTION not in text:
+            text = (
+                text.rstrip("\n") + f"\n\n{SECTION}\n\n`python benchmarks/bench_expert_gemv.py`\n"
+            )
+        text = text.rstrip("\n") + "\n\n" + block
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

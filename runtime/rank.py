@@ -1,0 +1,209 @@
+"""One rank of a sharded DeepSeek-V3: a weights provider over the tensors ``Artifact.load`` gave it.
+
+``RankWeights`` implements ``runtime.model.Weights`` for one rank of a ``ParallelLayout``:
+
+- ``linear(prefix, x)`` runs the module's ``QuantLinear`` (built once, on the backend, from this
+  rank's stored tensors). A module split along its IN dim (row-parallel: o_proj, down) returns a
+  partial sum, all-reduced over the group; one split along OUT (column-parallel: q_b, kv_b,
+  gate/up) returns this rank's slice — the forward derives its local head count from the shape;
+  the vocab-split lm_head's slices are all-gathered into full logits.
+- ``embed(tokens)``: a vocab-parallel lookup (rows this rank does not hold give 0), all-reduced.
+- ``experts(layer, x, ids, weights)``: one partial sum per rank, all-reduced once per layer:
+  under TP every expert's slices; under EP the experts this rank owns (a logical expert held in
+  several physical slots — EPLB's redundant experts — counts once, at its first slot); with a CPU
+  expert pool (``ascend-hybrid``) the pool computes the layer on group rank 0.
+
+``Comm`` is the group's collectives (torch.distributed, gloo on CPU); ``Comm()`` is a single rank.
+``run_stage`` runs this pipeline stage's layers (embedding on the first stage, final norm and
+lm_head on the last).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hetquant.formats import HetquantError
+
+from .layout import ParallelLayout
+from .model import DeepseekV3Reference, rms_norm
+from .ops import QuantLinear
+from .rope import cos_sin
+from .shard_rules import IN, OUT, ModuleInfo, place, split_of, split_range
+
+__all__ = ["Comm", "RankWeights", "run_stage"]
+
+
+class Comm:
+    """Collectives over one process group; without a group, a single rank (identity)."""
+
+    def __init__(self, group: Any = None, size: int = 1, rank: int = 0) -> None:
+        self.group, self.size, self.rank = group, size, rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along the last dim (equal shapes)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+class RankWeights:
+    """This rank's weights (see the module docstring)."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        modules: Mapping[str, ModuleInfo],
+        layout: ParallelLayout,
+        cfg: Any,
+        *,
+        backend: str = "cpu",
+        comm: Comm | None = None,
+        pool: Any = None,
+        npu_ops: Any = None,
+    ) -> None:
+        self.t, self.modules, self.layout, self.cfg = dict(tensors), modules, layout, cfg
+        self.backend, self.comm, self.pool, self.npu_ops = backend, comm or Comm(), pool, npu_ops
+        self._linears: dict[str, QuantLinear] = {}
+        self._moe_index = {
+            layer: i
+            for i, layer in enumerate(x for x in range(cfg.total_layers) if cfg.is_moe_layer(x))
+        }
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.t[name]
+        except KeyError:
+            raise HetquantError(f"rank weights: this rank holds no tensor {name!r}") from None
+
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        y = self._linear(name)(x)  # [..., out (this rank's part)]
+        dim = split_of(place(name), self.layout)
+        if dim == IN:
+            return self.comm.all_reduce(y)
+        if dim == OUT and place(name).rule.group == "head":
+            return self._gather_vocab(y)
+        return y
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.get("model.embed_tokens.weight")  # [V_r, D]
+        if split_of(place("model.embed_tokens"), self.layout) is None:
+            return table[tokens]
+        lo, hi = split_range(
+            place("model.embed_tokens"), self.cfg.vocab_size, self.comm.size, self.comm.rank
+        )
+        mine = (tokens >= lo) & (tokens < hi)  # [T]
+        out = torch.zeros(tokens.shape[0], table.shape[1], dtype=table.dtype)  # [T, D]
+        out[mine] = table[tokens[mine] - lo]
+        return self.comm.all_reduce(out)
+
+    def experts(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if self.pool is not None and layer in self.pool.layers:
+            y = (
+                self.pool.forward(layer, x, topk_ids, topk_weights)
+                if self.comm.rank == 0
+                else torch.zeros_like(x)
+            )
+            return self.comm.all_reduce(y)
+        y = torch.zeros_like(x)  # [T, D]
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for e in self._computed_experts(layer):
+            hit = topk_ids == e  # [T, k]
+            rows = hit.any(-1).nonzero().squeeze(-1)  # [n]
+            if rows.numel() == 0:
+                continue
+            xe = x[rows]  # [n, D]
+            act = F.silu(self._linear(f"{prefix}.{e}.gate_proj")(xe)) * self._linear(
+                f"{prefix}.{e}.up_proj"
+            )(xe)
+            weight = (topk_weights * hit).sum(-1)[rows]  # [n]
+            y[rows] += self._linear(f"{prefix}.{e}.down_proj")(act) * weight[:, None].to(x.dtype)
+        return self.comm.all_reduce(y)
+
+    # helpers ------------------------------------------------------------------------------
+    def _linear(self, prefix: str) -> QuantLinear:
+        lin = self._linears.get(prefix)
+        if lin is None:
+            info = self.modules.get(prefix)
+            if info is None:
+                raise HetquantError(f"rank weights: {prefix} is not a module of this artifact")
+            local = {k: self.get(f"{prefix}.{k}") for k in info.entries}
+            fmt = info.fmt
+            name = "bf16" if fmt is None else fmt.name
+            params = (
+                {}
+                if fmt is None
+                else {f.name: getattr(fmt, f.name) for f in dataclasses.fields(fmt)}
+            )
+            lin = self._linears[prefix] = QuantLinear.from_stored(
+                name,
+                local,
+                backend=self.backend,
+                params=params,
+                npu_ops=self.npu_ops,
+                tp_rank=self.comm.rank,
+            )
+        return lin
+
+    def _gather_vocab(self, y: torch.Tensor) -> torch.Tensor:
+        per = -(-self.cfg.vocab_size // self.comm.size)  # padded split, as the loader's
+        pad = per - y.shape[-1]
+        if pad:
+            y = F.pad(y, (0, pad))
+        return self.comm.all_gather_last(y)[..., : self.cfg.vocab_size]  # [..., V]
+
+    def _computed_experts(self, layer: int) -> list[int]:
+        """Logical experts whose contribution this rank adds (each counted once overall)."""
+        n = self.cfg.n_routed_experts
+        if self.layout.ep_size == 1:
+            return list(range(n))
+        idx = self._moe_index[layer]
+        owned = self.layout.owned_experts(idx, n)
+        slots = self.layout.expert_slots(idx, n)
+        first_slot = self._first_slots(idx, n)
+        return sorted({e for s, e in zip(slots, owned, strict=True) if first_slot[e] == s})
+
+    def _first_slots(self, idx: int, n: int) -> dict[int, int]:
+        row = self.layout._map_row(idx)
+        if row is None:
+            return {e: e for e in range(n)}
+        first: dict[int, int] = {}
+        for slot, e in enumerate(row):
+            first.setdefault(e, slot)
+        return first
+
+
+def run_stage(
+    model: DeepseekV3Reference, layers: range, h_or_tokens: torch.Tensor, *, first: bool, last: bool
+) -> torch.Tensor:
+    """This stage's part of the forward: token ids [T] (first stage) or hidden [T, D] in; hidden
+    [T, D] out, or float32 logits [T, V] on the last stage."""
+    w, eps = model.weights, model.eps
+    h = w.embed(h_or_tokens).to(model.dtype) if first else h_or_tokens  # [T, D]
+    t = h.shape[0]
+    cos, sin = cos_sin(model.rope, torch.arange(t))  # [T, dr/2]
+    mask = torch.full((t, t), float("-inf")).triu(1)  # [T, T]
+    with torch.inference_mode():
+        for layer in layers:
+            h = model.decoder_layer(layer, h, cos, sin, mask)
+        if not last:
+            return h
+        h = rms_norm(h, w.get("model.norm.weight"), eps)  # [T, D]
+        return w.linear("lm_head", h).to(torch.float32)  # [T, V]

@@ -1,0 +1,197 @@
+"""``hetquant run``: spawn the ranks of a layout on this host, load, run a token sequence.
+
+World = ``pp_size × g`` processes, ``g = max(tp_size, ep_size)`` (tp and ep, when both > 1, are
+the same group, as vLLM's EP runs over the TP group). Rank ``r`` is stage ``r // g``, group rank
+``r % g``; each stage's group does its collectives (gloo over 127.0.0.1), and a stage hands its
+hidden states to the same group rank of the next stage. The last stage's group rank 0 writes the
+float32 logits ``[T, vocab]``; with ``generate`` the next token (greedy, full re-prefill per step)
+is broadcast to every rank. A hybrid artifact's routed experts come from the CPU expert pool
+(``subpools``), run by group rank 0 of each stage.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hetquant.formats import HetquantError
+from hetquant.formats.model_config import ModelConfig
+
+__all__ = ["RunSpec", "run_artifact"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    artifact: str
+    tokens: tuple[int, ...]
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    subpools: int = 1
+    device: str = "cpu"
+    generate: int = 0
+    dtype: str | None = None  # activations; default float32, bfloat16 on npu (as vllm-ascend)
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype or ("bfloat16" if self.device == "npu" else "float32"))
+
+    @property
+    def group(self) -> int:
+        if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
+            raise HetquantError(
+                f"tp {self.tp} and ep {self.ep}: with both > 1 they must be equal (one group)"
+            )
+        return max(self.tp, self.ep)
+
+
+def run_artifact(spec: RunSpec) -> tuple[np.ndarray, list[int]]:
+    """(float32 logits [T, vocab] of ``spec.tokens``, generated token ids) — spawning the ranks."""
+    world = spec.pp * spec.group
+    if not spec.tokens:
+        raise HetquantError("run: give at least one token id (--tokens 5,17,42)")
+    from .loader import open_artifact
+
+    art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
+    for rank in range(world):
+        _layout(spec, rank).validate(art.config, art.modules)
+    with tempfile.TemporaryDirectory(prefix="hetquant-run-") as tmp:
+        out = Path(tmp)
+        if world == 1:
+            _rank_main(0, spec, 1, _free_port(), out)
+        else:
+            import torch.multiprocessing as mp
+
+            mp.spawn(_rank_main, args=(spec, world, _free_port(), out), nprocs=world, join=True)
+        logits = np.load(out / "logits.npy")
+        generated = [int(x) for x in np.load(out / "generated.npy")]
+    return logits, generated
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    from .loader import open_artifact
+    from .model import DeepseekV3Reference
+    from .rank import Comm, RankWeights, run_stage
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    g = spec.group
+    stage, grank = divmod(rank, g)
+    comm = Comm()
+    if world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        groups = [dist.new_group(list(range(s * g, (s + 1) * g))) for s in range(spec.pp)]
+        comm = Comm(groups[stage], g, grank)
+    layout = _layout(spec, rank)
+    art = open_artifact(spec.artifact)
+    cfg = ModelConfig.from_dict(art.config)
+    tensors = art.load(layout, device=_torch_device(spec.device, grank))
+    pool = art.cpu_expert_pool(subpools=spec.subpools) if art.cpu_expert_files else None
+    weights = RankWeights(
+        tensors,
+        art.modules,
+        layout,
+        cfg,
+        backend=spec.device,
+        comm=comm,
+        pool=pool,
+        npu_ops=_npu_ops(spec.device),
+    )
+    model = DeepseekV3Reference(cfg, weights, dtype=spec.act_dtype)
+    layers = layout.stage_layers(cfg.num_hidden_layers)
+    first, last = stage == 0, stage == spec.pp - 1
+    seq = torch.tensor(spec.tokens, dtype=torch.long)
+    logits = None
+    for step in range(spec.generate + 1):
+        y = _pipeline(run_stage, model, layers, seq, stage, grank, g, first, last, world)
+        if step == 0 and y is not None:
+            logits = y
+        if step == spec.generate:
+            break
+        nxt = torch.zeros(1, dtype=torch.long)
+        if y is not None:
+            nxt[0] = int(y[-1].argmax())
+        if world > 1:
+            dist.broadcast(nxt, src=(spec.pp - 1) * g)
+        seq = torch.cat([seq, nxt])
+    if last and grank == 0:
+        assert logits is not None
+        np.save(out / "logits.npy", logits.numpy())
+        np.save(out / "generated.npy", seq[len(spec.tokens) :].numpy())
+    if pool is not None:
+        pool.close()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _layout(spec: RunSpec, rank: int) -> Any:
+    from .layout import ParallelLayout
+
+    stage, grank = divmod(rank, spec.group)
+    return ParallelLayout(
+        tp_size=spec.tp, tp_rank=grank if spec.tp > 1 else 0, pp_size=spec.pp, pp_rank=stage,
+        ep_size=spec.ep, ep_rank=grank if spec.ep > 1 else 0,
+    )  # fmt: skip
+
+
+def _pipeline(
+    run_stage: Any,
+    model: Any,
+    layers: range,
+    seq: torch.Tensor,
+    stage: int,
+    grank: int,
+    g: int,
+    first: bool,
+    last: bool,
+    world: int,
+) -> torch.Tensor | None:
+    """Run this stage; pass hidden states on. Returns the logits on the last stage's rank 0."""
+    import torch.distributed as dist
+
+    x: torch.Tensor = seq
+    if not first:
+        x = torch.empty(seq.shape[0], model.cfg.hidden_size, dtype=model.dtype)
+        dist.recv(x, src=(stage - 1) * g + grank)
+    y = run_stage(model, layers, x, first=first, last=last)
+    if not last:
+        dist.send(y.contiguous(), dst=(stage + 1) * g + grank)
+        return None
+    return y if grank == 0 else None
+
+
+def _torch_device(device: str, grank: int) -> str:
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise HetquantError("--device cuda: no CUDA device here; use --device cpu")
+        return f"cuda:{grank % torch.cuda.device_count()}"
+    return "cpu"  # npu tensors are handed to torch_npu by the backend's repack
+
+
+def _npu_ops(device: str) -> Any:
+    if device != "npu":
+        return None
+    if (
+        os.environ.get("HETQUANT_NPU_EMULATION") == "1"
+    ):  # tests: torch_npu's documented contracts, on CPU
+        from . import npu_emulation
+
+        return npu_emulation
+    return None  # the npu backend imports the real torch_npu
