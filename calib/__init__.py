@@ -1,1 +1,42 @@
-"""hetquant.calib."""
+"""hetquant.calib: calibration data, AWQ search, streaming calibration, accuracy evaluation.
+
+- ``data``: text → token blocks [N, L] with the checkpoint's tokenizer (deterministic rule).
+- ``awq``: the AWQ math as pure functions (scale and clip search, folds, the RTN quantizer).
+- ``calibrate``: ``calibrate(source, tokens) -> CalibrationResult``, one decoder layer at a time.
+- ``eval``: ``evaluate(artifact_forward, reference_forward, tokens)`` and the forwards for it.
+- ``forward``: the layer-streamed DeepSeek-V3 forward both use.
+"""
+
+from .calibrate import AwqOptions, CalibrationResult, Transform, calibrate, is_quantized_linear
+from .data import (
+    CALIB_SAMPLES,
+    CALIB_SEQ_LEN,
+    EVAL_SAMPLES,
+    EVAL_SEQ_LEN,
+    load_tokenizer,
+    token_blocks,
+)
+from .eval import (
+    evaluate,
+    forward_from_artifact_dequantized,
+    forward_from_calibration,
+    reference_forward_from_source,
+)
+
+__all__ = [
+    "CALIB_SAMPLES",
+    "CALIB_SEQ_LEN",
+    "EVAL_SAMPLES",
+    "EVAL_SEQ_LEN",
+    "AwqOptions",
+    "CalibrationResult",
+    "Transform",
+    "calibrate",
+    "evaluate",
+    "forward_from_artifact_dequantized",
+    "forward_from_calibration",
+    "is_quantized_linear",
+    "load_tokenizer",
+    "reference_forward_from_source",
+    "token_blocks",
+]

@@ -1,0 +1,375 @@
+"""AWQ (activation-aware weight quantization) as pure functions: statistics and weights in,
+scales / clip bounds out. No hooks, no I/O, no model; ``calibrate.py`` does the plumbing.
+
+Objective (Lin et al., arXiv 2306.00978; AutoAWQ 0.2.9 ``awq/quantize/quantizer.py``). Linears
+``W_i`` [N_i, K] that read the same K input channels — after one RMSNorm, or after one linear whose
+output rows can absorb a factor — share a per-channel scale ``s`` [K]:
+
+    s* = argmin_s  Σ_i ‖ Q(W_i · diag(s)) · diag(s)⁻¹ · X_iᵀ  −  W_i · X_iᵀ ‖²_F  /  Σ_i T_i · N_i
+
+``X_i`` [T_i, K] is what linear i sees on the calibration data (one shared X, or each routed
+expert its own routed tokens), ``Q`` is the artifact's quantizer: AutoAWQ GEMM W4A16 round-to-
+nearest per group of ``g`` input channels (``formats/awq_w4a16.py``; :func:`fake_quantize` is its
+quantize→dequantize, bit-identical, checked by the tests). ``diag(s)⁻¹`` is then folded into the
+producer of X (:func:`fold_into_norm`, :func:`fold_into_linear`) and ``diag(s)`` into the
+weights (:func:`scale_columns`), so the float model is unchanged and only Q sees ``W·diag(s)``.
+
+Candidates (AutoAWQ ``_compute_best_scale``, ``duo_scaling=True``), for α = k / grid, k < grid::
+
+    x̄ = mean_t |X[t, :]|                                   # [K] activation magnitude
+    w̄ = mean_rows(|W| / max|W| of its group), all W_i       # [K] relative weight magnitude
+    s_α = clamp(x̄^α / (w̄^(1-α) + 1e-4), min=1e-4);  s_α /= sqrt(max s_α · min s_α)
+
+(``duo_scaling=False``: ``s_α = x̄^α``). Two additions: the identity ``s = 1`` is always a
+candidate (llm-compressor's grid includes it), so the chosen loss never exceeds round-to-
+nearest's; and, optionally (``pow2=True``; off by default, as in AutoAWQ), every candidate is
+rounded to a power of two
+(``2^round(log2 s)``), which makes every fold exact in any binary float format — a BF16 norm
+divided by 2^k and a weight times 2^k hold the same digits — so the transformed float model,
+router included, computes bit-identical outputs. Candidates that coincide are evaluated once.
+
+Clip (AutoAWQ ``_compute_best_clip``): per output row n and input group j, the bound
+``max_val = max|W[n, group j]| · (1 - i / grid)`` for shrink steps ``i < max_shrink · grid``
+that minimises ``mean_t (Σ_{c ∈ j} X[t, c] · (Q(clamp(W, ±max_val)) − W)[n, c])²`` over at most
+``n_tokens`` evenly strided tokens. The result is stored as the shrink step ``i`` (uint8) and
+turned back into bounds by :func:`clip_bounds`, the one function both search and converter use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hetquant.formats import HetquantError
+from hetquant.formats.awq_w4a16 import QMAX, RANGE_EPS
+
+__all__ = [
+    "ScaleSearch",
+    "activation_mean",
+    "apply_clip",
+    "clip_bounds",
+    "clip_factors",
+    "fake_quantize",
+    "fold_into_linear",
+    "fold_into_norm",
+    "rtn_params",
+    "scale_candidates",
+    "scale_columns",
+    "search_clip",
+    "search_scale",
+    "weight_mean",
+]
+
+SCALE_EPS = 1e-4  # AutoAWQ: (x^α / (w^(1-α) + 1e-4)).clamp(min=1e-4)
+WMEAN_EPS = 1e-6  # AutoAWQ: |w| / (max|w| + 1e-6)
+_CHUNK = 8192  # token rows per matmul chunk
+
+
+# -- the quantizer ---------------------------------------------------------------------------
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float32 view of ``w`` [N, K] as (N, K/g, g); K must be divisible by g."""
+    if w.ndim != 2 or w.shape[1] % group_size:
+        raise HetquantError(
+            f"awq: weight {list(w.shape)} is not 2-D with in divisible by group {group_size}"
+        )
+    n, k = w.shape
+    return w.to(torch.float32).reshape(n, k // group_size, group_size)
+
+
+def _round_up_f16(x: torch.Tensor) -> torch.Tensor:
+    """Positive ``x`` rounded up to the next FP16 value (as ``awq_w4a16`` stores scales).
+
+    Bit arithmetic instead of ``nextafter``, so it runs on every device: for a positive FP16
+    value the next one up has the bit pattern + 1.
+    """
+    y = x.to(torch.float16)
+    low = y.to(x.dtype) < x
+    up = (y.view(torch.int16) + 1).view(torch.float16)
+    return torch.where(low, up, y)
+
+
+def rtn_params(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest parameters of ``AwqW4A16.quantize`` for ``w`` [N, K].
+
+    Returns ``scales`` FP16 [N, K/g] (range widened to contain 0, rounded up) and ``zeros``
+    float32 [N, K/g] (integers 0..15): exactly what ``AwqW4A16(g).quantize(w)`` stores, so
+    ``quantize(w, scales=, zeros=)`` with them reproduces it.
+    """
+    lo, hi = torch.aminmax(_grouped(w, group_size), dim=-1)  # (N, K/g) each
+    lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)  # range widened to contain 0
+    span = (hi.double() - lo.double()).clamp(min=RANGE_EPS)  # exact in float64
+    s16 = _round_up_f16(span / QMAX)  # (N, K/g)
+    z = (-torch.round(lo / s16.float())).clamp(0, QMAX)  # (N, K/g)
+    return s16, z
+
+
+def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``AwqW4A16(g).dequantize(AwqW4A16(g).quantize(w))`` without packing: float32 [N, K].
+
+    ``clamp(round(w/s) + z, 0, 15) - z`` is computed as ``clamp(round(w/s), -z, 15 - z)``
+    (z is an integer, so both are the same integers), then times ``s`` in float32.
+    """
+    wg = _grouped(w, group_size)  # (N, K/g, g)
+    s16, z = rtn_params(w, group_size)
+    s = s16.float()[..., None]  # (N, K/g, 1)
+    z = z[..., None]
+    q = torch.clamp(torch.round(wg / s), -z, QMAX - z)  # (N, K/g, g): q - z
+    return (q * s).reshape(w.shape)  # (N, K)
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+def activation_mean(x: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """``mean_t |x[t, :]|`` float32 [K] over the rows of ``x`` [..., K] (or of several)."""
+    xs = [x] if isinstance(x, torch.Tensor) else list(x)
+    k = xs[0].shape[-1]
+    total = torch.zeros(k, dtype=torch.float32, device=xs[0].device)
+    rows = 0
+    for t in xs:
+        t2 = t.reshape(-1, k)
+        for chunk in t2.split(_CHUNK):
+            total += chunk.abs().to(torch.float32).sum(0)
+        rows += t2.shape[0]
+    return total / max(rows, 1)
+
+
+def weight_mean(weights: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
+    """AutoAWQ's ``w_mean`` [K]: ``|W| / (max|W| of its group + 1e-6)`` averaged over the rows of
+    all ``weights`` (each [N_i, K]) stacked, accumulated one weight at a time."""
+    total, rows = None, 0
+    for w in weights:
+        wg = _grouped(w, group_size).abs()  # (N, K/g, g)
+        rel = wg / (wg.amax(dim=-1, keepdim=True) + WMEAN_EPS)
+        part = rel.reshape(w.shape).sum(0)  # [K]
+        total = part if total is None else total + part
+        rows += w.shape[0]
+    if total is None:
+        raise HetquantError("awq.weight_mean: no weights given")
+    return total / rows
+
+
+# -- scale search ----------------------------------------------------------------------------
+
+
+def scale_candidates(
+    x_mean: torch.Tensor,
+    w_mean: torch.Tensor,
+    grid: int = 20,
+    *,
+    duo_scaling: bool = True,
+    pow2: bool = False,
+) -> list[tuple[float | None, torch.Tensor]]:
+    """(α, s [K] float32) candidates, identity first (α None), duplicates removed."""
+    x_mean, w_mean = x_mean.to(torch.float32), w_mean.to(torch.float32)
+    out: list[tuple[float | None, torch.Tensor]] = [(None, torch.ones_like(x_mean))]
+    for k in range(grid):
+        a = k / grid
+        if duo_scaling:
+            s = (x_mean.pow(a) / (w_mean.pow(1 - a) + SCALE_EPS)).clamp(min=SCALE_EPS)
+        else:
+            s = x_mean.pow(a).clamp(min=SCALE_EPS)
+        s = s / (s.max() * s.min()).sqrt()
+        s = torch.where(torch.isfinite(s), s, torch.ones_like(s))
+        if pow2:
+            s = torch.exp2(torch.round(torch.log2(s)))
+        if not any(torch.equal(s, prev) for _, prev in out):
+            out.append((a, s))
+    return out
+
+
+@dataclass(frozen=True)
+class ScaleSearch:
+    """Outcome of :func:`search_scale`.
+
+    ``scales`` float32 [K]; ``ratio`` the chosen α (None: identity won); ``loss`` and
+    ``identity_loss`` the objective (mean squared output error) at the choice and at ``s = 1``
+    (plain round-to-nearest); ``losses`` every (α, loss) evaluated, identity first.
+    """
+
+    scales: torch.Tensor
+    ratio: float | None
+    loss: float
+    identity_loss: float
+    losses: tuple[tuple[float | None, float], ...]
+
+
+def search_scale(
+    weights: Sequence[torch.Tensor],
+    x: torch.Tensor | Sequence[torch.Tensor],
+    group_size: int,
+    grid: int = 20,
+    *,
+    x_mean: torch.Tensor | None = None,
+    duo_scaling: bool = True,
+    pow2: bool = False,
+    matmul_dtype: torch.dtype = torch.float32,
+) -> ScaleSearch:
+    """The AWQ scale shared by ``weights`` (each [N_i, K]); see the module docstring.
+
+    ``x``: the input [T, K] all weights read, or one input [T_i, K] per weight (T_i may be 0: a
+    routed expert that saw no token adds nothing to the objective); a Sequence may make its
+    items on demand, so that only one expert's rows exist at a time. ``x_mean``: the activation
+    statistic (default: :func:`activation_mean` of ``x``). The output error of each candidate is
+    computed as ``X · (Q(W·diag(s))·diag(s)⁻¹ − W)ᵀ`` (equal to the objective's difference, with
+    no cancellation), through the Gram matrix ``XᵀX`` when T_i > K. Matmuls run in
+    ``matmul_dtype`` (bfloat16 is enough to rank candidates on an accelerator); the error
+    matrices and sums are float32. Ties keep the earlier candidate (identity first).
+    """
+    ws = list(weights)
+    xs = [x] * len(ws) if isinstance(x, torch.Tensor) else x  # may be a lazy Sequence
+    if not ws or len(xs) != len(ws):
+        raise HetquantError(f"awq.search_scale: {len(ws)} weights but {len(xs)} inputs")
+    if x_mean is None:
+        x_mean = activation_mean(xs[0] if isinstance(x, torch.Tensor) else xs)
+    cands = scale_candidates(
+        x_mean, weight_mean(ws, group_size), grid, duo_scaling=duo_scaling, pow2=pow2
+    )
+    sq = torch.zeros(len(cands), dtype=torch.float64)
+    count = 0
+    grams: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(x) → (x kept alive, xᵀx)
+    for w, xi in zip(ws, xs, strict=True):
+        t = xi.reshape(-1, w.shape[1])
+        if t.shape[0] == 0:
+            continue
+        count += t.shape[0] * w.shape[0]
+        w32 = w.to(torch.float32)
+        gram = None
+        if t.shape[0] > w.shape[1]:
+            if id(xi) not in grams:
+                grams[id(xi)] = (xi, _gram(t, matmul_dtype))
+            gram = grams[id(xi)][1]
+        for c, (_, s) in enumerate(cands):
+            err = fake_quantize(w32 * s, group_size) / s - w32  # (N, K)
+            sq[c] += _sq_out(t, err, gram, matmul_dtype)
+    losses = [float(v) / max(count, 1) for v in sq]
+    best = min(range(len(cands)), key=lambda c: (losses[c], c))
+    return ScaleSearch(
+        scales=cands[best][1],
+        ratio=cands[best][0],
+        loss=losses[best],
+        identity_loss=losses[0],
+        losses=tuple((a, v) for (a, _), v in zip(cands, losses, strict=True)),
+    )
+
+
+def _gram(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``xᵀx`` float32 [K, K], accumulated over token chunks."""
+    k = x.shape[-1]
+    g = torch.zeros(k, k, dtype=torch.float32, device=x.device)
+    for chunk in x.split(_CHUNK):
+        c = chunk.to(dtype)
+        g += (c.T @ c).to(torch.float32)
+    return g
+
+
+def _sq_out(x: torch.Tensor, err: torch.Tensor, gram: torch.Tensor | None, dtype) -> float:
+    """``‖x · errᵀ‖²_F`` for x [T, K], err [N, K] (via ``gram = xᵀx`` when given)."""
+    if gram is not None:
+        return float(((err @ gram) * err).sum(dtype=torch.float64))
+    e = err.to(dtype)
+    total = 0.0
+    for chunk in x.split(_CHUNK):
+        total += float((chunk.to(dtype) @ e.T).to(torch.float32).pow(2).sum(dtype=torch.float64))
+    return total
+
+
+# -- clip search -----------------------------------------------------------------------------
+
+
+def clip_factors(grid: int, max_shrink: float) -> torch.Tensor:
+    """``1 - i / grid`` for the shrink steps ``i < int(max_shrink · grid)``, float32."""
+    return torch.tensor([1 - i / grid for i in range(int(max_shrink * grid))], dtype=torch.float32)
+
+
+def clip_bounds(w: torch.Tensor, shrink: torch.Tensor, group_size: int, factors: torch.Tensor):
+    """``max|W| of each group · factors[shrink]``: float32 [N, K/g] bounds for ``w`` [N, K]."""
+    amax = _grouped(w, group_size).abs().amax(dim=-1)  # (N, K/g)
+    return amax * factors.to(amax.device)[shrink.long()]
+
+
+def apply_clip(w: torch.Tensor, bounds: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``clamp(w, -bound, bound)`` per group: float32 [N, K]."""
+    wg = _grouped(w, group_size)
+    b = bounds[..., None]  # (N, K/g, 1)
+    return torch.maximum(torch.minimum(wg, b), -b).reshape(w.shape)
+
+
+def search_clip(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    group_size: int,
+    *,
+    grid: int = 20,
+    max_shrink: float = 0.5,
+    n_tokens: int = 512,
+    rows_per_batch: int = 256,
+) -> torch.Tensor:
+    """Best shrink step per (row, group) for ``w`` [N, K] on inputs ``x`` [T, K]: uint8 [N, K/g].
+
+    See the module docstring. Tokens are taken every ``max(1, T // n_tokens)``-th (AutoAWQ).
+    With no token every step is 0 (no clipping). Ties keep the smaller shrink.
+    """
+    n, k = w.shape
+    groups = k // group_size
+    best = torch.zeros(n, groups, dtype=torch.uint8, device=w.device)
+    t = x.reshape(-1, k)
+    if t.shape[0] == 0:
+        return best
+    t = t[:: max(1, t.shape[0] // n_tokens)].to(torch.float32)
+    xg = t.reshape(-1, groups, group_size).transpose(0, 1)  # (G, T', g)
+    factors = clip_factors(grid, max_shrink).to(w.device)
+    for r0 in range(0, n, rows_per_batch):
+        wr = w[r0 : r0 + rows_per_batch].to(torch.float32)  # (n', K)
+        wg = wr.reshape(wr.shape[0], groups, group_size)
+        amax = wg.abs().amax(dim=-1)  # (n', G)
+        best_err = torch.full_like(amax, float("inf"))
+        for i in range(factors.numel()):
+            b = (amax * factors[i])[..., None]  # (n', G, 1)
+            clipped = torch.maximum(torch.minimum(wg, b), -b).reshape(wr.shape)
+            d = (fake_quantize(clipped, group_size) - wr).reshape(wg.shape)  # (n', G, g)
+            out = torch.bmm(xg, d.permute(1, 2, 0))  # (G, T', n'): per-group partial outputs
+            err = out.pow(2).mean(dim=1).T  # (n', G)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best[r0 : r0 + rows_per_batch][better] = i
+    return best
+
+
+# -- folding ---------------------------------------------------------------------------------
+
+
+def _dt(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """float32, or float64 when either operand is float64."""
+    return torch.promote_types(torch.float32, torch.promote_types(a.dtype, b.dtype))
+
+
+def fold_into_norm(norm_weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """RMSNorm weight [K] ÷ s: the norm then outputs ``x · diag(s)⁻¹`` (float32 or 64)."""
+    dt = _dt(norm_weight, s)
+    return norm_weight.to(dt) / s.to(dt)
+
+
+def fold_into_linear(
+    prev_weight: torch.Tensor, s: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Previous linear's output rows ÷ s (all rows, or ``rows`` [K] index): a float32 (or 64)
+    copy."""
+    dt = _dt(prev_weight, s)
+    out, s = prev_weight.to(dt), s.to(dt)
+    if rows is None:
+        return out / s[:, None]
+    out = out.clone()
+    out[rows] = out[rows] / s[:, None]
+    return out
+
+
+def scale_columns(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``W · diag(s)``: input column c times s[c] (float32 or 64) — the balanced weight, or the
+    router compensated for a fold into the norm it shares."""
+    dt = _dt(w, s)
+    return w.to(dt) * s.to(dt)

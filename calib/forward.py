@@ -1,0 +1,313 @@
+"""DeepSeek-V3 decoder layers over a batch of sequences, one layer's weights at a time.
+
+Calibration and evaluation both run the model as ``N`` independent sequences of ``T`` tokens
+(positions 0..T-1 each, causal), layer by layer: only the current layer's tensors are held, as
+``DenseWeights``-style state on the compute device, plus the hidden states [N, T, D]. The layer
+is composed from the runtime's own building blocks (``runtime/model.py``
+``DeepseekV3Reference.attention``, ``rms_norm``; ``runtime/moe.py`` ``route``, ``gated_mlp``),
+in the order of ``DeepseekV3Reference.decoder_layer``, with two changes that make it run on any
+device and deterministically:
+
+- attention runs per sequence (the runtime's attention takes one sequence); norms, router and
+  MLP / experts run on all N·T tokens at once;
+- ``route`` runs on the CPU (its group mask is allocated there), and the routed-expert sum adds
+  each expert's contribution with an index-put instead of ``index_add_`` — identical on the CPU
+  (tokens are unique per expert), and free of CUDA's atomic-add nondeterminism.
+
+``LayerWeights`` is the weights provider (``runtime.model.Weights``); with a ``Capture`` it
+records the input of every non-expert linear and, for the MoE, the router's expert choice, from
+which each routed expert's own tokens are recovered (``Capture.expert_tokens``).
+
+``StreamedForward(cfg, names, tensor_fn)`` is the whole model this way: tokens [N, T] → logits
+float32 [N, T, V], reading each tensor through ``tensor_fn(name)`` when its layer comes up.
+``ConfigView`` reads the config.json fields the forward needs (calib does not import
+``convert``; a ``formats.model_config.ModelConfig`` works the same wherever a config is taken).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hetquant.formats import HetquantError
+from hetquant.formats.fp8_block import Fp8Block
+from hetquant.runtime.model import DeepseekV3Reference, rms_norm
+from hetquant.runtime.moe import gated_mlp, route
+from hetquant.runtime.rope import cos_sin
+
+__all__ = [
+    "Capture",
+    "ConfigView",
+    "LayerRunner",
+    "LayerWeights",
+    "StreamedForward",
+    "check_tokens",
+    "default_device",
+    "layer_names",
+    "source_tensor_fn",
+]
+
+TensorFn = Callable[[str], torch.Tensor]
+EXPERTS = ".mlp.experts."
+
+
+@dataclass(frozen=True)
+class ConfigView:
+    """The DeepSeek-V3 config.json fields the forward reads (a duck-typed ``ModelConfig``)."""
+
+    raw: dict[str, Any]
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ConfigView:
+        need = [
+            "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        ]  # fmt: skip
+        missing = [k for k in need if raw.get(k) is None]
+        if missing:
+            raise HetquantError(f"config.json: missing {', '.join(missing)}")
+        q = raw.get("q_lora_rank")
+        return cls(
+            raw=dict(raw),
+            **{k: int(raw[k]) for k in need},
+            q_lora_rank=None if q is None else int(q),
+            n_routed_experts=int(raw.get("n_routed_experts") or 0),
+            n_shared_experts=int(raw.get("n_shared_experts") or 0),
+            first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer >= self.first_k_dense_replace
+            and layer % self.moe_layer_freq == 0
+        )
+
+
+def default_device() -> torch.device:
+    """``cuda`` if available, else ``npu`` (torch_npu loaded and a device present), else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return torch.device("npu")
+    return torch.device("cpu")
+
+
+def source_tensor_fn(source: Any) -> TensorFn:
+    """``name → tensor`` of a source checkpoint (anything with ``.config``, ``.weight(name)``,
+    ``.scale(name)``): FP8 weights dequantized to BF16 with DeepSeek's exact formula, other
+    tensors as stored (zero-copy views; never written)."""
+    bs = getattr(source.config, "weight_block_size", None)
+    fp8 = Fp8Block(bs[0]) if bs else Fp8Block()
+
+    def get(name: str) -> torch.Tensor:
+        w = source.weight(name)
+        if w.dtype == torch.float8_e4m3fn:
+            return fp8.dequantize_bf16(w, source.scale(name))
+        return w
+
+    return get
+
+
+def layer_names(names: Iterable[str], layer: int) -> list[str]:
+    """The tensor names of decoder layer ``layer`` (``model.layers.{layer}.*``), in order."""
+    prefix = f"model.layers.{layer}."
+    return [n for n in names if n.startswith(prefix)]
+
+
+class Capture:
+    """Inputs seen by a layer's linears during one forward (see module docstring)."""
+
+    def __init__(self) -> None:
+        self._inputs: dict[str, list[torch.Tensor]] = {}
+        self._joined: dict[tuple[int, ...], torch.Tensor] = {}
+        self.moe_input: torch.Tensor | None = None  # [M, D], the normed input of the MoE
+        self.topk_ids: torch.Tensor | None = None  # [M, k]
+
+    def linear(self, name: str, x: torch.Tensor) -> None:
+        if EXPERTS not in name:  # routed experts: recovered from the routing instead
+            self._inputs.setdefault(name, []).append(x)
+
+    def routing(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        self.moe_input, self.topk_ids = x, topk_ids
+
+    def input(self, module: str) -> torch.Tensor:
+        """Every row linear ``module`` saw, [rows, in] (one tensor shared by linears that read
+        the same activations)."""
+        parts = self._inputs.get(module)
+        if not parts:
+            raise HetquantError(f"calibration: linear {module} saw no input")
+        key = tuple(id(p) for p in parts)
+        if key not in self._joined:
+            self._joined[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._joined[key]
+
+    def expert_tokens(self, n_experts: int) -> list[torch.Tensor]:
+        """Per routed expert, the (ascending) rows of ``moe_input`` routed to it."""
+        if self.topk_ids is None:
+            raise HetquantError("calibration: no routing was captured")
+        return [
+            torch.nonzero((self.topk_ids == e).any(-1), as_tuple=True)[0] for e in range(n_experts)
+        ]
+
+
+class LayerWeights:
+    """``runtime.model.Weights`` over ``state`` (HF names → tensors on the compute device)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], capture: Capture | None = None):
+        self.state, self.capture = dict(state), capture
+        self._cast: dict[str, torch.Tensor] = {}  # non-expert weights in the compute dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.state[name]
+        except KeyError:
+            raise HetquantError(f"weights: no tensor {name!r}") from None
+
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self.capture is not None:
+            self.capture.linear(name, x)
+        return F.linear(x, self.weight(f"{name}.weight", x.dtype))
+
+    def weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """``get(name)`` in ``dtype``; kept for the non-expert linears, which attention calls
+        once per sequence (a routed expert runs once per forward)."""
+        if EXPERTS in name:
+            return self.get(name).to(dtype)
+        w = self._cast.get(name)
+        if w is None or w.dtype != dtype:
+            w = self._cast[name] = self.get(name).to(dtype)
+        return w
+
+    def experts(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``runtime.moe.routed_experts`` with a deterministic accumulation (module docstring)."""
+        if self.capture is not None:
+            self.capture.routing(x, topk_ids)
+        prefix = f"model.layers.{layer}.mlp.experts"
+        out = torch.zeros_like(x)  # [M, D]
+        for e in torch.unique(topk_ids).tolist():
+            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)  # [n], [n]
+            y = gated_mlp(self.linear, f"{prefix}.{e}", x[tok])  # [n, D]
+            out[tok] += y * topk_weights[tok, slot, None].to(x.dtype)
+        return out
+
+
+class LayerRunner:
+    """Decoder layers over hidden states [N, T, D] (see module docstring)."""
+
+    def __init__(self, cfg: Any, seq_len: int, device: torch.device, dtype: torch.dtype):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        probe = DeepseekV3Reference(cfg, LayerWeights({}), dtype=dtype)
+        self.eps, self.router = probe.eps, probe.router
+        cos, sin = cos_sin(probe.rope, torch.arange(seq_len))  # [T, dr/2] each
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+        self.mask = torch.full((seq_len, seq_len), float("-inf")).triu(1).to(self.device)
+
+    def run(self, layer: int, h: torch.Tensor, weights: LayerWeights) -> torch.Tensor:
+        """Layer ``layer`` on ``h`` [N, T, D] → [N, T, D] with ``weights``."""
+        model = DeepseekV3Reference(self.cfg, weights, dtype=self.dtype)
+        p = f"model.layers.{layer}"
+        ln = weights.get(f"{p}.input_layernorm.weight")
+        rows = []
+        for hn in h:  # attention: one sequence at a time
+            x = rms_norm(hn, ln, self.eps)  # [T, D]
+            rows.append(hn + model.attention(layer, x, self.cos, self.sin, self.mask))
+        flat = torch.stack(rows).reshape(-1, h.shape[-1])  # [N·T, D]
+        x = rms_norm(flat, weights.get(f"{p}.post_attention_layernorm.weight"), self.eps)
+        if self.cfg.is_moe_layer(layer):
+            y = self._moe(weights, layer, x)
+        else:
+            y = gated_mlp(weights.linear, f"{p}.mlp", x)
+        return (flat + y).reshape(h.shape)
+
+    def _moe(self, w: LayerWeights, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """``DeepseekV3Reference.moe`` with routing on the CPU."""
+        assert self.router is not None
+        p = f"model.layers.{layer}.mlp"
+        logits = F.linear(x.to(torch.float32), w.get(f"{p}.gate.weight").to(torch.float32))
+        bias = w.get(f"{p}.gate.e_score_correction_bias").cpu() if self.router.use_bias else None
+        ids, weights = route(logits.cpu(), bias, self.router)  # [M, k] each
+        y = w.experts(layer, x, ids.to(x.device), weights.to(x.device))
+        if self.cfg.n_shared_experts:
+            y = y + gated_mlp(w.linear, f"{p}.shared_experts", x)
+        return y
+
+    def embed(self, embed_weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden states [N, T, D] of ``tokens`` [N, T] (looked up where the table lives)."""
+        return embed_weight[tokens.to(embed_weight.device)].to(self.device, self.dtype)
+
+    def head(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """Logits float32 [N, T, V] from the last hidden states ``h`` [N, T, D]."""
+        x = rms_norm(h, norm.to(self.device), self.eps)
+        return F.linear(x, lm_head.to(self.device, self.dtype)).to(torch.float32)
+
+
+def check_tokens(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``tokens`` as int64 [N, T] (a 1-D sequence becomes N = 1), ids checked against vocab."""
+    t = tokens.to(torch.long)
+    if t.ndim == 1:
+        t = t[None]
+    if t.ndim != 2 or t.numel() == 0:
+        raise HetquantError(f"expected token ids [N, T], got shape {list(tokens.shape)}")
+    if int(t.min()) < 0 or int(t.max()) >= vocab:
+        raise HetquantError(f"token ids must lie in [0, {vocab})")
+    return t
+
+
+class StreamedForward:
+    """Tokens [N, T] → logits float32 [N, T, V], one decoder layer's tensors at a time.
+
+    ``names``: every tensor name available; ``tensor_fn(name)``: that tensor (float, any
+    device). Each layer's tensors are moved to ``device`` and dropped after the layer.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        names: Iterable[str],
+        tensor_fn: TensorFn,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.cfg, self.names, self.tensor_fn = cfg, list(names), tensor_fn
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = check_tokens(tokens, self.cfg.vocab_size)
+        runner = LayerRunner(self.cfg, t.shape[1], self.device, self.dtype)
+        h = runner.embed(self.tensor_fn("model.embed_tokens.weight"), t)  # [N, T, D]
+        for layer in range(self.cfg.num_hidden_layers):
+            state = {n: self.tensor_fn(n).to(self.device) for n in layer_names(self.names, layer)}
+            h = runner.run(layer, h, LayerWeights(state))
+            del state
+        return runner.head(
+            h, self.tensor_fn("model.norm.weight"), self.tensor_fn("lm_head.weight")
+        ).cpu()

@@ -1,0 +1,139 @@
+"""The pure AWQ functions: the quantizer is the artifact's, the searches do what they say."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetquant.calib import awq
+from hetquant.formats.awq_w4a16 import AwqW4A16
+from hetquant.runtime.model import rms_norm
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("group", [128, 64])
+@pytest.mark.parametrize("case", ["normal", "tiny", "huge", "one_signed", "zeros"])
+def test_fake_quantize_is_the_formats_round_trip(group, case):
+    w = torch.randn(48, 256, generator=_gen(group))
+    w = {
+        "normal": w,
+        "tiny": w * 1e-6,
+        "huge": w * 1e3,
+        "one_signed": w.abs() + 0.5,
+        "zeros": w * (torch.arange(256) >= 128),  # an all-zero group per row
+    }[case]
+    fmt = AwqW4A16(group)
+    stored = fmt.quantize(w)
+    assert torch.equal(awq.fake_quantize(w, group), fmt.dequantize(stored))
+    scales, zeros = awq.rtn_params(w, group)
+    again = fmt.quantize(w, scales=scales, zeros=zeros)
+    assert all(torch.equal(again[k], stored[k]) for k in stored)
+
+
+def test_candidates_identity_first_and_pow2():
+    xm = torch.rand(256, generator=_gen(0)) + 0.01
+    wm = torch.rand(256, generator=_gen(1)) + 0.01
+    cands = awq.scale_candidates(xm, wm, 20, pow2=True)
+    assert cands[0][0] is None and torch.equal(cands[0][1], torch.ones(256))
+    for _, s in cands:
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two
+    plain = awq.scale_candidates(xm, wm, 20)
+    assert len(plain) == 21  # identity + α = 0, 0.05, …, 0.95
+    for _, s in plain[1:]:  # AutoAWQ's normalisation: max · min = 1
+        assert float(s.max() * s.min()) == pytest.approx(1.0, rel=1e-5)
+
+
+def _objective(ws, xs, s, g):
+    """The docstring's objective, computed the direct way, in float64."""
+    num = den = 0.0
+    for w, x in zip(ws, xs, strict=True):
+        wq = awq.fake_quantize(w * s, g).double()
+        out = (x.double() / s.double()) @ wq.T
+        ref = x.double() @ w.double().T
+        num += float((out - ref).pow(2).sum())
+        den += out.numel()
+    return num / den
+
+
+def test_search_scale_protects_outlier_channels():
+    x = torch.randn(300, 256, generator=_gen(2))
+    x[:, ::32] *= 30  # salient input channels
+    w1 = torch.randn(64, 256, generator=_gen(3))
+    w2 = torch.randn(32, 256, generator=_gen(4))
+    found = awq.search_scale([w1, w2], x, 128)
+    assert found.ratio is not None
+    assert found.loss < 0.8 * found.identity_loss
+    assert found.losses[0] == (None, found.identity_loss)
+    assert found.loss == min(v for _, v in found.losses)
+    # the reported loss is the documented objective (T = 300 > K: the Gram path)
+    assert found.loss == pytest.approx(_objective([w1, w2], [x, x], found.scales, 128), rel=1e-4)
+    assert found.identity_loss == pytest.approx(
+        _objective([w1, w2], [x, x], torch.ones(256), 128), rel=1e-4
+    )
+
+
+def test_search_scale_per_weight_inputs_and_empty():
+    x = torch.randn(40, 256, generator=_gen(5))  # T < K: the direct path
+    x[:, :8] *= 10
+    w1, w2 = torch.randn(16, 256, generator=_gen(6)), torch.randn(16, 256, generator=_gen(7))
+    found = awq.search_scale([w1, w2], [x, x[:0]], 128, x_mean=awq.activation_mean(x))
+    # the expert that saw no token adds nothing: the loss is w1's alone
+    assert found.loss == pytest.approx(_objective([w1], [x], found.scales, 128), rel=1e-4)
+    assert found.loss <= found.identity_loss
+
+
+def test_identity_wins_on_isotropic_data():
+    x = torch.randn(200, 128, generator=_gen(8))
+    w = torch.randn(32, 128, generator=_gen(9))
+    found = awq.search_scale([w], x, 128)
+    assert found.loss <= found.identity_loss  # never worse than round-to-nearest
+
+
+def test_search_clip_never_worse_per_group():
+    w = torch.randn(64, 256, generator=_gen(10))
+    w[:, 5] *= 8  # a weight outlier per row: clipping it pays
+    x = torch.randn(100, 256, generator=_gen(11))
+    shrink = awq.search_clip(w, x, 128)
+    assert shrink.dtype == torch.uint8 and shrink.shape == (64, 2)
+    assert int(shrink.max()) < 10 and bool(shrink.any())
+    factors = awq.clip_factors(20, 0.5)
+    clipped = awq.apply_clip(w, awq.clip_bounds(w, shrink, 128, factors), 128)
+
+    def group_err(wc):
+        d = (awq.fake_quantize(wc, 128) - w).reshape(64, 2, 128)
+        return torch.einsum("tgj,ngj->ntg", x.reshape(100, 2, 128), d).pow(2).mean(1)
+
+    assert bool((group_err(clipped) <= group_err(w) + 1e-6).all())
+    assert float(group_err(clipped).sum()) < 0.95 * float(group_err(w).sum())
+    assert not awq.search_clip(w, x[:0], 128).any()  # no tokens: no clip
+
+
+def test_folds_are_the_identity_on_the_float_model():
+    torch.manual_seed(0)
+    h = torch.randn(10, 256, dtype=torch.float64)
+    norm = torch.rand(256, dtype=torch.float64) + 0.5
+    w = torch.randn(32, 256, dtype=torch.float64)
+    s = torch.rand(256, dtype=torch.float64) + 0.1
+    ref = rms_norm(h, norm, 1e-6).double() @ w.T
+    folded = rms_norm(h, awq.fold_into_norm(norm, s).double(), 1e-6).double()
+    got = folded @ awq.scale_columns(w, s).double().T
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)  # float32 folds, float64 compute
+    # a previous linear's rows: y = (x A^T) with rows ÷ s, then W·diag(s)
+    a = torch.randn(256, 64, dtype=torch.float64)
+    x = torch.randn(5, 64, dtype=torch.float64)
+    y = x @ awq.fold_into_linear(a, s).double().T @ awq.scale_columns(w, s).double().T
+    assert torch.allclose(y, x @ a.T @ w.T, rtol=1e-5, atol=1e-5)
+    rows = torch.arange(0, 256, 2)
+    a2 = awq.fold_into_linear(a, s[:128], rows)
+    assert torch.equal(a2[1::2], a[1::2]) and torch.allclose(a2[::2], a[::2] / s[:128, None])
+
+
+def test_gram_and_direct_paths_agree():
+    x = torch.randn(600, 128, generator=_gen(12))
+    err = torch.randn(16, 128, generator=_gen(13)) * 1e-2
+    direct = awq._sq_out(x, err, None, torch.float32)
+    gram = awq._sq_out(x, err, awq._gram(x, torch.float32), torch.float32)
+    assert gram == pytest.approx(direct, rel=1e-4)
