@@ -104,6 +104,20 @@ def main(verbose: bool) -> None:
     type=click.Choice(["ascend", "nvfp4"]),
     help="fp4: Ascend 8x8 tiled layout (default) or canonical ModelOpt NVFP4.",
 )
+@click.option(
+    "--calib-samples",
+    default=128,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Calibration samples.",
+)
+@click.option(
+    "--calib-seq-len",
+    default=512,
+    show_default=True,
+    type=click.IntRange(2),
+    help="Tokens per sample.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan (outputs, sizes, memory) and exit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact in OUTPUT.")
 @click.option(
@@ -124,6 +138,8 @@ def convert(
     mtp: str | None,
     group_size: int | None,
     fp4_layout: str | None,
+    calib_samples: int,
+    calib_seq_len: int,
     dry_run: bool,
     overwrite: bool,
     download_dir: Path | None,
@@ -142,12 +158,13 @@ def convert(
     given = {"mtp": mtp, "group_size": group_size, "fp4_layout": fp4_layout}
     options = {k: v for k, v in given.items() if v is not None}
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
-    if calib_data is not None:
-        raise HetquantError(f"recipe {recipe} does not calibrate; drop --calib-data")
     root, revision = resolve_source(source, download_dir, token)
     repo_id = parse_repo_spec(source)[0] if revision is not None else None
     src = SourceCheckpoint.open(root, revision, repo_id)
     size = parse_size(max_shard_size)
+    calibration = (
+        _calibrate(src, rec, calib_data, calib_samples, calib_seq_len) if calib_data else None
+    )
     if dry_run:
         plan = plan_for(src, rec, size)
         _print_plan(plan, src, workers)
@@ -163,6 +180,7 @@ def convert(
             workers=workers,
             overwrite=overwrite,
             progress=progress,
+            calibration=calibration,
         )
     finally:
         progress.close()
@@ -287,6 +305,83 @@ def run(
     )
     if generate:
         click.echo(f"generated: {','.join(map(str, generated))}")
+
+
+@main.command(name="eval")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option(
+    "--reference",
+    "reference",
+    required=True,
+    help="The FP8 source checkpoint (directory or org/name[@rev]).",
+)
+@click.option(
+    "--text", required=True, type=click.Path(path_type=Path), help="Held-out text to score."
+)
+@click.option("--samples", default=8, show_default=True, type=click.IntRange(1), help="Sequences.")
+@click.option(
+    "--seq-len", default=512, show_default=True, type=click.IntRange(2), help="Tokens per sequence."
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write {ppl, ref_ppl, kl, top1}.",
+)
+@click.option("--max-kl", type=float, help="Exit 1 if the mean KL exceeds this.")
+@click.option("--min-top1", type=float, help="Exit 1 if top-1 agreement is below this.")
+def eval_(
+    artifact: Path,
+    reference: str,
+    text: Path,
+    samples: int,
+    seq_len: int,
+    json_out: Path | None,
+    max_kl: float | None,
+    min_top1: float | None,
+) -> None:
+    """Perplexity, KL divergence and top-1 agreement of ARTIFACT against its FP8 reference."""
+    import json
+
+    from hetquant.calib.data import load_tokenizer, token_blocks
+    from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
+    from hetquant.runtime.run import local_model
+
+    from .hub import resolve_source
+    from .source import SourceCheckpoint
+
+    _must_exist(artifact)
+    _must_exist(text)
+    root, revision = resolve_source(reference, None, None)
+    src = SourceCheckpoint.open(root, revision)
+    tokens = token_blocks([text], *load_tokenizer(src.root), samples, seq_len)
+    model = local_model(artifact)
+    result = evaluate(per_sequence(model.forward), reference_forward_from_source(src), tokens)
+    doc = {k: result[k] for k in ("ppl", "ref_ppl", "kl", "top1")}
+    click.echo(
+        f"ppl {doc['ppl']:.4f} (reference {doc['ref_ppl']:.4f}), KL {doc['kl']:.6f}, top-1 {doc['top1']:.4f} over {samples}x{seq_len} tokens"
+    )
+    if json_out is not None:
+        json_out.write_text(json.dumps(doc, indent=2) + "\n")
+    failed = (max_kl is not None and doc["kl"] > max_kl) or (
+        min_top1 is not None and doc["top1"] < min_top1
+    )
+    if failed:
+        click.echo("FAIL thresholds not met")
+        sys.exit(1)
+
+
+def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
+    """AWQ calibration of ``src`` on ``text`` (streaming, one layer at a time)."""
+    if not rec.calibrates:
+        raise HetquantError(f"recipe {rec.name} does not calibrate; drop --calib-data")
+    from hetquant.calib.calibrate import AwqOptions, calibrate
+    from hetquant.calib.data import load_tokenizer, token_blocks
+
+    tokenizer, eos = load_tokenizer(src.root)
+    tokens = token_blocks([text], tokenizer, eos, samples, seq_len)
+    log.info("calibrating on %d x %d tokens of %s", samples, seq_len, text)
+    return calibrate(src, tokens, AwqOptions(group_size=rec.option("group_size")), log=log.info)
 
 
 def _must_exist(path: Path) -> None:

@@ -9,6 +9,7 @@ place, the index, config and tokenizer files follow, and ``hetquant.json`` is wr
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -33,6 +34,7 @@ __all__ = ["AUX_PATTERNS", "PARTIAL_DIR", "ConvertResult", "convert", "plan_for"
 log = logging.getLogger("hetquant.convert")
 
 PARTIAL_DIR = ".hetquant-partial"
+CALIBRATION_DIR = "calibration"
 JOURNAL = "journal"
 AUX_PATTERNS = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -64,23 +66,47 @@ def convert(
     workers: int = 1,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    calibration: Any = None,
 ) -> ConvertResult:
-    """Convert ``source`` into the artifact directory ``output`` (see module docstring)."""
+    """Convert ``source`` into the artifact directory ``output`` (see module docstring).
+
+    ``calibration`` (a ``calib.CalibrationResult``): AWQ transforms applied to the weights,
+    norms and routers it covers before they are quantized or copied; part of the plan's identity.
+    """
     output = output.resolve()
     _check_paths(source.root, output)
     plan = plan_for(source, recipe, max_shard_size)
-    digest = plan.digest(source.fingerprint)
+    if calibration is not None and not recipe.calibrates:
+        raise HetquantError(f"recipe {recipe.name} does not calibrate; drop --calib-data")
+    record = calibration_record(calibration) if recipe.calibrates else None
+    digest = plan.digest(source.fingerprint + json.dumps(record, sort_keys=True))
     work = _prepare_output(output, digest, overwrite)
+    if calibration is not None and workers > 1:
+        calibration.save(work / CALIBRATION_DIR)  # worker processes load it lazily
     done = _open_work_files(plan, work)
     todo = [j for j in plan.jobs if j.id not in done]
     if done:  # a fresh run stays quiet: a bad-input error must be the only line on stderr
         log.info("%d jobs, %d already done (resume)", len(plan.jobs), len(done))
     with open(work / JOURNAL, "a") as journal:
-        for job_id in _run_jobs(source, plan, work, todo, workers, progress):
+        for job_id in _run_jobs(source, plan, work, todo, workers, progress, calibration):
             journal.write(f"{job_id}\n")
             journal.flush()
-    manifest = _finalize(source, plan, output, work, digest)
+    manifest = _finalize(source, plan, output, work, digest, record)
     return ConvertResult(plan, manifest, len(done))
+
+
+def calibration_record(calibration: Any) -> dict[str, Any]:
+    """What the manifest says about calibration: deterministic fields only (no timings)."""
+    if calibration is None:
+        return {"method": "rtn"}
+    stats = calibration.stats
+    return {
+        "method": calibration.options.method,
+        "tokens": stats["tokens"],
+        "options": calibration.options.to_dict(),
+        "fallback_experts": stats.get("fallback_experts", {}),
+        "mtp": "rtn",  # the MTP layer has no forward to calibrate through
+    }
 
 
 def _check_paths(src: Path, out: Path) -> None:
@@ -171,8 +197,13 @@ def _worker_init(
 
     torch.set_num_threads(1)
     source = SourceCheckpoint.open(source_root, revision)
+    calibration = None
+    if (Path(work) / CALIBRATION_DIR).exists():
+        from hetquant.calib.calibrate import CalibrationResult
+
+        calibration = CalibrationResult.load(Path(work) / CALIBRATION_DIR)
     # The plan is rebuilt here, not sent: it holds role-table lambdas, which cannot be pickled.
-    _WORKER = JobRunner(source, plan_for(source, recipe, max_shard_size), Path(work))
+    _WORKER = JobRunner(source, plan_for(source, recipe, max_shard_size), Path(work), calibration)
 
 
 def _worker_run(job: Job) -> tuple[int, int]:
@@ -182,10 +213,10 @@ def _worker_run(job: Job) -> tuple[int, int]:
 
 def _run_jobs(
     source: SourceCheckpoint, plan: Plan, work: Path, todo: list[Job], workers: int,
-    progress: Callable[[int], None] | None,
+    progress: Callable[[int], None] | None, calibration: Any = None,
 ) -> Iterable[int]:  # fmt: skip
     if workers <= 1 or len(todo) <= 1:
-        runner = JobRunner(source, plan, work)
+        runner = JobRunner(source, plan, work, calibration)
         try:
             for job in todo:
                 nbytes = runner.run(job)
@@ -209,8 +240,9 @@ def _run_jobs(
 
 # finalization ------------------------------------------------------------------------------------
 def _finalize(
-    source: SourceCheckpoint, plan: Plan, out: Path, work: Path, digest: str
-) -> dict[str, Any]:
+    source: SourceCheckpoint, plan: Plan, out: Path, work: Path, digest: str,
+    calibration: dict[str, Any] | None,
+) -> dict[str, Any]:  # fmt: skip
     for f in plan.files:
         tmp, final = work / f.name, out / f.name
         if tmp.exists():
@@ -244,6 +276,8 @@ def _finalize(
         "dtypes": {i.role.role.name: i.dtype for i in plan.items},
     }
     manifest = build_manifest(plan, src_doc, files, parts, digest)
+    if calibration is not None:
+        manifest["calibration"] = calibration
     write_json_atomic(out / MANIFEST_NAME, manifest)
     shutil.rmtree(work, ignore_errors=True)
     return manifest

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ class JobRunner:
     source: SourceCheckpoint
     plan: Plan
     work_dir: Path
+    calibration: Any = None  # calib.CalibrationResult: AWQ transforms applied before quantizing
     _fds: dict[str, int] = field(default_factory=dict)
     _where: dict[str, tuple[str, int]] = field(default_factory=dict)
 
@@ -67,14 +69,22 @@ class JobRunner:
     def _copy(self, job: Job) -> None:
         data = self.source.weight(job.source)
         _check_finite(job.source, data)
+        if self._calibrated(job.source):  # a norm or router the AWQ fold changed
+            data = self.calibration.apply(job.source, data.to(torch.float32)).to(data.dtype)
         self._write(job.outputs[0], data)
+
+    def _calibrated(self, name: str) -> bool:
+        return self.calibration is not None and name in self.calibration
 
     def _linear(self, job: Job) -> None:
         fmt = get_format(job.target.fmt, **dict(job.target.params))
         shape = self.source.tensors[job.source].entry.shape
         plan = fmt.streaming(shape)  # type: ignore[arg-type]
         if plan is None:
-            stored = fmt.quantize(self._dequantized(job.source))
+            w = self._dequantized(job.source)
+            if self._calibrated(job.source):
+                w = self.calibration.apply(job.source, w)
+            stored = fmt.quantize(w)
             for piece in job.outputs:
                 self._write(piece, stored[piece.key])
             return
@@ -88,6 +98,8 @@ class JobRunner:
         }
         opts = {"weight_amax": self._amax(job.source)} if plan.needs_amax else {}
         for row0, rows in self._row_chunks(job.source):
+            if self._calibrated(job.source):
+                rows = self.calibration.apply(job.source, rows, row0)
             stored = plan.chunk_format.quantize(rows, **opts)
             for key, part in stored.items():
                 axis = plan.axes[key]

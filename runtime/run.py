@@ -24,7 +24,7 @@ import torch
 from hetquant.formats import HetquantError
 from hetquant.formats.model_config import ModelConfig
 
-__all__ = ["RunSpec", "run_artifact"]
+__all__ = ["RunSpec", "local_model", "run_artifact"]
 
 
 @dataclass(frozen=True)
@@ -195,3 +195,27 @@ def _npu_ops(device: str) -> Any:
 
         return npu_emulation
     return None  # the npu backend imports the real torch_npu
+
+
+def local_model(
+    artifact: str | Path, *, device: str = "cpu", subpools: int = 1, dtype: str | None = None
+) -> Any:
+    """The whole artifact on one rank of this process, run through its quantized ops (W8A8
+    activation quantization included): a ``DeepseekV3Reference`` whose ``forward`` maps tokens
+    [T] to float32 logits [T, vocab]."""
+    from .layout import ParallelLayout
+    from .loader import open_artifact
+    from .model import DeepseekV3Reference
+    from .rank import RankWeights
+
+    spec = RunSpec(str(artifact), (0,), device=device, subpools=subpools, dtype=dtype)
+    art = open_artifact(artifact)
+    layout = ParallelLayout()
+    layout.validate(art.config, art.modules)
+    cfg = ModelConfig.from_dict(art.config)
+    tensors = art.load(layout, device=_torch_device(device, 0))
+    pool = art.cpu_expert_pool(subpools=subpools) if art.cpu_expert_files else None
+    weights = RankWeights(
+        tensors, art.modules, layout, cfg, backend=device, pool=pool, npu_ops=_npu_ops(device)
+    )
+    return DeepseekV3Reference(cfg, weights, dtype=spec.act_dtype)

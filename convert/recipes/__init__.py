@@ -38,9 +38,9 @@ class Recipe:
     name: str
     summary: str
     options: dict[str, Any] = field(default_factory=dict)
-    choices: dict[str, tuple[Any, ...]] = field(
-        default_factory=dict
-    )  # option → allowed, default first
+    # option → allowed values, the default first
+    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    calibrates: bool = False  # takes --calib-data (AWQ); the manifest then says rtn or awq
 
     def __post_init__(self) -> None:
         for key, value in self.options.items():

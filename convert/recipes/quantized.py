@@ -114,7 +114,7 @@ register_recipe(
 register_recipe(
     RuleRecipe(
         "awq-w4a16",
-        "AutoAWQ GEMM w4a16 (group 128 or 64) for every linear but router and lm_head; round-to-nearest",
+        "AutoAWQ GEMM w4a16 (group 128 or 64) for every linear but router and lm_head; AWQ-calibrated with --calib-data, else round-to-nearest",
         rules={
             "attention": "awq_w4a16",
             "kv_b": "awq_w4a16",
@@ -124,6 +124,7 @@ register_recipe(
             **_KEEPS,
         },
         choices={**_MTP, "group_size": (128, 64)},
+        calibrates=True,
     )
 )
 register_recipe(RuleRecipe(

@@ -20,6 +20,7 @@ NOT_GENERATED = {
     "README.md",
     "train.py",
     "corpus.py",
+    "calib.txt",
     "heldout.txt",
 }  # scripts, docs, data
 FP8_LINEAR = re.compile(
