@@ -6,7 +6,7 @@ each artifact on the held-out text (``heldout.txt``, never trained or calibrated
 runtime's quantized ops (W8A8 activation quantization included): perplexity, ΔPPL against the
 FP8 reference, mean KL(reference ‖ artifact) of next-token distributions, top-1 agreement.
 
-    python benchmarks/accuracy.py [--device cpu|cuda] [--eval-samples 16] [--calib-samples 64]
+    python benchmarks/accuracy.py [--device cpu] [--calib-device cuda] [--eval-samples 16] [--calib-samples 64]
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ ROWS = [("bf16", "bf16", {}), ("ascend-hybrid", "ascend-hybrid", {}), ("ascend-w
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="evaluation (runtime forward + reference)")
+    ap.add_argument("--calib-device", default=None, help="calibration (default: --device)")
     ap.add_argument("--eval-samples", type=int, default=16)
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -54,7 +55,9 @@ def main() -> None:
             t = time.perf_counter()
             cal = None
             if opts.get("calibrate"):
-                cal = calibrate(src, calib_tokens, AwqOptions(), device=args.device)
+                cal = calibrate(
+                    src, calib_tokens, AwqOptions(), device=args.calib_device or args.device
+                )
             out = Path(tmp) / label.replace(" ", "_")
             convert(src, out, get_recipe(recipe), max_shard_size=1 << 40, calibration=cal)
             model = local_model(out, device="cuda" if args.device == "cuda" else "cpu")
@@ -71,7 +74,7 @@ def main() -> None:
         print(
             f"{r['artifact']:<22} {r['ppl']:>8.3f} {r['dppl_pct']:>+8.2f} {r['kl']:>9.5f} {r['top1']:>7.4f}"
         )
-    meta = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "torch": torch.__version__,
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "calib_device": args.calib_device or args.device, "torch": torch.__version__,
             "eval_tokens": [args.eval_samples, args.seq_len], "calib_tokens": [args.calib_samples, args.seq_len]}  # fmt: skip
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
