@@ -33,7 +33,9 @@ TEXTS = REPO / "examples" / "tiny-deepseek-v3"
 RESULTS = REPO / "benchmarks" / "results" / "accuracy.json"
 ROWS = [("bf16", "bf16", {}), ("ascend-hybrid", "ascend-hybrid", {}), ("ascend-w8a8", "ascend-w8a8", {}),
         ("awq-w4a16 RTN", "awq-w4a16", {}), ("awq-w4a16 AWQ", "awq-w4a16", {"calibrate": True}),
-        ("fp4 (ascend layout)", "fp4", {})]  # fmt: skip
+        ("fp4 (nvfp4 layout)", "fp4", {"fp4_layout": "nvfp4"})]  # fmt: skip
+# hidden 384 is not a multiple of the Ascend FP4 tile group (N % 256): the tiled layout refuses
+# this model's down_proj; the canonical layout holds the same values (tiling is a lossless reorder).
 
 
 def main() -> None:
@@ -59,7 +61,9 @@ def main() -> None:
                     src, calib_tokens, AwqOptions(), device=args.calib_device or args.device
                 )
             out = Path(tmp) / label.replace(" ", "_")
-            convert(src, out, get_recipe(recipe), max_shard_size=1 << 40, calibration=cal)
+            options = {k: v for k, v in opts.items() if k != "calibrate"}
+            rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
+            convert(src, out, rec, max_shard_size=1 << 40, calibration=cal)
             model = local_model(out, device="cuda" if args.device == "cuda" else "cpu")
             r = evaluate(per_sequence(model.forward), reference, eval_tokens)
             r = {k: float(r[k]) for k in ("ppl", "ref_ppl", "kl", "top1")}
