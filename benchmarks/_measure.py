@@ -1,0 +1,374 @@
+"""Shared helpers for the benchmark scripts: memory of a process tree, timing, page cache, results.
+
+Memory is *peak anonymous memory*: the maximum over time of the SUM of ``RssAnon`` (from
+``/proc/PID/status``) over a process and all its descendants, sampled by a monitor thread. Anonymous
+memory is what a conversion really holds (heap, tensors); file-backed pages (memory-mapped source
+shards, page cache of written outputs) are reclaimable and are reported apart as ``RssFile``.
+
+The kernel here has no ``/proc/PID/task/TID/children``, and a full ``/proc`` scan costs several
+milliseconds, so the monitor reads ``RssAnon`` of the known processes every ``interval`` (20 ms) and
+rescans ``/proc`` for new descendants every ``rescan`` (250 ms): a descendant that lives less than
+that may be missed (worker pools live for the whole run, so they are not).
+
+Usage::
+
+    from _measure import run_measured, machine_info, write_result
+    r = run_measured([sys.executable, "-c", "..."])   # {"wall_s", "peak_anon_bytes", ...}
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "TreeMonitor",
+    "cached_fraction",
+    "drop_page_cache",
+    "machine_info",
+    "median",
+    "proc_status_kib",
+    "run_measured",
+    "warm_page_cache",
+    "write_result",
+]
+
+_READ_BLOCK = 8 << 20
+
+
+# ------------------------------------------------------------------------------------------------
+# process-tree memory
+
+
+def proc_status_kib(pid: int, keys: Sequence[str] = ("RssAnon", "RssFile")) -> dict[str, int]:
+    """``{key: kiB}`` from ``/proc/PID/status`` (missing keys and vanished processes give {})."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    out: dict[str, int] = {}
+    for line in text.split(b"\n"):
+        key, _, rest = line.partition(b":")
+        k = key.decode()
+        if k in keys:
+            out[k] = int(rest.split()[0])
+    return out
+
+
+def _parent_map() -> dict[int, int]:
+    """pid → ppid for every process in /proc."""
+    out: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                s = f.read()
+        except OSError:
+            continue
+        rest = s[s.rfind(b")") + 2 :].split(None, 2)  # state, ppid, ...
+        out[int(d)] = int(rest[1])
+    return out
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parent_map().items():
+        children.setdefault(ppid, []).append(pid)
+    seen, todo = {root}, [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in seen:
+                seen.add(c)
+                todo.append(c)
+    return seen
+
+
+class TreeMonitor:
+    """Background sampler of the summed RssAnon / RssFile of ``pid`` and its descendants."""
+
+    def __init__(
+        self, pid: int, interval: float = 0.02, rescan: float = 0.25, trace: bool = False
+    ) -> None:
+        self.pid, self.interval, self.rescan = pid, interval, rescan
+        self.trace: list[tuple[float, int]] | None = [] if trace else None  # (s, anon kiB)
+        self._t0 = time.monotonic()
+        self.peak_anon_kib = 0
+        self.peak_file_kib = 0
+        self.peak_procs = 0
+        self.samples = 0
+        self._pids: set[int] = {pid}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tree-monitor", daemon=True)
+
+    def __enter__(self) -> TreeMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def sample(self) -> None:
+        anon = file = alive = 0
+        for p in list(self._pids):
+            st = proc_status_kib(p)
+            if not st:  # exited (or a zombie): forget it, but keep watching the root
+                if p != self.pid:
+                    self._pids.discard(p)
+                continue
+            alive += 1
+            anon += st.get("RssAnon", 0)
+            file += st.get("RssFile", 0)
+        self.samples += 1
+        if self.trace is not None:
+            self.trace.append((round(time.monotonic() - self._t0, 3), anon))
+        self.peak_anon_kib = max(self.peak_anon_kib, anon)
+        self.peak_file_kib = max(self.peak_file_kib, file)
+        self.peak_procs = max(self.peak_procs, alive)
+
+    def _loop(self) -> None:
+        next_scan = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_scan:
+                self._pids |= _descendants(self.pid)
+                next_scan = now + self.rescan
+            self.sample()
+            if self._stop.wait(self.interval):
+                self.sample()  # one last look (the process has exited by now: usually zeros)
+                return
+
+
+def run_measured(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    interval: float = 0.02,
+    check: bool = True,
+    trace: bool = False,
+) -> dict[str, Any]:
+    """Run ``cmd``; return wall and CPU time, peak anon / file memory of its tree, exit code, output.
+
+    Wall time runs from just before ``Popen`` to the process's exit (interpreter start-up
+    included). CPU time (user, system) comes from ``wait4`` and covers the process and the
+    descendants it waited for; it moves less than wall time when other work shares the CPUs, but
+    it still grows under contention (shared caches, hypervisor steal counted as user time). The
+    1-minute load average at the start is recorded to show such sharing. ``trace=True`` adds the
+    sampled ``(seconds, summed RssAnon kiB)`` series as ``anon_trace_kib``. stdout and stderr are
+    captured to temporary files (not pipes: no risk of a full pipe blocking the child).
+    """
+    import tempfile
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(list(cmd), stdout=out, stderr=err, env=env, cwd=cwd)
+        with TreeMonitor(proc.pid, interval=interval, trace=trace) as mon:
+            _, status, usage = os.wait4(proc.pid, 0)
+            wall = time.perf_counter() - t0
+        rc = proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
+    if check and rc != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {rc}:\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    return {
+        "wall_s": wall,
+        "cpu_user_s": usage.ru_utime,  # the process and its waited-for descendants
+        "cpu_sys_s": usage.ru_stime,
+        "loadavg_1min_before": load,  # other load on the machine when it started
+        "peak_anon_bytes": mon.peak_anon_kib * 1024,
+        "peak_file_bytes": mon.peak_file_kib * 1024,
+        "peak_processes": mon.peak_procs,
+        "samples": mon.samples,
+        "returncode": rc,
+        "stdout": stdout,
+        "stderr": stderr,
+        **({"anon_trace_kib": mon.trace} if trace else {}),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# page cache
+
+
+def warm_page_cache(paths: Iterable[str | os.PathLike[str]]) -> int:
+    """Read every byte of ``paths`` (8 MB reads) so they sit in the page cache; returns bytes."""
+    buf = bytearray(_READ_BLOCK)
+    view = memoryview(buf)
+    total = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total
+
+
+def cached_fraction(paths: Iterable[str | os.PathLike[str]]) -> float | None:
+    """Fraction of the pages of ``paths`` resident in the page cache (``mincore``), or None.
+
+    Worth checking: a kernel may evict cold page cache on its own (this VM runs DAMON with a
+    ``pageout`` scheme for memory idle ~30 s), so "warm" has to be re-established and verified.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+        libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident = total = 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if not size:
+                continue
+            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            try:
+                n = -(-size // page)
+                vec = (ctypes.c_ubyte * n)()
+                if libc.mincore(addr, size, vec) != 0:
+                    return None
+                resident += sum(b & 1 for b in bytes(vec))
+                total += n
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return resident / total if total else None
+
+
+def drop_page_cache(paths: Iterable[str | os.PathLike[str]] = ()) -> str:
+    """Evict clean cached pages; returns how ('drop_caches', 'fadvise' or 'none').
+
+    As root, ``sync`` then ``echo 1 > /proc/sys/vm/drop_caches`` (the whole page cache). Otherwise
+    ``posix_fadvise(DONTNEED)`` on each of ``paths`` (works unprivileged, for clean pages of those
+    files only). Returns 'none' when neither was possible.
+    """
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    done = False
+    if hasattr(os, "posix_fadvise"):
+        for p in paths:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                done = True
+            finally:
+                os.close(fd)
+    return "fadvise" if done else "none"
+
+
+# ------------------------------------------------------------------------------------------------
+# machine and results
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _git_commit(repo: Path) -> str | None:
+    try:
+        r = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+        head = r.stdout.strip() or None
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return None
+    return f"{head}{'+dirty' if dirty else ''}" if head else None
+
+
+def machine_info() -> dict[str, Any]:
+    """Facts a result needs to be compared: CPUs, memory, kernel, Python, torch, date, commit."""
+    try:
+        import torch
+
+        torch_version, threads = torch.__version__, torch.get_num_threads()
+    except ImportError:
+        torch_version, threads = None, None
+    try:
+        import safetensors
+
+        st_version = safetensors.__version__
+    except ImportError:
+        st_version = None
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "mem_total_bytes": _mem_total(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "torch_threads": threads,
+        "safetensors": st_version,
+        "git_commit": _git_commit(Path(__file__).resolve().parent.parent),
+        "argv": sys.argv,
+    }
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def write_result(path: str | os.PathLike[str], doc: dict[str, Any]) -> Path:
+    """Write ``doc`` as indented JSON to ``path`` (parents created, replaced atomically)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
