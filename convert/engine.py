@@ -20,6 +20,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hetquant.formats import HetquantError
 
 from .jobs import JobRunner
@@ -217,6 +219,10 @@ def _run_jobs(
 ) -> Iterable[int]:  # fmt: skip
     if workers <= 1 or len(todo) <= 1:
         runner = JobRunner(source, plan, work, calibration)
+        threads = torch.get_num_threads()
+        # One thread, as in the pool's workers: jobs are block-row sized, and per-op thread
+        # teams cost more than they save (benchmarks/README.md, bf16 convert).
+        torch.set_num_threads(1)
         try:
             for job in todo:
                 nbytes = runner.run(job)
@@ -225,6 +231,7 @@ def _run_jobs(
                 yield job.id
         finally:
             runner.close()
+            torch.set_num_threads(threads)
         return
     ctx = get_context("spawn")
     args = (str(source.root), source.revision, plan.recipe, plan.max_shard_size, str(work))
