@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from support import (
     INDEX,
     MANIFEST,
     PARTIAL,

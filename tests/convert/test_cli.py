@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import INDEX, MANIFEST, PARTIAL, TINY, read_json, st_header, tiny_counts, tree_hashes
+from support import INDEX, MANIFEST, PARTIAL, TINY, read_json, st_header, tiny_counts, tree_hashes
 
 GROUPS = ("embeddings", "norms", "attention", "dense_mlp", "router", "shared_experts",
           "routed_experts", "mtp")  # fmt: skip

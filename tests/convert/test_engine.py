@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (
+from safetensors import safe_open
+from support import (
     INDEX,
     MANIFEST,
     PARTIAL,
@@ -24,7 +25,6 @@ from conftest import (
     tiny_counts,
     tree_hashes,
 )
-from safetensors import safe_open
 
 from hetquant.convert import engine, jobs
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, tree_hashes
 from safetensors import safe_open
+from support import TINY, tree_hashes
 
 from hetquant.convert.engine import convert
 from hetquant.convert.manifest import MANIFEST_NAME

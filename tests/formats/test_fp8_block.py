@@ -1,6 +1,6 @@
 """formats/fp8_block.py against DeepSeek's dequantization formula, computed independently.
 
-The reference (``conftest.ref_dequant_bits``) decodes E4M3 codes by their bit fields, multiplies
+The reference (``support.ref_dequant_bits``) decodes E4M3 codes by their bit fields, multiplies
 in numpy float32 and rounds to bfloat16 with integer arithmetic (round to nearest, ties to even);
 it never calls torch's float8 or bfloat16 conversions.
 """
@@ -12,7 +12,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+from support import (
     TINY,
     bf16_bits,
     e4m3_to_f32,
@@ -22,9 +25,6 @@ from conftest import (
     ref_dequant_bits,
     st_header,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from safetensors.torch import load_file
 
 from hetquant.formats import HetquantError, TensorMeta, get_format
 from hetquant.formats.fp8_block import FP8_E4M3_MAX, Fp8Block, dequantize_rows, scale_shape

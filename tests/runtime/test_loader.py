@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, run_cli
+from support import TINY, run_cli
 
 from hetquant.formats import HetquantError
 from hetquant.formats.nvfp4_ascend import tiled_slice

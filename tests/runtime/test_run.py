@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY
+from support import TINY
 
 from hetquant.convert.engine import convert
 from hetquant.convert.recipes import get_recipe

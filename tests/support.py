@@ -1,0 +1,324 @@
+"""Shared test helpers (imported by name as ``support``) and the fixtures ``conftest.py`` exports.
+
+- ``tiny_src``: a private copy of ``examples/tiny-deepseek-v3`` that a test may corrupt.
+- ``cli``: runs ``hetquant`` in-process with click's CliRunner, stdout and stderr apart, with the
+  root logger set up exactly as the real command sets it up (so log lines land on stderr as they
+  would in a terminal).
+- ``hetquant_proc``: starts ``hetquant.convert.cli:main`` (what the ``hetquant`` script runs) in a
+  subprocess, for SIGKILL and for one end-to-end check of stderr; ``slow_jobs`` wraps
+  ``JobRunner.run`` with a sleep inside that child only, so the tiny model can be killed mid-run.
+- ``tiny_ro``: one session-wide copy of the example, the source of ``tiny_artifact`` /
+  ``tiny_artifact_1mb`` (the bf16 artifact, default and 1 MB shards, converted once per session)
+  and of every run compared with them. All three are read-only: copy before corrupting.
+- Independent readers and editors of safetensors files and JSON (``st_header``, ``st_bytes``,
+  ``resave_shard``, ``rewrite_header``, ...) that do not go through ``hetquant.formats``.
+- ``ref_dequant_bits``: DeepSeek's FP8 block dequantization written out in numpy with integer
+  bit manipulation, independent of torch's float8 / bfloat16 conversions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from hetquant.convert.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "examples" / "tiny-deepseek-v3"
+INDEX = "model.safetensors.index.json"
+MANIFEST = "hetquant.json"
+PARTIAL = ".hetquant-partial"
+
+
+# --------------------------------------------------------------------------------------------
+# files and trees
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """Relative path → sha256 of every file under ``root`` (hidden ones included)."""
+    return {str(p.relative_to(root)): sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_json(path: Path, doc: Any) -> None:
+    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+def tiny_counts(src: Path) -> tuple[int, int]:
+    """(source tensors that are not scales = jobs of the bf16 recipe, source shards)."""
+    wm = read_json(src / INDEX)["weight_map"]
+    return sum(not n.endswith("_scale_inv") for n in wm), len(set(wm.values()))
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors, read and edited without hetquant.formats
+
+
+def st_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(data start, header dict incl. ``__metadata__``) parsed by hand from the file."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def st_bytes(path: Path, name: str) -> bytes:
+    """The raw data bytes of tensor ``name`` in ``path``."""
+    start, header = st_header(path)
+    begin, end = header[name]["data_offsets"]
+    with path.open("rb") as f:
+        f.seek(start + begin)
+        return f.read(end - begin)
+
+
+def shard_of(src: Path, tensor: str) -> Path:
+    return src / read_json(src / INDEX)["weight_map"][tensor]
+
+
+def resave_shard(path: Path, mutate: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Load every tensor of a shard, let ``mutate`` edit the dict in place, save it back."""
+    tensors = {k: v.clone() for k, v in load_file(str(path)).items()}
+    mutate(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def rewrite_header(path: Path, mutate: Callable[[dict[str, Any]], None]) -> None:
+    """Edit a shard's header JSON in place, keeping its length (space padded): data untouched."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    mutate(header)
+    body = json.dumps(header, separators=(",", ":")).encode()
+    assert len(body) <= n, "edited header is longer than the original"
+    with path.open("r+b") as f:
+        f.seek(8)
+        f.write(body + b" " * (n - len(body)))
+
+
+def edit_index(src: Path, mutate: Callable[[dict[str, Any]], None]) -> None:
+    doc = read_json(src / INDEX)
+    mutate(doc)
+    write_json(src / INDEX, doc)
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSeek's FP8 block dequantization, independently: numpy float32 and integer rounding
+
+
+def _e4m3_table() -> np.ndarray:
+    """float32 value of each of the 256 E4M3FN codes: S.EEEE.MMM, bias 7, subnormals at E=0.
+
+    Every finite E4M3 value has at most 4 significant bits, so float64 → float32 is exact. The
+    NaN codes (S.1111.111) get NaN."""
+    c = np.arange(256, dtype=np.int64)
+    exp, man = (c >> 3) & 0xF, c & 0x7
+    mag = np.where(exp == 0, man * 2.0**-9, (8 + man) * np.exp2(exp - 10.0))
+    mag = np.where((c & 0x7F) == 0x7F, np.nan, mag)
+    return np.where(c & 0x80, -mag, mag).astype(np.float32)
+
+
+E4M3_TABLE = _e4m3_table()
+
+
+def e4m3_to_f32(codes: np.ndarray) -> np.ndarray:
+    """E4M3FN codes (uint8) → float32 values. NaN codes are not expected (the converter refuses
+    them), so they fail here."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    assert not ((codes & 0x7F) == 0x7F).any(), "NaN code in a reference input"
+    return E4M3_TABLE[codes]
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 → bfloat16 bit patterns, round to nearest, ties to even (integer arithmetic)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return np.where(np.isnan(x), (u >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+def ref_dequant_bits(codes: np.ndarray, scale: np.ndarray, block: int = 128) -> np.ndarray:
+    """bf16(f32(x[m, n]) * s[m // block, n // block]) as uint16 bit patterns."""
+    m, n = codes.shape
+    s = np.asarray(scale, dtype=np.float32)
+    s_full = s[(np.arange(m) // block)[:, None], (np.arange(n) // block)[None, :]]
+    with np.errstate(over="ignore"):  # overflow to ±inf is part of the formula
+        prod = e4m3_to_f32(codes) * s_full  # IEEE float32 multiply
+    assert prod.dtype == np.float32
+    return f32_to_bf16_bits(prod)
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    """The uint16 bit patterns of a BF16 tensor."""
+    assert t.dtype == torch.bfloat16
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def fp8_codes(t: torch.Tensor) -> np.ndarray:
+    assert t.dtype == torch.float8_e4m3fn
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+# --------------------------------------------------------------------------------------------
+# the command line
+
+
+@dataclass
+class CliResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    exception: BaseException | None
+
+
+def run_cli(*args: object) -> CliResult:
+    """``hetquant ARGS`` in-process. The root logger is emptied for the call so that the command's
+    ``logging.basicConfig`` installs its stderr handler as in a real process; restored after."""
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    root.handlers.clear()
+    try:
+        res = CliRunner().invoke(cli_main, [str(a) for a in args], catch_exceptions=True)
+    finally:
+        for h in root.handlers:
+            h.close()
+        root.handlers[:] = saved
+        root.setLevel(level)
+    exc = res.exception if not isinstance(res.exception, SystemExit) else None
+    return CliResult(res.exit_code, res.stdout, res.stderr, exc)
+
+
+@pytest.fixture
+def cli() -> Callable[..., CliResult]:
+    return run_cli
+
+
+HETQUANT_MAIN = "import sys; from hetquant.convert.cli import main; sys.exit(main())"
+
+# The tiny model converts in about a second; to SIGKILL it mid-run the child wraps
+# JobRunner.run with a sleep on both sides of the real work (so the kill may land after a job's
+# bytes are written but before the journal records it). Test code only: the source is unchanged.
+SLOW_JOBS_MAIN = """
+import os, sys, time
+from hetquant.convert import jobs
+_run, _delay = jobs.JobRunner.run, float(os.environ["HETQUANT_TEST_SLOW_JOBS"])
+def run(self, job):
+    time.sleep(_delay / 2)
+    n = _run(self, job)
+    time.sleep(_delay / 2)
+    return n
+jobs.JobRunner.run = run
+from hetquant.convert.cli import main
+sys.exit(main())
+"""
+
+
+def start_hetquant(args: Sequence[object], slow_jobs: float | None = None) -> subprocess.Popen:
+    """Start ``hetquant ARGS`` as a separate process (stdout/stderr piped)."""
+    env = dict(os.environ)
+    code = HETQUANT_MAIN
+    if slow_jobs is not None:
+        env["HETQUANT_TEST_SLOW_JOBS"] = str(slow_jobs)
+        code = SLOW_JOBS_MAIN
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+
+
+@pytest.fixture
+def hetquant_proc() -> Callable[..., subprocess.Popen]:
+    procs: list[subprocess.Popen] = []
+
+    def start(args: Sequence[object], slow_jobs: float | None = None) -> subprocess.Popen:
+        p = start_hetquant(args, slow_jobs)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:  # never leave a child behind, even when the test failed
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+# --------------------------------------------------------------------------------------------
+# sources and artifacts
+
+
+@pytest.fixture
+def tiny_src(tmp_path: Path) -> Path:
+    """A private copy of the tiny FP8 checkpoint (tests may corrupt it)."""
+    dst = tmp_path / "src"
+    shutil.copytree(TINY, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_ro(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One copy of the tiny checkpoint per session: the source of every session artifact and of
+    the runs compared with them (the manifest records the source path, so they share it).
+    Read-only: ``test_source_is_never_written`` checks it against ``tiny_ro_hashes``."""
+    dst = tmp_path_factory.mktemp("tiny") / "tiny-deepseek-v3"
+    shutil.copytree(TINY, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_ro_hashes(tiny_ro: Path) -> dict[str, str]:
+    return tree_hashes(tiny_ro)
+
+
+def _convert_once(
+    src: Path, tmp_path_factory: pytest.TempPathFactory, name: str, *opts: str
+) -> Path:
+    out = tmp_path_factory.mktemp(name) / "out"
+    res = run_cli("convert", src, out, "--recipe", "bf16", *opts)
+    assert res.exit_code == 0, res.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_ro: Path, tiny_ro_hashes, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """bf16 artifact of the tiny model, default options. Read-only for tests."""
+    return _convert_once(tiny_ro, tmp_path_factory, "art", "--workers", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_1mb(
+    tiny_ro: Path, tiny_ro_hashes, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """bf16 artifact of the tiny model in 1 MB shards. Read-only for tests."""
+    return _convert_once(tiny_ro, tmp_path_factory, "art1mb", "--max-shard-size", "1MB")
+
+
+@pytest.fixture
+def artifact_copy(tiny_artifact: Path, tmp_path: Path) -> Path:
+    """A private copy of ``tiny_artifact`` (tests may corrupt it)."""
+    dst = tmp_path / "artifact"
+    shutil.copytree(tiny_artifact, dst)
+    return dst
