@@ -118,7 +118,7 @@ class Fp8Block(WeightFormat):
         s = scale_inv.to(torch.float32)
         s = s.repeat_interleave(self.block, 0)[: weight.shape[0]]  # (out, sc)
         s = s.repeat_interleave(self.block, 1)[:, : weight.shape[1]]  # (out, in)
-        return (weight.to(torch.float32) * s).to(torch.bfloat16)
+        return (e4m3_to_f32(weight) * s).to(torch.bfloat16)
 
     def check_scale(self, name: str, wshape: tuple[int, ...], sshape: tuple[int, ...]) -> None:
         """Raise unless ``sshape`` is the scale shape for a weight of ``wshape``."""

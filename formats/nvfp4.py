@@ -92,43 +92,48 @@ def _check_k(k: int) -> None:
         )
 
 
-def _finite_f32(weight: torch.Tensor) -> torch.Tensor:
+def _f32_2d(weight: torch.Tensor) -> torch.Tensor:
     if weight.ndim != 2:
         raise HetquantError(f"nvfp4.quantize: expected a 2-D weight, got {tuple(weight.shape)}")
     _check_k(weight.shape[1])
-    w = weight.to(torch.float32)
-    if not torch.isfinite(w).all():
-        raise HetquantError("nvfp4.quantize: weight contains NaN or Inf; the source is corrupt")
-    return w
+    return weight.to(torch.float32)
 
 
-def global_scale(w: torch.Tensor) -> torch.Tensor:
-    """``weight_scale_2`` (0-d F32) = amax|w| / (6 * 448); 1.0 for an all-zero ``w``."""
-    s2 = w.abs().amax().to(torch.float32) / (E2M1_MAX * FP8_E4M3_MAX)
+def _scale_2_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    s2 = amax.to(torch.float32) / (E2M1_MAX * FP8_E4M3_MAX)
     return torch.where(s2 > 0, s2, torch.ones_like(s2))
 
 
-def block_scales(w: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    """``weight_scale`` E4M3 [N, K/16] for f32 ``w`` [N, K] and global scale ``s2``."""
-    n, k = w.shape
-    amax = w.reshape(n, k // BLOCK, BLOCK).abs().amax(dim=-1)  # (N, K/16)
+def _block_scales_from_amax(amax: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     sb = amax / (E2M1_MAX * s2)
     sb = torch.where(sb == 0, torch.ones_like(sb), sb)
     return sb.clamp(E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """Round f32 ``y`` to the nearest E2M1 value (ties to even, saturating): uint8 codes 0..15.
+def global_scale(w: torch.Tensor) -> torch.Tensor:
+    """``weight_scale_2`` (0-d F32) = amax|w| / (6 * 448); 1.0 for an all-zero ``w``."""
+    return _scale_2_from_amax(w.abs().amax())
 
-    The magnitude code is the number of decision bounds ``|y|`` passes. At a bound (a tie) the
-    even code wins: bounds below an even code count when reached (``>=``, the ``_TIES_UP``), the
-    others only when passed (``>``).
-    """
-    mag = y.abs()
-    idx = torch.zeros(y.shape, dtype=torch.uint8)
+
+def block_scales(w: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """``weight_scale`` E4M3 [N, K/16] for f32 ``w`` [N, K] and global scale ``s2``."""
+    n, k = w.shape
+    return _block_scales_from_amax(w.reshape(n, k // BLOCK, BLOCK).abs().amax(dim=-1), s2)
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """Round f32 ``y`` to the nearest E2M1 value (ties to even, saturating): uint8 codes 0..15."""
+    return _e2m1_codes(y.abs(), y < 0)
+
+
+def _e2m1_codes(mag: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """Codes from magnitudes and signs. The magnitude code is the number of decision bounds
+    ``mag`` passes; at a bound (a tie) the even code wins: bounds below an even code count when
+    reached (``>=``, the ``_TIES_UP``), the others only when passed (``>``)."""
+    idx = torch.zeros(mag.shape, dtype=torch.uint8)
     for bound in E2M1_BOUNDS:
         idx += (mag >= bound) if bound in _TIES_UP else (mag > bound)
-    return ((y < 0).to(torch.uint8) << 3) | idx
+    return (negative.to(torch.uint8) << 3) | idx
 
 
 def _effective_scale(weight_scale: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
@@ -177,13 +182,18 @@ class Nvfp4(WeightFormat):
         ``weight_amax``: the absmax of the whole weight when ``weight`` is a block of its rows
         (streaming); the global scale comes from it instead of from ``weight``.
         """
-        w = _finite_f32(weight)
+        w = _f32_2d(weight)
         n, k = w.shape
-        amax = options.get("weight_amax")
-        s2 = global_scale(w) if amax is None else global_scale(torch.as_tensor(float(amax)))
-        sb = block_scales(w, s2)
-        y = w.reshape(n, k // BLOCK, BLOCK) / _effective_scale(sb, s2)[..., None]
-        codes = e2m1_codes(y.reshape(n, k))  # (N, K)
+        mag = w.abs().reshape(n, k // BLOCK, BLOCK)  # (N, K/16, 16), one pass serves all below
+        block_amax = mag.amax(dim=-1)  # (N, K/16)
+        amax = block_amax.amax()
+        if not bool(torch.isfinite(amax)):  # NaN and Inf propagate through the max
+            raise HetquantError("nvfp4.quantize: weight contains NaN or Inf; the source is corrupt")
+        given = options.get("weight_amax")
+        s2 = _scale_2_from_amax(amax if given is None else torch.as_tensor(float(given)))
+        sb = _block_scales_from_amax(block_amax, s2)
+        y_mag = mag / _effective_scale(sb, s2)[..., None]  # (N, K/16, 16), |w| / step
+        codes = _e2m1_codes(y_mag.reshape(n, k), w < 0)  # (N, K)
         out = {"weight": pack_nibbles_u8(codes), "weight_scale": sb, "weight_scale_2": s2}
         out.update(self._input_scale(options.get("act_amax")))
         return out
