@@ -609,6 +609,12 @@ def extrapolate(
             "the 61 layers run one after another on one accelerator; MTP layer not calibrated",
         ],
     }
+    if not out["load_matched"]:
+        out["note"] = (
+            f"routed tokens per expert here ({load_b:g}, top-{k_b}) differ from the 671B's "
+            f"({load_real:g}, top-{t['top_k']}): only the range [total_hours_low, total_hours] "
+            "is meaningful; for one number use experts = samples × seq_len × 8 / 2048"
+        )
     if "peak_device_bytes" in dense and "peak_device_bytes" in moe:
         mem = {}
         for kind, r, layer in (("dense", dense, 0), ("moe", moe, 1)):
