@@ -118,6 +118,17 @@ class ParallelLayout:
 
     # -- experts -------------------------------------------------------------------------
 
+    def first_slots(self, moe_index: int, n_experts: int) -> dict[int, int]:
+        """Logical expert → its first physical slot in MoE layer ``moe_index`` (the one replica
+        whose owner adds the expert's contribution, so redundant copies count once)."""
+        row = self._map_row(moe_index)
+        if row is None:
+            return {e: e for e in range(n_experts)}
+        first: dict[int, int] = {}
+        for slot, e in enumerate(row):
+            first.setdefault(e, slot)
+        return first
+
     def _map_row(self, moe_index: int) -> tuple[int, ...] | None:
         rows = self.physical_to_logical
         if rows is None:

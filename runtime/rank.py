@@ -177,17 +177,8 @@ class RankWeights:
         idx = self._moe_index[layer]
         owned = self.layout.owned_experts(idx, n)
         slots = self.layout.expert_slots(idx, n)
-        first_slot = self._first_slots(idx, n)
+        first_slot = self.layout.first_slots(idx, n)
         return sorted({e for s, e in zip(slots, owned, strict=True) if first_slot[e] == s})
-
-    def _first_slots(self, idx: int, n: int) -> dict[int, int]:
-        row = self.layout._map_row(idx)
-        if row is None:
-            return {e: e for e in range(n)}
-        first: dict[int, int] = {}
-        for slot, e in enumerate(row):
-            first.setdefault(e, slot)
-        return first
 
 
 def run_stage(

@@ -225,3 +225,11 @@ def test_padded_fp8_blocks_are_not_split() -> None:
     with pytest.raises(HetquantError, match="padded blocks cannot be split"):
         shard_pieces(_module(fmt, tensors, (576, 256)), 0, 0, 288)
     assert math.prod(tensors["weight_scale_inv"].shape) == 10
+
+
+def test_first_slots_count_each_redundant_expert_once() -> None:
+    # 9 physical slots over 8 experts: expert 3 is replicated in slot 8
+    lay = ParallelLayout(ep_size=2, ep_rank=0, physical_to_logical=((0, 1, 2, 3, 4, 5, 6, 7, 3),))
+    first = lay.first_slots(0, 8)
+    assert first[3] == 3 and first[7] == 7 and len(first) == 8
+    assert ParallelLayout().first_slots(0, 4) == {0: 0, 1: 1, 2: 2, 3: 3}
