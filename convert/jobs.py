@@ -19,7 +19,7 @@ import torch
 
 from hetquant.formats import HetquantError, get_expert_format, get_format
 from hetquant.formats.dtypes import torch_dtype
-from hetquant.formats.fp8_block import Fp8Block, dequantize_rows
+from hetquant.formats.fp8_block import Fp8Block, absmax_dequantized, dequantize_rows
 from hetquant.formats.safetensors_io import write_at
 
 from .plan import Job, OutPiece, Plan
@@ -119,15 +119,44 @@ class JobRunner:
                 self._write(piece, final[key])
 
     def _amax(self, name: str) -> float:
-        """Absmax of a whole source weight (as dequantized), one block row at a time."""
-        return max((float(rows.abs().amax()) for _, rows in self._row_chunks(name)), default=0.0)
+        """Absmax of a whole source weight (as dequantized); FP8 ones from their codes."""
+        if self.source.tensors[name].scale is None:
+            return max(
+                (float(rows.abs().amax()) for _, rows in self._row_chunks(name)), default=0.0
+            )
+        s = self.source.scale(name)
+        _check_scale(name, s)
+        try:
+            return absmax_dequantized(self.source.weight(name), s, self._fp8.block)
+        except HetquantError as e:
+            raise HetquantError(f"{name}: {e}") from None
 
     def _experts(self, job: Job) -> None:
         fmt = get_expert_format(job.target.fmt)
+        if hasattr(fmt, "quantize_rows") and not any(map(self._calibrated, job.sources)):
+            self._experts_streaming(job, fmt.quantize_rows)
+            return
         gate, up, down = (self._dequantized(name) for name in job.sources)
         stored = fmt.quantize_expert(gate, up, down)
         for piece in job.outputs:
             self._write(piece, stored[piece.key])
+
+    def _experts_streaming(self, job: Job, quantize_rows: Any) -> None:
+        """Per-row expert formats one block row at a time, gate and up rows interleaved."""
+        gate, up, down = job.sources
+        shapes = [tuple(self.source.tensors[n].entry.shape) for n in job.sources]
+        if shapes[0] != shapes[1] or shapes[2] != shapes[0][::-1]:
+            raise HetquantError(f"{down}: expert shapes {shapes}, expected [I, H], [I, H], [H, I]")
+        pieces = {p.key: p for p in job.outputs}
+        for (r, g), (_, u) in zip(self._row_chunks(gate), self._row_chunks(up), strict=True):
+            gu = torch.stack([g, u], dim=1).reshape(2 * g.shape[0], g.shape[1])  # interleaved
+            packed, scale = quantize_rows(gu)
+            self._write(pieces["gate_up_packed"], packed, 2 * r * packed.shape[1])
+            self._write(pieces["gate_up_scale"], scale, 2 * r * scale.element_size())
+        for r, d in self._row_chunks(down):
+            packed, scale = quantize_rows(d)
+            self._write(pieces["down_packed"], packed, r * packed.shape[1])
+            self._write(pieces["down_scale"], scale, r * scale.element_size())
 
     def _row_chunks(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, BF16 rows) of a source weight, one FP8 block row (or chunk) at a time."""
@@ -202,10 +231,13 @@ def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
     total = 0
     for name in job.sources:
         rows, cols = source.tensors[name].entry.shape
-        fmt = (
-            get_format(job.target.fmt, **dict(job.target.params)) if job.kind == "linear" else None
-        )
-        if fmt is not None and fmt.streaming((rows, cols)) is not None:
+        if _streams(job, (rows, cols)):
             rows = min(rows, STREAM_ROWS)
         total += rows * cols * (2 + 4 + 4)  # bf16 weight, f32 working copy, f32 temporaries
     return total + job.nbytes
+
+
+def _streams(job: Job, shape: tuple[int, int]) -> bool:
+    if job.kind == "experts":  # (only AWQ recipes calibrate, and they store no stacked experts)
+        return hasattr(get_expert_format(job.target.fmt), "quantize_rows")
+    return get_format(job.target.fmt, **dict(job.target.params)).streaming(shape) is not None

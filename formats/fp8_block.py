@@ -31,7 +31,14 @@ import torch
 from .base import TensorMeta, WeightFormat, register
 from .errors import HetquantError
 
-__all__ = ["FP8_E4M3_MAX", "Fp8Block", "dequantize_rows", "e4m3_to_f32", "scale_shape"]
+__all__ = [
+    "FP8_E4M3_MAX",
+    "Fp8Block",
+    "absmax_dequantized",
+    "dequantize_rows",
+    "e4m3_to_f32",
+    "scale_shape",
+]
 
 FP8_E4M3_MAX = 448.0
 
@@ -56,6 +63,27 @@ def dequantize_rows(
         raise HetquantError(f"dequantize_rows: rows {row0}..{row0 + rows} cross a block row")
     s_row = scale_inv[brow].repeat_interleave(block)[:cols]  # (in,)
     return (e4m3_to_f32(weight) * s_row).to(torch.bfloat16)  # (r, in)
+
+
+_E4M3_MAGNITUDE = 0x7F  # low 7 bits; also E4M3FN's NaN magnitude (S.1111.111)
+
+
+def absmax_dequantized(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> float:
+    """``max |dequantize_rows(weight)|`` over a whole block-FP8 weight, without dequantizing it.
+
+    |bf16(f32(c)·s)| is non-decreasing in |c| (multiplication by one scale and rounding are
+    monotonic), and E4M3 magnitudes order like the integers of their low 7 bits, so in each
+    block row only every column's largest code needs dequantizing: one byte-wise max per block
+    row, then ``in`` values instead of ``block × in``. NaN codes raise.
+    """
+    best = 0.0
+    for r in range(0, weight.shape[0], block):
+        mag = (weight[r : r + block].view(torch.uint8) & _E4M3_MAGNITUDE).amax(dim=0)  # (in,)
+        if mag.numel() and int(mag.amax()) == _E4M3_MAGNITUDE:
+            raise HetquantError("NaN code(s) in the FP8 weight; the checkpoint is corrupt")
+        col = dequantize_rows(mag.view(torch.float8_e4m3fn)[None], scale_inv, r, block)  # (1, in)
+        best = max(best, float(col.abs().amax()))
+    return best
 
 
 _F32_SIGN_EXP4_MAN3 = -2014314496  # 0x87F00000 as int32: sign, low 4 exponent bits, top 3 mantissa

@@ -78,6 +78,7 @@ from .base import (
     Streaming,
     TensorMeta,
     WeightFormat,
+    all_finite,
     register,
     register_expert_format,
 )
@@ -113,13 +114,13 @@ def _check_even(what: str, dim: str, n: int) -> None:
         )
 
 
-def _check_weight(what: str, weight: torch.Tensor) -> torch.Tensor:
+def _check_weight(what: str, weight: torch.Tensor, finite: bool = True) -> torch.Tensor:
     """Validate a float weight [out, in] and return it as float32."""
     if weight.ndim != 2:
         raise HetquantError(f"{what}: expected a 2-D weight, got shape {list(weight.shape)}")
     _check_even(what, "in", weight.shape[1])
     w = weight.to(torch.float32)
-    if not torch.isfinite(w).all():
+    if finite and not all_finite(w):
         bad = int((~torch.isfinite(w)).sum())
         raise HetquantError(f"{what}: {bad} NaN/Inf values (or beyond float32); fix the source")
     return w
@@ -131,8 +132,8 @@ def _row_scale(amax: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 def _codes(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX)  # (R, K), half to even
-    return (q + ZERO_POINT).to(torch.uint8)
+    q = (w / scale[:, None]).round_().clamp_(-QMAX, QMAX)  # (R, K), half to even
+    return q.add_(ZERO_POINT).to(torch.uint8)
 
 
 def _dequant_codes(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -149,6 +150,8 @@ def _sq_err(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.
 def _quantize_rows(w: torch.Tensor, clip_search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 rows [R, K] (K even, finite) → (packed U8 [R, K/2], scale F32 [R])."""
     amax = w.abs().amax(dim=-1)  # (R,)
+    if not all_finite(amax):
+        raise HetquantError("int4_cpu: NaN/Inf values (or beyond float32); fix the source")
     scale = _row_scale(amax, CLIP_RATIOS[0])
     codes = _codes(w, scale)  # (R, K)
     if clip_search:
@@ -353,6 +356,11 @@ class Int4CpuExperts(ExpertLayerFormat):
         self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         return quantize_expert(gate, up, down, clip_search=self.clip_search)
+
+    def quantize_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [R, K] of gate_up (interleaved) or down → (packed U8 [R, K/2], scale F32 [R]);
+        rows are independent, so a converter may stream an expert one block row at a time."""
+        return _quantize_rows(_check_weight("int4_cpu_experts", rows, False), self.clip_search)
 
 
 register_expert_format(Int4CpuExperts())

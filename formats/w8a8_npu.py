@@ -63,7 +63,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Streaming, TensorMeta, WeightFormat, get_format, register
+from .base import Streaming, TensorMeta, WeightFormat, all_finite, get_format, register
 from .errors import HetquantError
 
 __all__ = [
@@ -104,7 +104,7 @@ _WEIGHT_AXES: dict[str, tuple[int | None, int | None]] = {
 }
 
 
-def _checked_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
+def _checked_weight(weight: torch.Tensor, name: str, finite: bool = True) -> torch.Tensor:
     """``weight`` as F32 [n, k] after refusing what cannot be quantized."""
     if weight.ndim != 2 or 0 in weight.shape:
         raise HetquantError(
@@ -114,8 +114,8 @@ def _checked_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
     if not weight.is_floating_point():
         raise HetquantError(f"{name}: weight must be float, got {weight.dtype}; dequantize it")
     w = weight.to(torch.float32)
-    bad = ~torch.isfinite(w)
-    if bad.any():
+    if finite and not all_finite(w):
+        bad = ~torch.isfinite(w)
         row, col = (int(i) for i in bad.nonzero()[0])
         raise HetquantError(
             f"{name}: {int(bad.sum())} NaN/Inf values (first at [{row}, {col}]); the source "
@@ -126,9 +126,12 @@ def _checked_weight(weight: torch.Tensor, name: str) -> torch.Tensor:
 
 def _weight_tensors(weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
     """Symmetric per-row int8 of ``weight`` [n, k]: weight, weight_scale, weight_offset."""
-    w = _checked_weight(weight, name)  # (n, k) F32
-    scale = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp(min=SCALE_FLOOR)  # (n, 1)
-    q = torch.round(w / scale).clamp(INT8_MIN, INT8_MAX).to(torch.int8)  # (n, k)
+    w = _checked_weight(weight, name, finite=False)  # (n, k) F32
+    amax = w.abs().amax(dim=1, keepdim=True)  # (n, 1); NaN/Inf propagate
+    if not all_finite(amax):
+        _checked_weight(weight, name)  # raises, naming the first bad value
+    scale = (amax / INT8_MAX).clamp(min=SCALE_FLOOR)  # (n, 1)
+    q = (w / scale).round_().clamp_(INT8_MIN, INT8_MAX).to(torch.int8)  # (n, k)
     return {"weight": q, "weight_scale": scale, "weight_offset": torch.zeros_like(scale)}
 
 

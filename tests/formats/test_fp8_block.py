@@ -27,7 +27,13 @@ from support import (
 )
 
 from hetquant.formats import HetquantError, TensorMeta, get_format
-from hetquant.formats.fp8_block import FP8_E4M3_MAX, Fp8Block, dequantize_rows, scale_shape
+from hetquant.formats.fp8_block import (
+    FP8_E4M3_MAX,
+    Fp8Block,
+    absmax_dequantized,
+    dequantize_rows,
+    scale_shape,
+)
 
 FP8 = Fp8Block()
 NAN_CODES = (0x7F, 0xFF)
@@ -316,3 +322,34 @@ def test_error_bound_helper() -> None:
         2.0**-9,
     ]
     assert math.isclose(FP8_E4M3_MAX, 448.0)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (130, 70), (256, 384), (300, 129)])
+def test_absmax_from_codes_equals_absmax_of_dequantized(shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+    codes[0, 0] = 0x80  # -0
+    w = codes.view(torch.float8_e4m3fn)
+    s = torch.exp(torch.randn(scale_shape(shape, 128), generator=g) * 8)  # tiny and huge scales
+    s[0, 0] = 0.0
+    want = max(
+        float(dequantize_rows(w[r : r + 128], s, r).abs().amax()) for r in range(0, shape[0], 128)
+    )
+    assert absmax_dequantized(w, s) == want
+    # every code magnitude in one column, both signs: the max is the largest magnitude
+    every = torch.arange(0, 0x7F, dtype=torch.uint8).repeat(2)[:, None]  # (254, 1)
+    every[::2] |= 0x80
+    s1 = torch.tensor([[3.0], [0.5]])
+    ref = max(
+        float(dequantize_rows(every.view(torch.float8_e4m3fn)[r : r + 128], s1, r).abs().amax())
+        for r in (0, 128)
+    )
+    assert absmax_dequantized(every.view(torch.float8_e4m3fn), s1) == ref
+
+
+def test_absmax_refuses_nan_codes() -> None:
+    w = torch.zeros(4, 4, dtype=torch.uint8)
+    w[2, 3] = 0xFF
+    with pytest.raises(HetquantError, match="NaN"):
+        absmax_dequantized(w.view(torch.float8_e4m3fn), torch.ones(1, 1))
