@@ -5,19 +5,20 @@ MoE layer with 16 experts, MLA at real dims, vocab 1024) is generated into a wor
 temporary one unless ``--work`` is given) and converted with ``hetquant convert --recipe
 ascend-w8a8`` (int8 weights) and ``--recipe bf16``. Then, for each artifact:
 
-1. **TP1 throughput against a raw read.** Measured in two persistent worker processes (so that
+1. **TP1 throughput against a raw read.** Measured in a persistent worker process (so that
    every variant runs in the same kind of process and nothing pays Python/torch start-up),
-   interleaved round by round — raw, loader, raw_fresh, raw, loader, raw_fresh, … — medians:
+   interleaved round by round — raw, loader, loader_copy, raw_fresh, raw, loader, … — medians:
 
    * ``raw``: every file of the artifact directory read start to end with 16 MiB ``readinto``
      calls into one reused buffer (the I/O floor for the same bytes; headers and JSON included);
-   * ``loader``: ``open_artifact(DIR).load(ParallelLayout())`` (headers parsed, every tensor
-     read into its own new CPU tensor), timed from ``open_artifact`` to the return;
-   * ``raw_fresh``: the raw read, but into one new ``torch.empty`` buffer per file (what any
-     loader must do: put the bytes into new memory; shows the first-touch cost of that memory);
-   * ``loader_thp`` (warm rounds only): the loader in a worker started with
-     ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator then asks for 2 MiB transparent huge
-     pages for large tensors): does cheaper first touch close the gap?
+   * ``loader``: ``open_artifact(DIR).load(ParallelLayout())`` (headers parsed; tensors that
+     are whole aligned byte ranges become views of the files' private memory maps, their pages
+     read in — ``MADV_WILLNEED`` + ``MADV_POPULATE_READ`` — before ``load`` returns; the rest
+     are read into new tensors), timed from ``open_artifact`` to the return;
+   * ``loader_copy``: the same with ``load(..., copy=True)``: every tensor read into its own new
+     CPU tensor (``preadv`` straight into the destination buffers);
+   * ``raw_fresh``: the raw read, but into one new ``torch.empty`` buffer per file (the same
+     I/O plus the first touch of new memory that any copying loader pays).
 
    Page cache: **cold** — ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file of the artifact
    before each measurement (unprivileged, only these files: other processes' cache is left
@@ -83,8 +84,7 @@ END = "<!-- bench_loader:results:end -->"
 RECIPES = ("ascend-w8a8", "bf16")
 TP = 8
 TP_SIZES = (2, 4, 8, 16, 32)
-VARIANTS = ("raw", "loader", "raw_fresh", "loader_thp")
-COLD_VARIANTS = VARIANTS[:3]  # loader_thp warm only: it isolates allocation cost, and saves time
+VARIANTS = ("raw", "loader", "loader_copy", "raw_fresh")
 TARGETS = {"tp1_loader_over_raw_cold": 0.8, "tp8_max_bytes_over_ideal": 1.05}
 RAW_BLOCK = 16 << 20
 HETQUANT = "import sys; from hetquant.convert.cli import main; sys.argv[0] = 'hetquant'; main()"
@@ -133,12 +133,12 @@ def _raw_fresh(files: Iterable[str]) -> int:
     return total
 
 
-def _load(root: str, tp_size: int, tp_rank: int) -> dict[str, Any]:
+def _load(root: str, tp_size: int, tp_rank: int, copy: bool = False) -> dict[str, Any]:
     from hetquant.runtime import ParallelLayout, open_artifact
 
     t0 = time.perf_counter()
     art = open_artifact(root)
-    tensors = art.load(ParallelLayout(tp_size=tp_size, tp_rank=tp_rank))
+    tensors = art.load(ParallelLayout(tp_size=tp_size, tp_rank=tp_rank), copy=copy)
     dt = time.perf_counter() - t0
     s = art.last_load
     del tensors
@@ -148,6 +148,7 @@ def _load(root: str, tp_size: int, tp_rank: int) -> dict[str, Any]:
         "tensors": s.tensors,
         "syscalls": s.syscalls,
         "strided_copies": s.strided_copies,
+        "mapped": s.mapped,
     }
 
 
@@ -160,7 +161,9 @@ def worker() -> None:
         if op == "quit":
             return
         if op == "load":
-            ans = _load(req["root"], req.get("tp_size", 1), req.get("tp_rank", 0))
+            ans = _load(
+                req["root"], req.get("tp_size", 1), req.get("tp_rank", 0), req.get("copy", False)
+            )
         else:
             fn = _raw if op == "raw" else _raw_fresh
             t0 = time.perf_counter()
@@ -302,10 +305,10 @@ def _drop(files: list[Path]) -> None:
 
 
 def throughput(root: Path, workers: dict[str, Worker], rounds: int, cache: str) -> dict[str, Any]:
-    """Interleaved raw / loader / raw_fresh / loader_thp, ``rounds`` times, page cache ``cache``."""
+    """Interleaved raw / loader / loader_copy / raw_fresh, ``rounds`` times, page cache ``cache``."""
     files = _artifact_files(root)
     names = [str(p) for p in files]
-    variants = COLD_VARIANTS if cache == "cold" else VARIANTS
+    variants = VARIANTS
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for rnd in range(rounds):
         for v in variants:
@@ -315,9 +318,9 @@ def throughput(root: Path, workers: dict[str, Worker], rounds: int, cache: str) 
                 warm_page_cache(files)
             resident = cached_fraction(files)
             load = os.getloadavg()[0]
-            w = workers["thp" if v == "loader_thp" else "default"]
+            w = workers["default"]
             if v.startswith("loader"):
-                r = w.ask(op="load", root=str(root))
+                r = w.ask(op="load", root=str(root), copy=v == "loader_copy")
             else:
                 r = w.ask(op=v, files=names)
             r.update(cached_before=resident, loadavg_1min=load, gbps=r["bytes"] / r["s"] / 1e9)
@@ -338,12 +341,10 @@ def throughput(root: Path, workers: dict[str, Worker], rounds: int, cache: str) 
     g = {v: m["gbps"] for v, m in med.items()}
     ratios = {
         "loader_over_raw": g["loader"] / g["raw"],
-        "loader_over_raw_fresh": g["loader"] / g["raw_fresh"],
+        "loader_copy_over_raw": g["loader_copy"] / g["raw"],
+        "loader_copy_over_raw_fresh": g["loader_copy"] / g["raw_fresh"],
         "raw_fresh_over_raw": g["raw_fresh"] / g["raw"],
     }
-    if "loader_thp" in g:
-        ratios["loader_thp_over_raw"] = g["loader_thp"] / g["raw"]
-        ratios["loader_thp_over_loader"] = g["loader_thp"] / g["loader"]
     # the same ratio per round (each round's pair measured back to back)
     per_round = [b["gbps"] / a["gbps"] for a, b in zip(runs["raw"], runs["loader"], strict=True)]
     ratios["loader_over_raw_per_round"] = per_round
@@ -455,7 +456,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     doc: dict[str, Any] = {"benchmark": "bench_loader", "machine": machine_info()}
     doc["command"] = " ".join(["python", "benchmarks/bench_loader.py", *sys.argv[1:]])
     doc["work"] = {"dir": str(work), "temporary": tmp}
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env = dict(os.environ)
     workers: dict[str, Worker] = {}
     try:
         doc["source"] = {
@@ -470,7 +471,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         doc["convert"] = {r: _ensure_artifact(src, p, r, args.workers) for r, p in arts.items()}
         os.sync()  # nothing dirty left: fadvise(DONTNEED) drops clean pages only
         workers["default"] = Worker(env)
-        workers["thp"] = Worker({**env, "THP_MEM_ALLOC_ENABLE": "1"})
         doc["page_cache"] = {
             "cold": "posix_fadvise(POSIX_FADV_DONTNEED) on every file of the artifact before each "
             "measurement (mincore-checked: cached_before); not drop_caches, which would evict "
@@ -520,6 +520,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         out[recipe] = {
             "tp1_loader_over_raw_cold": cold["ratios"]["loader_over_raw"],
             "tp1_loader_over_raw_warm": warm["ratios"]["loader_over_raw"],
+            "tp1_loader_copy_over_raw_cold": cold["ratios"]["loader_copy_over_raw"],
             "tp8_max_bytes_over_ideal": e["tp8"]["max_ratio"],
         }
     met = {
@@ -537,9 +538,9 @@ def table(doc: dict[str, Any]) -> str:
         "",
         "TP1, whole artifact (median GB/s; bytes: raw = every file, loader = tensor bytes):",
         "",
-        "| artifact | GB | cache | raw | loader | raw_fresh | loader_thp | loader / raw "
-        "| loader / raw_fresh |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| artifact | GB | cache | raw | loader (mapped) | loader_copy | raw_fresh | loader / raw "
+        "| loader_copy / raw | loader_copy / raw_fresh |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for recipe, e in doc["artifacts"].items():
         for cache in ("cold", "warm"):
@@ -549,7 +550,8 @@ def table(doc: dict[str, Any]) -> str:
                 f"| {recipe} | {e['file_bytes'] / 1e9:.2f} | {cache} ×{t['rounds']} | "
                 + " | ".join(f"{g[v]:.2f}" if v in g else "—" for v in VARIANTS)
                 + f" | **{t['ratios']['loader_over_raw']:.2f}** | "
-                f"{t['ratios']['loader_over_raw_fresh']:.2f} |"
+                f"{t['ratios']['loader_copy_over_raw']:.2f} | "
+                f"{t['ratios']['loader_copy_over_raw_fresh']:.2f} |"
             )
     lines += [
         "",

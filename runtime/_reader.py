@@ -6,7 +6,13 @@ are read with ``preadv`` straight into the destination buffers, the spans of adj
 a file merged into one call; strided spans (column splits) are one strided copy out of the
 file's private memory map, which faults in only the pages that hold wanted bytes. Targets:
 
-- CPU: into each tensor's own buffer;
+- CPU, mapped (the default): a whole-range tensor whose file offset is 8-byte aligned is a view
+  of the file's private (copy-on-write) memory map, its pages populated before ``load`` returns
+  (``MADV_WILLNEED`` then ``MADV_POPULATE_READ``): the bytes are read once, into the page cache,
+  and the tensor shares them instead of copying them into new anonymous memory. Writes to such a
+  tensor stay private to the process. The file must not be truncated or rewritten in place while
+  the tensors live (as with any memory-mapped loader); ``copy=True`` avoids that;
+- CPU, copied: into each tensor's own buffer;
 - CUDA: through two reused pinned staging buffers (64 MiB, or the longest run) with
   asynchronous host-to-device copies — pageable ``.to(cuda)`` is 5-6x slower
   (reference/sharding_loading.md §2.1);
@@ -29,6 +35,9 @@ from hetquant.formats.errors import HetquantError
 __all__ = ["LoadStats", "Span", "read_spans"]
 
 _IOV = 512  # iovecs per preadv (Linux IOV_MAX is 1024)
+_MAP_ALIGN = 8  # mapped views start at offsets aligned for every stored dtype
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 _STAGE = 64 << 20  # pinned staging chunk for CUDA loads
 
 
@@ -59,14 +68,21 @@ class LoadStats:
     tensors: int = 0
     syscalls: int = 0
     strided_copies: int = 0
+    mapped: int = 0  # tensors that are views of a file's memory map (no copy)
 
 
 def read_spans(
-    root: Path, items: Sequence[tuple[str, str, Span]], target: torch.device, stats: LoadStats
+    root: Path,
+    items: Sequence[tuple[str, str, Span]],
+    target: torch.device,
+    stats: LoadStats,
+    *,
+    copy: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``(name, file relative to root, span)`` → {name: uint8 bytes on ``target``}.
 
-    For CUDA the copies are asynchronous: synchronize before using the tensors.
+    For CUDA the copies are asynchronous: synchronize before using the tensors. On the CPU,
+    ``copy=False`` returns views of the files' memory maps where a span allows it.
     """
     if target.type == "cuda" and not torch.cuda.is_available():
         raise HetquantError(f"device {target} requested but CUDA is not available here")
@@ -77,20 +93,36 @@ def read_spans(
     out: dict[str, torch.Tensor] = {}
     for file, spans in by_file.items():
         with _Source(root / file, stats) as src:
-            if stage is None:
-                bufs = {name: torch.empty(s.nbytes, dtype=torch.uint8) for name, s in spans}
-                src.read_many([(s, bufs[name]) for name, s in spans])
-                for name, buf in bufs.items():
-                    out[name] = buf if target.type == "cpu" else buf.to(target)
+            if stage is not None:
+                out.update(_to_cuda(src, spans, target, stage))
                 continue
-            for name, span in spans:
-                out[name] = dst = torch.empty(span.nbytes, dtype=torch.uint8, device=target)
-                for sub, offset in _chunks(span, stage.size):
-                    buf = stage.next()[: sub.nbytes]
-                    src.read_many([(sub, buf)])
-                    dst[offset : offset + sub.nbytes].copy_(buf, non_blocking=True)
-                    stage.record()
+            if target.type == "cpu" and not copy:
+                views = src.mapped_views([(n, s) for n, s in spans if _mappable(s)])
+                out.update(views)
+                spans = [(n, s) for n, s in spans if n not in views]
+            bufs = {name: torch.empty(s.nbytes, dtype=torch.uint8) for name, s in spans}
+            src.read_many([(s, bufs[name]) for name, s in spans])
+            for name, buf in bufs.items():
+                out[name] = buf if target.type == "cpu" else buf.to(target)
     stats.tensors += len(out)
+    return out
+
+
+def _mappable(span: Span) -> bool:
+    return span.count == 1 and span.run > 0 and span.start % _MAP_ALIGN == 0
+
+
+def _to_cuda(
+    src: _Source, spans: list[tuple[str, Span]], target: torch.device, stage: _Stage
+) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, span in spans:
+        out[name] = dst = torch.empty(span.nbytes, dtype=torch.uint8, device=target)
+        for sub, offset in _chunks(span, stage.size):
+            buf = stage.next()[: sub.nbytes]
+            src.read_many([(sub, buf)])
+            dst[offset : offset + sub.nbytes].copy_(buf, non_blocking=True)
+            stage.record()
     return out
 
 
@@ -132,14 +164,50 @@ class _Source:
 
     def __init__(self, path: Path, stats: LoadStats) -> None:
         self.path, self.stats, self.fd, self.mm = path, stats, os.open(path, os.O_RDONLY), None
+        self.exported = False
 
     def __enter__(self) -> _Source:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.mm is not None:
+        if self.mm is not None and not self.exported:
             self.mm.close()
+        self.mm = None  # mapped views hold a reference: unmapped when the last one is freed
         os.close(self.fd)
+
+    def _map(self) -> mmap.mmap:
+        if self.mm is None:
+            self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)  # private: never written
+        return self.mm
+
+    def mapped_views(self, spans: list[tuple[str, Span]]) -> dict[str, torch.Tensor]:
+        """Views of the file's map for contiguous ``spans``, their pages read in before return."""
+        if not spans:
+            return {}
+        mm, size = self._map(), os.fstat(self.fd).st_size
+        self.exported = True
+        out = {}
+        for name, span in spans:
+            if span.start + span.run > size:
+                raise HetquantError(
+                    f"{self.path}: ends before byte {span.start + span.run}; truncated"
+                )
+            out[name] = torch.frombuffer(mm, dtype=torch.uint8, count=span.run, offset=span.start)
+            self.stats.bytes_read += span.run
+        for lo, hi in _page_ranges(s for _, s in spans):
+            self._populate(mm, lo, hi - lo)
+        self.stats.mapped += len(out)
+        return out
+
+    def _populate(self, mm: mmap.mmap, start: int, length: int) -> None:
+        mm.madvise(mmap.MADV_WILLNEED, start, length)  # readahead of the whole range, async
+        try:
+            mm.madvise(_MADV_POPULATE_READ, start, length)
+        except OSError:  # kernel < 5.14: touch one byte per page
+            view = torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=start)
+            view[::_PAGE].max()
+            del view
+        self.stats.syscalls += 2
 
     def read_many(self, items: list[tuple[Span, torch.Tensor]]) -> None:
         """Fill each CPU uint8 buffer from its span; adjacent contiguous spans share a call."""
@@ -175,8 +243,7 @@ class _Source:
                 views[0] = views[0][n:]
 
     def _strided(self, span: Span, buf: torch.Tensor) -> None:
-        if self.mm is None:
-            self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)  # private: never written
+        self._map()
         count = (span.count - 1) * span.stride + span.run
         src = torch.frombuffer(self.mm, dtype=torch.uint8, count=count, offset=span.start)
         buf.view(span.count, span.run).copy_(
@@ -184,3 +251,15 @@ class _Source:
         )
         self.stats.strided_copies += 1
         del src  # the map cannot close while a tensor exports it
+
+
+def _page_ranges(spans: Iterator[Span]) -> list[tuple[int, int]]:
+    """Page-aligned ``[lo, hi)`` ranges covering ``spans``, overlapping ones merged."""
+    ranges: list[tuple[int, int]] = []
+    for s in sorted(spans, key=lambda s: s.start):
+        lo, hi = s.start - s.start % _PAGE, s.start + s.run
+        if ranges and lo <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], hi))
+        else:
+            ranges.append((lo, hi))
+    return ranges

@@ -259,15 +259,20 @@ class Artifact:
         *,
         repack: Repack | None = None,
         mtp: bool = False,
+        copy: bool = False,
     ) -> dict[str, torch.Tensor]:
         """This rank's tensors under their stored names, sliced per the shard rules.
 
         ``repack(prefix, fmt, {key: tensor})`` (fmt None for a plain tensor) runs per module
         after the tensors reach ``device`` and returns the backend's tensors (local keys).
+        On the CPU, tensors that are whole byte ranges of a file are views of its private memory
+        map with their pages read in (``_reader``); ``copy=True`` gives every tensor its own
+        memory instead (for files that may be rewritten while the tensors live).
         """
         reads, stats = self.plan(layout, mtp=mtp), LoadStats()
         target = torch.device(device)
-        flat = read_spans(self.root, [(r.name, r.file, r.span) for r in reads], target, stats)
+        items = [(r.name, r.file, r.span) for r in reads]
+        flat = read_spans(self.root, items, target, stats, copy=copy)
         out: dict[str, torch.Tensor] = {}
         for r in reads:
             out[r.name] = flat.pop(r.name).view(torch_dtype(r.dtype)).reshape(r.shape)
