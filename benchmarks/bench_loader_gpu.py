@@ -8,8 +8,9 @@ For each ``--artifact DIR`` (standalone: needs torch and the ``hetquant`` packag
 (b) **Loader**: page cache warm (every file of the artifact read once, untimed; resident fraction
     checked with ``mincore``), then ``open_artifact(DIR).load(ParallelLayout(), device="cuda")``
     timed from ``open_artifact`` to its return (``load`` synchronizes the device). The first load
-    of the process is reported apart (``first_load_*``: CUDA caching allocator growth, the two
-    64 MiB pinned staging buffers); ``load_gbps`` is the median of ``--repeats`` loads after it.
+    of the process is reported apart (``first_load_*``: CUDA caching allocator growth, pinned
+    staging buffers); ``load_gbps`` is the median of ``--repeats`` loads after it, with up to 16
+    reader threads (``lanes``, runtime/_staging.py); ``load_1lane_gbps`` the same with one.
     GB/s counts ``last_load.bytes_read`` (tensor bytes). The last GPU load is checked byte for
     byte against a CPU load of the same artifact.
 (c) For context, the same load to CPU (warm page cache) and a raw read of every file of the
@@ -47,6 +48,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _measure import cached_fraction, warm_page_cache  # noqa: E402
+
+from hetquant.runtime import _staging  # noqa: E402
 
 GiB = 1 << 30
 RAW_BLOCK = 16 << 20
@@ -108,6 +111,21 @@ def _load(root: Path, dev: str) -> tuple[float, int, dict[str, torch.Tensor]]:
     return dt, art.last_load.bytes_read, tensors
 
 
+def _one_lane_gbps(root: Path, files: list[Path], dev: str, repeats: int, nbytes: int) -> float:
+    """The same load with one staging lane (reader thread): the single-thread baseline."""
+    saved, _staging.MAX_LANES = _staging.MAX_LANES, 1
+    try:
+        times = []
+        for _ in range(repeats):
+            warm_page_cache(files)
+            dt, _, w = _load(root, dev)
+            times.append(dt)
+            del w
+    finally:
+        _staging.MAX_LANES = saved
+    return nbytes / statistics.median(times) / 1e9
+
+
 def bench_artifact(root: Path, dev: str, repeats: int) -> dict[str, Any]:
     files = _files(root)
     file_bytes = sum(p.stat().st_size for p in files)
@@ -126,6 +144,9 @@ def bench_artifact(root: Path, dev: str, repeats: int) -> dict[str, Any]:
             del w
     med = statistics.median(times)
     out.update(load_s=times, load_median_s=med, load_gbps=nbytes / med / 1e9)
+    out["lanes"] = _staging.lane_count(1 << 30)
+    out["load_1lane_gbps"] = _one_lane_gbps(root, files, dev, repeats, nbytes)
+    out["lanes_speedup"] = out["load_gbps"] / out["load_1lane_gbps"]
     # byte-for-byte check of the last device load against a CPU load
     cpu_times, ref = [], {}
     for _ in range(3):

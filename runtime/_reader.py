@@ -13,9 +13,10 @@ file's private memory map, which faults in only the pages that hold wanted bytes
   tensor stay private to the process. The file must not be truncated or rewritten in place while
   the tensors live (as with any memory-mapped loader); ``copy=True`` avoids that;
 - CPU, copied: into each tensor's own buffer;
-- CUDA: through two reused pinned staging buffers (64 MiB, or the longest run) with
-  asynchronous host-to-device copies — pageable ``.to(cuda)`` is 5-6x slower
-  (reference/sharding_loading.md §2.1);
+- CUDA: chunks of at most 16 MiB (or one strided run) dealt to up to 16 reader threads, each
+  with two reused pinned staging buffers and asynchronous host-to-device copies on its own
+  stream (``_staging``) — pageable ``.to(cuda)`` is 5-6x slower (reference/sharding_loading.md
+  §2.1), and one reader thread is held to one core's memcpy speed;
 - any other device: a CPU buffer per tensor, then ``.to(device)``.
 """
 
@@ -23,14 +24,16 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from hetquant.formats.errors import HetquantError
+
+from ._staging import STAGE_BYTES, CudaLane, lane_count, staged_copy
 
 __all__ = ["LoadStats", "Span", "read_spans"]
 
@@ -38,7 +41,7 @@ _IOV = 512  # iovecs per preadv (Linux IOV_MAX is 1024)
 _MAP_ALIGN = 8  # mapped views start at offsets aligned for every stored dtype
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
-_STAGE = 64 << 20  # pinned staging chunk for CUDA loads
+_STAGE = STAGE_BYTES  # pinned staging chunk for CUDA loads
 
 
 @dataclass(frozen=True)
@@ -89,12 +92,11 @@ def read_spans(
     by_file: dict[str, list[tuple[str, Span]]] = {}
     for name, file, span in items:
         by_file.setdefault(file, []).append((name, span))
-    stage = _Stage(max((s.run for *_, s in items), default=0)) if target.type == "cuda" else None
     out: dict[str, torch.Tensor] = {}
     for file, spans in by_file.items():
         with _Source(root / file, stats) as src:
-            if stage is not None:
-                out.update(_to_cuda(src, spans, target, stage))
+            if target.type == "cuda":
+                out.update(_to_cuda(src, spans, target))
                 continue
             if target.type == "cpu" and not copy:
                 views = src.mapped_views([(n, s) for n, s in spans if _mappable(s)])
@@ -113,16 +115,21 @@ def _mappable(span: Span) -> bool:
 
 
 def _to_cuda(
-    src: _Source, spans: list[tuple[str, Span]], target: torch.device, stage: _Stage
+    src: _Source, spans: list[tuple[str, Span]], target: torch.device
 ) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, span in spans:
-        out[name] = dst = torch.empty(span.nbytes, dtype=torch.uint8, device=target)
-        for sub, offset in _chunks(span, stage.size):
-            buf = stage.next()[: sub.nbytes]
-            src.read_many([(sub, buf)])
-            dst[offset : offset + sub.nbytes].copy_(buf, non_blocking=True)
-            stage.record()
+    size = max([_STAGE] + [s.run for _, s in spans if s.count > 1])  # a strided run is not cut
+    out = {name: torch.empty(s.nbytes, dtype=torch.uint8, device=target) for name, s in spans}
+    chunks = [
+        (sub, out[name][offset : offset + sub.nbytes])
+        for name, span in spans
+        for sub, offset in _chunks(span, size)
+    ]
+    staged_copy(
+        chunks,
+        lambda sub, buf: src.read_many([(sub, buf)]),
+        lambda: CudaLane(size, target),
+        lane_count(len(chunks)),
+    )
     return out
 
 
@@ -139,32 +146,14 @@ def _chunks(span: Span, limit: int) -> Iterator[tuple[Span, int]]:
         yield Span(span.start + r * span.stride, span.run, span.stride, m), r * span.run
 
 
-class _Stage:
-    """Two pinned host buffers used in turn; a buffer is reused once its copy has finished."""
-
-    def __init__(self, largest_run: int) -> None:
-        self.size = max(_STAGE, largest_run)
-        self.bufs = [torch.empty(self.size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.events: list[Any] = [None, None]
-        self.i = 1
-
-    def next(self) -> torch.Tensor:
-        self.i ^= 1
-        if self.events[self.i] is not None:
-            self.events[self.i].synchronize()
-        return self.bufs[self.i]
-
-    def record(self) -> None:
-        self.events[self.i] = torch.cuda.Event()
-        self.events[self.i].record()
-
-
 class _Source:
-    """One open shard: ``preadv`` for contiguous spans, its memory map for strided ones."""
+    """One open shard: ``preadv`` for contiguous spans, its memory map for strided ones.
+    ``read_many`` may run in several threads at once (CUDA staging lanes)."""
 
     def __init__(self, path: Path, stats: LoadStats) -> None:
         self.path, self.stats, self.fd, self.mm = path, stats, os.open(path, os.O_RDONLY), None
         self.exported = False
+        self.lock = threading.Lock()  # the lazy map and the counters
 
     def __enter__(self) -> _Source:
         return self
@@ -176,9 +165,15 @@ class _Source:
         os.close(self.fd)
 
     def _map(self) -> mmap.mmap:
-        if self.mm is None:
-            self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)  # private: never written
-        return self.mm
+        with self.lock:
+            if self.mm is None:
+                self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)  # private: never written
+            return self.mm
+
+    def _count(self, **add: int) -> None:
+        with self.lock:
+            for key, n in add.items():
+                setattr(self.stats, key, getattr(self.stats, key) + n)
 
     def mapped_views(self, spans: list[tuple[str, Span]]) -> dict[str, torch.Tensor]:
         """Views of the file's map for contiguous ``spans``, their pages read in before return."""
@@ -212,8 +207,8 @@ class _Source:
     def read_many(self, items: list[tuple[Span, torch.Tensor]]) -> None:
         """Fill each CPU uint8 buffer from its span; adjacent contiguous spans share a call."""
         batch: list[tuple[Span, torch.Tensor]] = []
+        self._count(bytes_read=sum(span.nbytes for span, _ in items))
         for span, buf in sorted(items, key=lambda it: it[0].start):
-            self.stats.bytes_read += span.nbytes
             if span.nbytes == 0:
                 continue
             if span.count > 1:
@@ -233,7 +228,7 @@ class _Source:
         offset, left = batch[0][0].start, sum(s.run for s, _ in batch)
         while views:
             n = os.preadv(self.fd, views, offset)
-            self.stats.syscalls += 1
+            self._count(syscalls=1)
             if n <= 0:
                 raise HetquantError(f"{self.path}: ends before byte {offset + left}; truncated")
             offset, left = offset + n, left - n
@@ -243,14 +238,12 @@ class _Source:
                 views[0] = views[0][n:]
 
     def _strided(self, span: Span, buf: torch.Tensor) -> None:
-        self._map()
         count = (span.count - 1) * span.stride + span.run
-        src = torch.frombuffer(self.mm, dtype=torch.uint8, count=count, offset=span.start)
+        src = torch.frombuffer(self._map(), dtype=torch.uint8, count=count, offset=span.start)
         buf.view(span.count, span.run).copy_(
             src.as_strided((span.count, span.run), (span.stride, 1))
         )
-        self.stats.strided_copies += 1
-        del src  # the map cannot close while a tensor exports it
+        self._count(strided_copies=1)
 
 
 def _page_ranges(spans: Iterator[Span]) -> list[tuple[int, int]]:

@@ -14,7 +14,8 @@ from support import TINY, run_cli
 
 from hetquant.formats import HetquantError
 from hetquant.runtime import ParallelLayout, open_artifact
-from hetquant.runtime._reader import LoadStats, Span, _page_ranges, read_spans
+from hetquant.runtime._reader import LoadStats, Span, _chunks, _page_ranges, _Source, read_spans
+from hetquant.runtime._staging import MAX_LANES, lane_count, staged_copy
 
 CPU = torch.device("cpu")
 
@@ -104,3 +105,69 @@ def test_page_ranges_merge_and_align() -> None:
     p = 4096
     spans = [Span(10, 5, 5), Span(p + 1, 10, 10), Span(3 * p + 7, p, p), Span(20, 100, 100)]
     assert _page_ranges(iter(spans)) == [(0, 120), (p, p + 11), (3 * p, 4 * p + 7)]
+
+
+class _CpuLane:
+    """A CPU stand-in for CudaLane: two buffers, synchronous sends, and a record of its use."""
+
+    def __init__(self, size: int, log: list[int]) -> None:
+        self.bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
+        self.i, self.log = 1, log
+
+    def next(self) -> torch.Tensor:
+        self.i ^= 1
+        return self.bufs[self.i]
+
+    def send(self, buf: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(buf)
+        self.log.append(id(self))
+
+    def finish(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_staged_copy_through_lanes_fills_every_destination(tmp_path: Path, lanes: int) -> None:
+    data = torch.randint(
+        0, 256, (50_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
+    (tmp_path / "f.bin").write_bytes(bytes(data.numpy()))
+    spans = {
+        "a": Span(0, 12_345, 12_345),
+        "b": Span(20_000, 700, 1000, 29),
+        "c": Span(49_000, 1000, 1000),
+    }
+    stats, log = LoadStats(), []
+    with _Source(tmp_path / "f.bin", stats) as src:
+        out = {n: torch.empty(s.nbytes, dtype=torch.uint8) for n, s in spans.items()}
+        chunks = [
+            (sub, out[n][off : off + sub.nbytes])
+            for n, s in spans.items()
+            for sub, off in _chunks(s, 1024)
+        ]
+        staged_copy(
+            chunks, lambda sub, buf: src.read_many([(sub, buf)]), lambda: _CpuLane(1024, log), lanes
+        )
+    assert torch.equal(out["a"], data[:12_345])
+    assert torch.equal(out["b"], data[20_000:49_000].view(29, 1000)[:, :700].reshape(-1))
+    assert torch.equal(out["c"], data[49_000:50_000])
+    assert len(log) == len(chunks) and len(set(log)) == lanes
+    assert stats.bytes_read == sum(s.nbytes for s in spans.values())
+
+
+def test_staged_copy_reraises_a_reader_error(tmp_path: Path) -> None:
+    (tmp_path / "f.bin").write_bytes(b"\1" * 3000)
+    dst = torch.empty(4000, dtype=torch.uint8)
+    chunks = [(Span(i, 1000, 1000), dst[i : i + 1000]) for i in range(0, 4000, 1000)]
+    with (
+        _Source(tmp_path / "f.bin", LoadStats()) as src,
+        pytest.raises(HetquantError, match="truncated"),
+    ):
+        staged_copy(
+            chunks, lambda sub, buf: src.read_many([(sub, buf)]), lambda: _CpuLane(1000, []), 2
+        )
+
+
+def test_lane_count_bounds() -> None:
+    assert lane_count(1) == 1
+    assert 1 <= lane_count(1000) <= MAX_LANES
