@@ -46,8 +46,9 @@ from typing import ClassVar
 
 import torch
 
-from ._bits import pack_nibbles_i32, unpack_nibbles_i32
-from .base import Streaming, TensorMeta, WeightFormat, register
+from . import _quant_native
+from ._bits import unpack_nibbles_i32
+from .base import Streaming, TensorMeta, WeightFormat, all_finite, register
 from .errors import HetquantError
 
 __all__ = [
@@ -110,16 +111,26 @@ class AwqW4A16(WeightFormat):
     ) -> dict[str, torch.Tensor]:
         """Float weight [N, K] → stored tensors, round-to-nearest.
 
-        ``scales`` and ``zeros`` (both or neither) hand over to :meth:`quantize_with`.
+        ``scales`` and ``zeros`` (both or neither) hand over to :meth:`quantize_with`. BF16/F32
+        weights on the CPU go through the fused C++ kernel (``_quant_native``), others through
+        torch; both give the same bytes.
         """
         if scales is not None or zeros is not None:
             if scales is None or zeros is None:
                 raise HetquantError("awq_w4a16.quantize: give both scales= and zeros=, or neither")
             return self.quantize_with(weight, scales, zeros)
-        w = self._groups(weight)  # (N, K/g, g)
-        lo = w.amin(dim=-1).clamp(max=0.0)  # (N, K/g), range widened to contain 0
-        hi = w.amax(dim=-1).clamp(min=0.0)
-        span = (hi.double() - lo.double()).clamp(min=RANGE_EPS)  # (N, K/g), exact in float64
+        self._check_shape(tuple(weight.shape))
+        native = _quant_native.awq_rtn(weight, self.group_size)  # None: not applicable, or bad
+        return self._quantize_torch(weight) if native is None else native
+
+    def _quantize_torch(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The round-to-nearest reference (module docstring)."""
+        w = self._groups(weight, finite=False)  # (N, K/g, g)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (N, K/g); NaN/Inf propagate
+        if not (all_finite(lo) and all_finite(hi)):
+            self._groups(weight)  # raises
+        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)  # range widened to contain 0
+        span = (hi.double() - lo.double()).clamp(min=RANGE_EPS)  # (N, K/g), float64
         s = _round_up_f16(span / QMAX, "scales")  # (N, K/g)
         z = (-torch.round(lo / s.float())).clamp(QMIN, QMAX)  # (N, K/g)
         return self._pack(w, s, z)
@@ -206,11 +217,11 @@ class AwqW4A16(WeightFormat):
             )
         return n, k
 
-    def _groups(self, weight: torch.Tensor) -> torch.Tensor:
+    def _groups(self, weight: torch.Tensor, finite: bool = True) -> torch.Tensor:
         """Validated float32 view of ``weight`` [N, K] as (N, K/g, g)."""
         n, k = self._check_shape(tuple(weight.shape))
         w = weight.to(torch.float32)
-        if not bool(torch.isfinite(w).all()):
+        if finite and not all_finite(w):
             raise HetquantError(
                 f"awq_w4a16: weight [{n}, {k}] contains NaN or Inf; refusing to quantize it"
             )
@@ -220,13 +231,25 @@ class AwqW4A16(WeightFormat):
         """Codes from grouped ``w`` (N, K/g, g), FP16 ``s16`` and ``z`` (N, K/g) → stored dict."""
         n = w.shape[0]
         sf = s16.to(torch.float32)[..., None]  # (N, K/g, 1)
-        q = (torch.round(w / sf) + z[..., None]).clamp(QMIN, QMAX)  # (N, K/g, g)
+        q = (w / sf).round_().add_(z[..., None]).clamp_(QMIN, QMAX)  # (N, K/g, g)
         q = q.reshape(n, -1).to(torch.uint8)  # (N, K)
         return {
-            "qweight": pack_nibbles_i32(q.t(), AWQ_ORDER).contiguous(),  # (K, N/8)
-            "qzeros": pack_nibbles_i32(z.to(torch.uint8).t(), AWQ_ORDER).contiguous(),
+            "qweight": _pack_columns(q),  # (K, N/8)
+            "qzeros": _pack_columns(z.to(torch.uint8)),
             "scales": s16.t().contiguous(),  # (K/g, N)
         }
+
+
+def _pack_columns(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] → int32 [K, N/8] = ``pack_nibbles_i32(q.t(), AWQ_ORDER)``, without
+    transposing the codes or gathering: byte j of a word holds rows AWQ_ORDER[2j] (low nibble)
+    and AWQ_ORDER[2j+1] (high) of each group of 8, i.e. (0, 2), (4, 6), (1, 3), (5, 7)."""
+    n, k = q.shape
+    q8 = q.reshape(n // PACK, PACK, k)  # (N/8, 8, K)
+    lo, hi = q8[:, list(AWQ_ORDER[0::2])], q8[:, list(AWQ_ORDER[1::2])]  # (N/8, 4, K) each
+    out = torch.empty((k, n // PACK, PACK // 2), dtype=torch.uint8)  # (K, N/8, 4) bytes
+    out.copy_((lo | (hi << 4)).permute(2, 0, 1))
+    return out.view(torch.int32).squeeze(-1)  # (K, N/8)
 
 
 def _round_up_f16(x: torch.Tensor, what: str) -> torch.Tensor:

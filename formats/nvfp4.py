@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from . import _quant_native
 from ._bits import pack_nibbles_u8, unpack_nibbles_u8
 from .base import Streaming, TensorMeta, WeightFormat, register
 from .errors import HetquantError
@@ -92,11 +94,10 @@ def _check_k(k: int) -> None:
         )
 
 
-def _f32_2d(weight: torch.Tensor) -> torch.Tensor:
+def _check_2d(weight: torch.Tensor) -> None:
     if weight.ndim != 2:
         raise HetquantError(f"nvfp4.quantize: expected a 2-D weight, got {tuple(weight.shape)}")
     _check_k(weight.shape[1])
-    return weight.to(torch.float32)
 
 
 def _scale_2_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -146,6 +147,7 @@ class Nvfp4(WeightFormat):
     """ModelOpt NVFP4 weight (see the module docstring); W4A16 unless ``with_input_scale``."""
 
     name: ClassVar[str] = "nvfp4"
+    _K_MAJOR: ClassVar[bool] = False  # the kernel's output layout; see nvfp4_ascend._KMajorChunks
     with_input_scale: bool = False
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
@@ -180,23 +182,50 @@ class Nvfp4(WeightFormat):
         """Quantize ``weight`` [N, K]; option ``act_amax`` (calibrated) iff ``with_input_scale``.
 
         ``weight_amax``: the absmax of the whole weight when ``weight`` is a block of its rows
-        (streaming); the global scale comes from it instead of from ``weight``.
+        (streaming); the global scale comes from it instead of from ``weight``. BF16/F32 rows
+        on the CPU go through the fused C++ kernel (``_quant_native``), others through torch;
+        both give the same bytes.
         """
-        w = _f32_2d(weight)
+        _check_2d(weight)
+        given = options.get("weight_amax")
+        out = self._quantize_native(weight, given)
+        if out is None:
+            out = self._quantize_torch(weight, given)
+        out.update(self._input_scale(options.get("act_amax")))
+        return out
+
+    def _quantize_native(self, weight: torch.Tensor, given: Any) -> dict[str, torch.Tensor] | None:
+        """:meth:`_quantize_torch` by the kernel; None where it does not apply or on NaN/Inf
+        (then the torch path raises)."""
+        if given is None:
+            amax = _quant_native.absmax(weight)
+            if amax is None or not math.isfinite(amax):
+                return None
+            s2 = _scale_2_from_amax(torch.tensor(amax, dtype=torch.float32))
+        else:
+            s2 = _scale_2_from_amax(torch.as_tensor(float(given)))
+        packed = _quant_native.nvfp4(weight, float(s2), self._K_MAJOR)
+        if packed is None:
+            return None
+        return {"weight": packed[0], "weight_scale": packed[1], "weight_scale_2": s2}
+
+    def _quantize_torch(self, weight: torch.Tensor, given: Any) -> dict[str, torch.Tensor]:
+        """The reference: weight, weight_scale, weight_scale_2 of ``weight`` [N, K]."""
+        w = weight.to(torch.float32)
         n, k = w.shape
         mag = w.abs().reshape(n, k // BLOCK, BLOCK)  # (N, K/16, 16), one pass serves all below
         block_amax = mag.amax(dim=-1)  # (N, K/16)
         amax = block_amax.amax()
         if not bool(torch.isfinite(amax)):  # NaN and Inf propagate through the max
             raise HetquantError("nvfp4.quantize: weight contains NaN or Inf; the source is corrupt")
-        given = options.get("weight_amax")
         s2 = _scale_2_from_amax(amax if given is None else torch.as_tensor(float(given)))
         sb = _block_scales_from_amax(block_amax, s2)
         y_mag = mag / _effective_scale(sb, s2)[..., None]  # (N, K/16, 16), |w| / step
         codes = _e2m1_codes(y_mag.reshape(n, k), w < 0)  # (N, K)
-        out = {"weight": pack_nibbles_u8(codes), "weight_scale": sb, "weight_scale_2": s2}
-        out.update(self._input_scale(options.get("act_amax")))
-        return out
+        return {"weight": self._pack(codes), "weight_scale": sb, "weight_scale_2": s2}
+
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        return pack_nibbles_u8(codes)
 
     def _input_scale(self, act_amax: float | None) -> dict[str, torch.Tensor]:
         if not self.with_input_scale:

@@ -202,6 +202,36 @@ def npu_scale_bf16(tiled: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class _KMajorChunks(Nvfp4):
+    """Canonical codes and scales of a block of rows, stored K-major and untiled: weight
+    [K, N/2] packed along N, weight_scale [K/16, N] (the streaming chunk format of the tiled
+    layout; its ``finish`` only tiles)."""
+
+    _K_MAJOR: ClassVar[bool] = True
+
+    def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
+        n, k = shape
+        out = super().stored(shape)
+        out["weight"] = TensorMeta("U8", (k, n // 2))
+        out["weight_scale"] = TensorMeta("F8_E4M3", (k // BLOCK, n))
+        return out
+
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        return (codes[0::2] | (codes[1::2] << 4)).T  # (K, n/2): even n low nibble
+
+    def _quantize_torch(self, weight: torch.Tensor, given: Any) -> dict[str, torch.Tensor]:
+        out = super()._quantize_torch(weight, given)
+        out["weight_scale"] = out["weight_scale"].T  # (K/16, n)
+        return out
+
+
+def _tile_only(kmajor: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = dict(kmajor)
+    out["weight"] = _tile(kmajor["weight"])
+    return out
+
+
+@dataclass(frozen=True)
 class Nvfp4Ascend(WeightFormat):
     """NVFP4 in the Ascend tiled layout (see the module docstring)."""
 
@@ -213,8 +243,9 @@ class Nvfp4Ascend(WeightFormat):
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         _check_tileable(*shape)
-        canonical = self._canonical().streaming(shape)
-        return Streaming(canonical.chunk_format, canonical.axes, needs_amax=True, finish=to_tiled)
+        chunk = _KMajorChunks(with_input_scale=self.with_input_scale)
+        axes = dict(chunk.streaming(shape).axes, weight=1, weight_scale=1)
+        return Streaming(chunk, axes, needs_amax=True, finish=_tile_only)
 
     def shard_view(self, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         """``weight`` as (K3, K1, K2, N2, N3, 128-byte run), the view of :func:`tiled_slice`.

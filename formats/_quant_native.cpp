@@ -1,0 +1,463 @@
+// hetquant quantize kernels: see hetquant/formats/_quant_native.py. Every float operation mirrors
+// the torch reference in formats/nvfp4.py and formats/awq_w4a16.py; keep them in step.
+// Plain C++ that g++ -O3 vectorises; the same body is compiled for SSE2 (the x86-64 baseline, or
+// whatever the target's baseline is), AVX2 and AVX-512 and chosen at run time. IEEE float ops
+// round the same on every path, so every path gives the same bytes.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__)
+#define HQ_X86 1
+#endif
+
+#define HQ_INLINE inline __attribute__((always_inline))
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"  // vector arguments of inlined helpers: no ABI crossing
+#endif
+
+namespace {
+
+constexpr int BLOCK = 16;                 // NVFP4 inputs per E4M3 block scale
+constexpr float E2M1_MAX = 6.0f, E4M3_MAX = 448.0f, E4M3_MIN_SUB = 1.0f / 512;
+constexpr float QMAX = 15.0f;             // AWQ codes 0..15
+constexpr double RANGE_EPS = 1e-5;
+constexpr uint32_t ABS = 0x7FFFFFFFu, INF_BITS = 0x7F800000u;
+constexpr float ROUND_MAGIC = 12582912.0f;  // M = 1.5 * 2^23: x + M - M rounds x half to even
+constexpr int32_t MAGIC_BITS = 0x4B400000;  // bits of M
+
+HQ_INLINE float as_f32(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+HQ_INLINE uint32_t bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+// element i of a row as float32: dtype float32 or bfloat16 (its bits are the high half)
+HQ_INLINE float load(const float* p, int64_t i) { return p[i]; }
+HQ_INLINE float load(const uint16_t* p, int64_t i) { return as_f32((uint32_t)p[i] << 16); }
+
+// float32 -> float8_e4m3fn bits, exactly c10::detail::fp8e4m3fn_from_fp32_value of torch 2.13
+// (round to nearest even; finite overflow and Inf saturate to 448, NaN -> 0x7F)
+HQ_INLINE uint8_t e4m3_from_f32(float f) {
+  const uint32_t fp8_max = 1087u << 20;      // 480.0f, the first value beyond E4M3's range
+  const uint32_t denorm_mask = 141u << 23;   // 2^14: adding it rounds at E4M3's 2^-9 step
+  uint32_t b = bits(f);
+  const uint32_t sign = b & 0x80000000u;
+  b ^= sign;
+  uint8_t r;
+  if (b >= fp8_max) {
+    r = b > INF_BITS ? 0x7F : 0x7E;
+  } else if (b < (121u << 23)) {             // below 2^-6, the smallest normal E4M3
+    r = (uint8_t)(bits(as_f32(b) + as_f32(denorm_mask)) - denorm_mask);
+  } else {
+    const uint32_t odd = (b >> 20) & 1;      // round to nearest even at bit 20
+    b += (uint32_t)(7 - 127) * (1u << 23) + 0x7FFFFu + odd;
+    r = (uint8_t)(b >> 20);
+    r = r == 0x7F ? 0x7E : r;                // 464 <= |f| < 480 rounds to 480: saturate
+  }
+  return r | (uint8_t)(sign >> 24);
+}
+
+// E4M3 bits (not NaN) -> float32, exact: eeeemmm at float bits 20..26 is the value * 2^-120
+HQ_INLINE float f32_from_e4m3(uint8_t v) {
+  return as_f32((uint32_t)(v & 0x80) << 24 | (uint32_t)(v & 0x7F) << 20) * 0x1p120f;
+}
+
+// float32 -> float16 bits, round to nearest even (IEEE; subnormals; overflow -> Inf)
+HQ_INLINE uint16_t f16_from_f32(float f) {
+  uint32_t b = bits(f);
+  const uint16_t sign = (uint16_t)((b >> 16) & 0x8000);
+  b &= ABS;
+  if (b > INF_BITS) return sign | 0x7E00;               // NaN
+  if (b >= 0x477FF000u) return sign | 0x7C00;           // >= 65520 rounds to Inf
+  if (b >= 0x38800000u) {                               // >= 2^-14: normal
+    b += (uint32_t)(15 - 127) * (1u << 23) + 0xFFFu + ((b >> 13) & 1);
+    return sign | (uint16_t)(b >> 13);
+  }
+  if (b < 0x33000000u) return sign;                     // <= 2^-25 (a tie to 0) or less
+  const uint32_t m = (b & 0x7FFFFFu) | 0x800000u;       // value = m * 2^(e - 150)
+  const int sh = 126 - (int)(b >> 23);                  // units of 2^-24: m >> sh, 14..24
+  uint32_t q = m >> sh;
+  const uint32_t rem = m & ((1u << sh) - 1), half = 1u << (sh - 1);
+  q += rem > half || (rem == half && (q & 1));
+  return sign | (uint16_t)q;
+}
+
+// float16 bits (finite) -> float32, exact: the 15 low bits at float bits 13..27, times 2^112
+HQ_INLINE float f32_from_f16(uint16_t h) {
+  return as_f32((uint32_t)(h & 0x8000) << 16 | (uint32_t)(h & 0x7FFF) << 13) * 0x1p112f;
+}
+
+// Tiles of ROW_TILE rows x KT inputs, row tiles outermost: a tile's codes stay in L1/L2 and
+// the K-major stores of a tile touch KT cache lines, not K.
+constexpr int64_t ROW_TILE = 128, K_TILE = 256;
+
+struct Tile {
+  int64_t N, K, KT, n0 = 0, k0 = 0, rows = 0, kt = 0;
+  bool started = false;
+  Tile(int64_t n, int64_t k, int64_t tile) : N(n), K(k), KT(tile) {}
+  bool next() {  // advance; false when done
+    if (!started) {
+      started = true;
+    } else if ((k0 += KT) >= K) {
+      k0 = 0;
+      n0 += ROW_TILE;
+    }
+    rows = N - n0 < ROW_TILE ? N - n0 : ROW_TILE;
+    kt = K - k0 < KT ? K - k0 : KT;
+    return n0 < N && K > 0;
+  }
+};
+
+// Asks for the row's next tile segment, so that it is in cache when the tile after this one
+// comes back to the row (the hardware prefetchers cannot follow 128 interleaved streams).
+template <typename T>
+HQ_INLINE void prefetch_next(const T* row, const Tile& t, int64_t KT) {
+  const int64_t k1 = t.k0 + KT, k2 = k1 + KT < t.K ? k1 + KT : t.K;
+  for (int64_t k = k1; k < k2; k += 64 / (int64_t)sizeof(T)) __builtin_prefetch(row + k, 0, 2);
+}
+
+struct Scratch {  // malloc'd bytes, freed on scope exit
+  void* p;
+  explicit Scratch(int64_t n) : p(malloc((size_t)n)) {}
+  ~Scratch() { free(p); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+// ------------------------------------------------------------------------------- NVFP4
+// One block of 16 as a GCC/clang generic vector (one AVX-512 register, two AVX2, four SSE2).
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+HQ_INLINE u32x16 load_bits(const float* p) { u32x16 v; memcpy(&v, p, 64); return v; }
+HQ_INLINE u32x16 load_bits(const uint16_t* p) {
+  u16x16 h;
+  memcpy(&h, p, 32);
+  return __builtin_convertvector(h, u32x16) << 16;
+}
+
+template <typename V, typename H>
+HQ_INLINE H halves_max(const V& v) {
+  H lo, hi;
+  memcpy(&lo, &v, sizeof(H));
+  memcpy(&hi, (const char*)&v + sizeof(H), sizeof(H));
+  return hi > lo ? hi : lo;
+}
+
+HQ_INLINE uint32_t block_max(const u32x16& v) {
+  const u32x4 q = halves_max<u32x8, u32x4>(halves_max<u32x16, u32x8>(v));
+  const uint32_t a = q[0] > q[1] ? q[0] : q[1], b = q[2] > q[3] ? q[2] : q[3];
+  return a > b ? a : b;
+}
+
+// Inputs [0, K) of one row: codes[K] (sign << 3 | magnitude index) and scales[K/16];
+// false on NaN/Inf. amax[K/16] and step[K] are scratch.
+template <typename T>
+HQ_INLINE bool nvfp4_segment(const T* w, int64_t K, float s2, uint8_t* codes, uint8_t* scales,
+                             uint32_t* amax, float* step) {
+  const int64_t nb = K / BLOCK;
+  uint32_t all = 0;
+  for (int64_t b = 0; b < nb; ++b) {  // block absmax as bits: integer max, NaN above Inf
+    const uint32_t m = block_max(load_bits(w + b * BLOCK) & ABS);
+    amax[b] = m;
+    all = m > all ? m : all;
+  }
+  if (all >= INF_BITS) return false;
+  const float denom = E2M1_MAX * s2;  // torch: E2M1_MAX * s2, a float32 0-d tensor
+  for (int64_t b = 0; b < nb; ++b) {  // _block_scales_from_amax, then _effective_scale
+    float sb = as_f32(amax[b]) / denom;
+    if (sb == 0.0f) sb = 1.0f;
+    sb = sb < E4M3_MIN_SUB ? E4M3_MIN_SUB : sb;
+    sb = sb > E4M3_MAX ? E4M3_MAX : sb;
+    const uint8_t e = e4m3_from_f32(sb);
+    scales[b] = e;
+    const float eff = f32_from_e4m3(e) * s2;
+    for (int j = 0; j < BLOCK; ++j) step[b * BLOCK + j] = eff;
+  }
+  for (int64_t k = 0; k < K; ++k) {  // _e2m1_codes(|w| / eff, w < 0)
+    const float x = load(w, k);
+    const float y = __builtin_fabsf(x) / step[k];
+    // bounds 0.25 0.75 1.25 1.75 2.5 3.5 5: ties go to the even code (>= below even codes)
+    codes[k] = (uint8_t)((y > 0.25f) + (y >= 0.75f) + (y > 1.25f) + (y >= 1.75f) + (y > 2.5f) +
+                         (y >= 3.5f) + (y > 5.0f) + (x < 0.0f) * 8);
+  }
+  return true;
+}
+
+// Stores a tile of codes [rows][KT] / scales [rows][KT/16] (inputs k0 .. k0+kt of rows n0 ..)
+// in the canonical layout: weight [N, K/2] with k = 2j in the low nibble, weight_scale [N, K/16].
+HQ_INLINE void nvfp4_store_rows(const Tile& t, const uint8_t* codes, const uint8_t* scales,
+                                uint8_t* q, uint8_t* sc) {
+  for (int64_t i = 0; i < t.rows; ++i) {
+    const uint8_t* c = codes + i * t.KT;
+    uint8_t* out = q + (t.n0 + i) * (t.K / 2) + t.k0 / 2;
+    for (int64_t j = 0; j < t.kt / 2; ++j) {
+      uint16_t pair;
+      memcpy(&pair, c + 2 * j, 2);  // code 2j in the low byte (little-endian)
+      out[j] = (uint8_t)((pair & 0x0F) | ((pair >> 4) & 0xF0));
+    }
+    memcpy(sc + (t.n0 + i) * (t.K / BLOCK) + t.k0 / BLOCK, scales + i * (t.KT / BLOCK),
+           (size_t)(t.kt / BLOCK));
+  }
+}
+
+// The same tile K-major: weight [K, N/2] with n even in the low nibble, weight_scale [K/16, N].
+// words[KT] is scratch. rows is even.
+HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uint8_t* scales,
+                                  uint8_t* q, uint8_t* sc, uint32_t* words) {
+  const int64_t nh = t.N / 2;
+  int64_t i = 0;
+  for (; i + 8 <= t.rows; i += 8) {  // 8 rows = 4 bytes of each output row
+    const uint8_t* c = codes + i * t.KT;
+    for (int64_t k = 0; k < t.kt; ++k) {
+      uint32_t word = 0;  // row i + r in nibble r
+      for (int r = 0; r < 8; ++r) word |= (uint32_t)c[r * t.KT + k] << (4 * r);
+      words[k] = word;
+    }
+    for (int64_t k = 0; k < t.kt; ++k) memcpy(q + (t.k0 + k) * nh + (t.n0 + i) / 2, words + k, 4);
+  }
+  for (; i < t.rows; i += 2) {
+    const uint8_t* c = codes + i * t.KT;
+    for (int64_t k = 0; k < t.kt; ++k)
+      q[(t.k0 + k) * nh + (t.n0 + i) / 2] = (uint8_t)(c[k] | c[t.KT + k] << 4);
+  }
+  for (int64_t b = 0; b < t.kt / BLOCK; ++b)
+    for (int64_t r = 0; r < t.rows; ++r)
+      sc[(t.k0 / BLOCK + b) * t.N + t.n0 + r] = scales[r * (t.KT / BLOCK) + b];
+}
+
+template <typename T>
+HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, uint8_t* q, uint8_t* sc,
+                         int kmajor) {
+  const int64_t KT = K_TILE, kb = KT / BLOCK;
+  Scratch buf(KT * 4 * 2 + kb * 4 + ROW_TILE * (KT + kb));
+  if (!buf.p) return -2;
+  float* step = (float*)buf.p;
+  uint32_t* words = (uint32_t*)(step + KT);
+  uint32_t* amax = words + KT;
+  uint8_t* codes = (uint8_t*)(amax + kb);
+  uint8_t* scales = codes + ROW_TILE * KT;
+  for (Tile t(N, K, KT); t.next();) {
+    for (int64_t i = 0; i < t.rows; ++i) {
+      const T* row = w + (t.n0 + i) * K;
+      prefetch_next(row, t, KT);
+      if (!nvfp4_segment(row + t.k0, t.kt, s2, codes + i * KT, scales + i * kb, amax, step))
+        return -1;
+    }
+    if (kmajor)
+      nvfp4_store_kmajor(t, codes, scales, q, sc, words);
+    else
+      nvfp4_store_rows(t, codes, scales, q, sc);
+  }
+  return 0;
+}
+
+template <typename T>
+HQ_INLINE float absmax(const T* w, int64_t count) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t a = bits(load(w, i)) & ABS;
+    m = a > m ? a : m;
+  }
+  return as_f32(m);
+}
+
+// --------------------------------------------------------------------------- AWQ RTN
+// float bits -> int32 whose order is that of the (non-NaN) floats (-0 sorts just below +0)
+HQ_INLINE int32_t order_key(uint32_t b) {
+  const int32_t s = (int32_t)b;
+  return s ^ ((s >> 31) & 0x7FFFFFFF);
+}
+HQ_INLINE float from_order_key(int32_t key) { return as_f32((uint32_t)order_key((uint32_t)key)); }
+
+// Scale (FP16 bits), its float32 value and the zero point of a group with extremes lo, hi
+// (finite); false when the scale overflows FP16.
+HQ_INLINE bool awq_params(float lo, float hi, uint16_t* s16, float* sf, float* z) {
+  lo = lo > 0.0f ? 0.0f : lo;  // lo.clamp(max=0), hi.clamp(min=0)
+  hi = hi < 0.0f ? 0.0f : hi;
+  double span = (double)hi - (double)lo;  // float64, as (hi.double() - lo.double())
+  span = span < RANGE_EPS ? RANGE_EPS : span;
+  const double x = span / (double)QMAX;
+  uint16_t h = f16_from_f32((float)x);  // torch: float64 -> float32 -> float16
+  if ((double)f32_from_f16(h) < x) ++h;  // _round_up_f16: nextafter towards +Inf
+  if (h >= 0x7C00) return false;
+  *s16 = h;
+  *sf = f32_from_f16(h);
+  float t = lo / *sf;  // z = clamp(-round(lo / s), 0, 15); clamping t first is equivalent
+  t = t < -16.0f ? -16.0f : t;
+  const float zz = -((t + ROUND_MAGIC) - ROUND_MAGIC);
+  *z = zz > QMAX ? QMAX : (zz < 0.0f ? 0.0f : zz);
+  return true;
+}
+
+// Inputs [0, K) of one row (whole groups of g): codes[K], zero points zc[K/g], FP16 scales at
+// sc[j * R]. Returns 0, -1 NaN/Inf, -3 FP16 overflow.
+template <typename T>
+HQ_INLINE int awq_segment(const T* w, int64_t K, int64_t g, uint8_t* codes, uint8_t* zc,
+                          uint16_t* sc, int64_t R) {
+  for (int64_t j = 0; j < K / g; ++j) {
+    const T* p = w + j * g;
+    int32_t lo = INT32_MAX, hi = INT32_MIN;  // min/max of order keys (integer, vectorises)
+    uint32_t amax = 0;
+    for (int64_t k = 0; k < g; ++k) {
+      const uint32_t b = bits(load(p, k));
+      const int32_t key = order_key(b);
+      lo = key < lo ? key : lo;
+      hi = key > hi ? key : hi;
+      const uint32_t a = b & ABS;
+      amax = a > amax ? a : amax;
+    }
+    if (amax >= INF_BITS) return -1;
+    uint16_t h;
+    float sf, z;
+    if (!awq_params(from_order_key(lo), from_order_key(hi), &h, &sf, &z)) return -3;
+    sc[j * R] = h;
+    zc[j] = (uint8_t)z;
+    uint8_t* c = codes + j * g;
+    const int32_t zi = (int32_t)z;
+    for (int64_t k = 0; k < g; ++k) {  // q = clamp(round(w / s) + z, 0, 15)
+      // fl(t + M) = M + round(t) for |t| <= 16 (M = 1.5 * 2^23, where the float step is 1), and
+      // its order key grows with t, so the key clamped to M -+ 16, minus M's, is
+      // clamp(round(t), -16, 16); that clamp does not change the clamp to 0..15 after + z.
+      int32_t r = order_key(bits(load(p, k) / sf + ROUND_MAGIC));
+      r = r < MAGIC_BITS - 16 ? MAGIC_BITS - 16 : (r > MAGIC_BITS + 16 ? MAGIC_BITS + 16 : r);
+      int32_t v = r - MAGIC_BITS + zi;
+      v = v < 0 ? 0 : (v > 15 ? 15 : v);
+      c[k] = (uint8_t)v;
+    }
+  }
+  return 0;
+}
+
+// AutoAWQ word of 8 rows' codes: nibble i holds row AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)
+HQ_INLINE uint32_t awq_word(const uint8_t* c, int64_t stride, int64_t k) {
+  return (uint32_t)c[k] | (uint32_t)c[2 * stride + k] << 4 | (uint32_t)c[4 * stride + k] << 8 |
+         (uint32_t)c[6 * stride + k] << 12 | (uint32_t)c[stride + k] << 16 |
+         (uint32_t)c[3 * stride + k] << 20 | (uint32_t)c[5 * stride + k] << 24 |
+         (uint32_t)c[7 * stride + k] << 28;
+}
+
+template <typename T>
+HQ_INLINE int awq_rows(const T* w, int64_t R, int64_t K, int64_t g, int32_t* qw, int32_t* qz,
+                       uint16_t* sc) {
+  const int64_t KT = g >= K_TILE ? g : K_TILE / g * g, GT = KT / g, W = R / 8;  // whole groups
+  Scratch buf(KT * 4 + ROW_TILE * (KT + GT));
+  if (!buf.p) return -2;
+  uint32_t* words = (uint32_t*)buf.p;
+  uint8_t* codes = (uint8_t*)(words + KT);
+  uint8_t* zeros = codes + ROW_TILE * KT;
+  for (Tile t(R, K, KT); t.next();) {
+    for (int64_t i = 0; i < t.rows; ++i) {
+      const int64_t n = t.n0 + i;
+      prefetch_next(w + n * K, t, KT);
+      const int rc = awq_segment(w + n * K + t.k0, t.kt, g, codes + i * KT, zeros + i * GT,
+                                 sc + t.k0 / g * R + n, R);
+      if (rc) return rc;
+    }
+    for (int64_t c = 0; c < t.rows / 8; ++c) {  // qweight [K, R/8], qzeros [K/g, R/8]
+      const int64_t col = t.n0 / 8 + c;
+      for (int64_t k = 0; k < t.kt; ++k) words[k] = awq_word(codes + 8 * c * KT, KT, k);
+      for (int64_t k = 0; k < t.kt; ++k) qw[(t.k0 + k) * W + col] = (int32_t)words[k];
+      for (int64_t j = 0; j < t.kt / g; ++j)
+        qz[(t.k0 / g + j) * W + col] = (int32_t)awq_word(zeros + 8 * c * GT, GT, j);
+    }
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------ instruction paths
+#define HQ_ENTRY(NAME, TARGET)                                                                \
+  TARGET int nvfp4_##NAME(const void* w, int bf16, int64_t N, int64_t K, float s2, uint8_t* q, \
+                          uint8_t* sc, int kmajor) {                                          \
+    return bf16 ? nvfp4_rows((const uint16_t*)w, N, K, s2, q, sc, kmajor)                    \
+                : nvfp4_rows((const float*)w, N, K, s2, q, sc, kmajor);                      \
+  }                                                                                           \
+  TARGET int awq_##NAME(const void* w, int bf16, int64_t R, int64_t K, int64_t g, int32_t* qw, \
+                        int32_t* qz, uint16_t* sc) {                                          \
+    return bf16 ? awq_rows((const uint16_t*)w, R, K, g, qw, qz, sc)                          \
+                : awq_rows((const float*)w, R, K, g, qw, qz, sc);                            \
+  }                                                                                           \
+  TARGET float absmax_##NAME(const void* w, int bf16, int64_t count) {                        \
+    return bf16 ? absmax((const uint16_t*)w, count) : absmax((const float*)w, count);         \
+  }
+
+HQ_ENTRY(generic, )
+#ifdef HQ_X86
+HQ_ENTRY(avx2, __attribute__((target("avx2"))))
+HQ_ENTRY(avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))))
+#endif
+
+int best_isa() {
+#ifdef HQ_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    return 3;
+  if (__builtin_cpu_supports("avx2")) return 2;
+#endif
+  return 1;
+}
+
+int pick(int isa) {
+  static const int best = best_isa();
+  return isa <= 0 || isa > best ? best : isa;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Best instruction path of this CPU: 3 = AVX-512, 2 = AVX2, 1 = generic C++.
+int hq_quant_best_isa(void) { return pick(0); }
+
+// NVFP4 of rows w [N, K] (bf16 != 0: bfloat16, else float32; C-contiguous) with global scale
+// s2. kmajor = 0: q [N, K/2], sc [N, K/16]; 1: q [K, N/2], sc [K/16, N] (N even). isa: 0 =
+// best, else min(isa, best). Returns 0, -1 on NaN/Inf (outputs partly written), -2 out of
+// memory or bad arguments.
+int hq_nvfp4_quantize(const void* w, int bf16, int64_t N, int64_t K, float s2, uint8_t* q,
+                      uint8_t* sc, int kmajor, int isa) {
+  if (N < 0 || K < 0 || K % BLOCK || (kmajor && N % 2)) return -2;
+  switch (pick(isa)) {
+#ifdef HQ_X86
+    case 3: return nvfp4_avx512(w, bf16, N, K, s2, q, sc, kmajor);
+    case 2: return nvfp4_avx2(w, bf16, N, K, s2, q, sc, kmajor);
+#endif
+    default: return nvfp4_generic(w, bf16, N, K, s2, q, sc, kmajor);
+  }
+}
+
+// max |w| over count elements; NaN (any NaN present) or Inf come back as such.
+float hq_absmax(const void* w, int bf16, int64_t count, int isa) {
+  switch (pick(isa)) {
+#ifdef HQ_X86
+    case 3: return absmax_avx512(w, bf16, count);
+    case 2: return absmax_avx2(w, bf16, count);
+#endif
+    default: return absmax_generic(w, bf16, count);
+  }
+}
+
+// AWQ round-to-nearest of rows w [R, K] (R % 8 == 0, K % g == 0): qw int32 [K, R/8],
+// qz int32 [K/g, R/8], sc float16 bits [K/g, R]. Returns 0, -1 NaN/Inf, -2 out of memory or
+// bad arguments, -3 a scale beyond FP16 (outputs partly written on error).
+int hq_awq_quantize(const void* w, int bf16, int64_t R, int64_t K, int64_t g, int32_t* qw,
+                    int32_t* qz, uint16_t* sc, int isa) {
+  if (R < 0 || R % 8 || g <= 0 || K < 0 || K % g) return -2;
+  switch (pick(isa)) {
+#ifdef HQ_X86
+    case 3: return awq_avx512(w, bf16, R, K, g, qw, qz, sc);
+    case 2: return awq_avx2(w, bf16, R, K, g, qw, qz, sc);
+#endif
+    default: return awq_generic(w, bf16, R, K, g, qw, qz, sc);
+  }
+}
+
+// Element-wise conversions, exported for the tests.
+void hq_e4m3_encode(const float* x, uint8_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = e4m3_from_f32(x[i]);
+}
+
+void hq_f16_encode(const float* x, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = f16_from_f32(x[i]);
+}
+
+}  // extern "C"

@@ -1,0 +1,166 @@
+"""Fused C++ quantize kernels for :mod:`.nvfp4` and :mod:`.awq_w4a16`, bit-identical to torch.
+
+The torch code of each format is the reference; these kernels redo its arithmetic, operation for
+operation (IEEE float32/float64, no ``-ffast-math``, ``-ffp-contract=off``), so every output byte
+is the same, but read the weight once and keep everything else in cache: tiles of 128 rows x 256
+inputs, codes packed straight into the stored layout. Single-threaded; the one C++ body is
+compiled for the baseline ISA, AVX2 and AVX-512 and picked at run time (all give the same bytes).
+Built on first use by :mod:`._native`; ``HETQUANT_QUANT_BACKEND=torch`` disables them.
+
+Each wrapper returns ``None`` where the kernel does not apply (no compiler, a dtype other than
+BF16/F32, a non-contiguous or non-CPU tensor, an empty one) **or** where the input is bad
+(NaN/Inf, an FP16 scale overflow): the caller then runs its torch path, which produces the result
+or raises the format's own error.
+
+Precision notes, each checked against the torch code (tests/formats/test_native_quant.py):
+
+* ``x.to(float8_e4m3fn)`` is c10's ``fp8e4m3fn_from_fp32_value`` (round to nearest even,
+  subnormals by one float add at 2^-9; torch 2.13 saturates finite overflow and Inf to 448,
+  older releases gave NaN: irrelevant to NVFP4, whose block scales are clamped to 448 first);
+* torch casts float64 -> float16 through float32 (two roundings); ``_round_up_f16`` then moves
+  any result below ``x`` up one FP16 step, so its output is the smallest FP16 >= ``x`` either way;
+* float32 division is true division everywhere (torch divides a tensor by a 0-d tensor or by a
+  broadcast column without a reciprocal); ``E2M1_MAX * s2`` is a float32 product (a float64 one
+  moves block scales that sit on an E4M3 tie, e.g. weight_amax = 448);
+* AWQ's ``round(w / s)`` is float32 ``w / s`` rounded half to even; ``hi.double() - lo.double()``
+  is float64 (exact unless one magnitude exceeds the other by more than ~2^28).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from ._native import DEFAULT_FLAGS, NativeLibrary
+
+__all__ = [
+    "ISAS",
+    "KERNELS",
+    "absmax",
+    "available",
+    "awq_rtn",
+    "best_isa",
+    "e4m3_encode",
+    "f16_encode",
+    "nvfp4",
+]
+
+_SOURCE = (Path(__file__).parent / "_quant_native.cpp").read_text(
+    encoding="utf-8"
+)  # the C++ source
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    vp, ci, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.hq_nvfp4_quantize.argtypes = [vp, ci, i64, i64, f32, vp, vp, ci, ci]
+    lib.hq_nvfp4_quantize.restype = ci
+    lib.hq_absmax.argtypes = [vp, ci, i64, ci]
+    lib.hq_absmax.restype = f32
+    lib.hq_awq_quantize.argtypes = [vp, ci, i64, i64, i64, vp, vp, vp, ci]
+    lib.hq_awq_quantize.restype = ci
+    lib.hq_quant_best_isa.argtypes = []
+    lib.hq_quant_best_isa.restype = ci
+    for fn in (lib.hq_e4m3_encode, lib.hq_f16_encode):
+        fn.argtypes = [vp, vp, i64]
+        fn.restype = None
+
+
+KERNELS = NativeLibrary(
+    "quant",
+    _SOURCE,
+    _bind,
+    flags=(*DEFAULT_FLAGS, "-ffp-contract=off"),  # never fuse a*b+c: the reference rounds twice
+    disable_env="HETQUANT_QUANT_BACKEND",
+    label="quantize kernels",
+)
+ISAS = {"generic": 1, "avx2": 2, "avx512": 3}  # instruction paths; 0 = the best of this CPU
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (builds them on first call)."""
+    return KERNELS.get().lib is not None
+
+
+def best_isa() -> int:
+    """The instruction path the kernels take on this CPU (a value of ``ISAS``; 0 if unbuilt)."""
+    lib = KERNELS.get().lib
+    return 0 if lib is None else int(lib.hq_quant_best_isa())
+
+
+def _lib_for(w: torch.Tensor) -> ctypes.CDLL | None:
+    """The library, if it can take ``w`` as is: CPU, BF16/F32, C-contiguous, non-empty."""
+    if (
+        w.device.type != "cpu"
+        or w.dtype not in (torch.bfloat16, torch.float32)
+        or not w.is_contiguous()
+        or w.numel() == 0
+    ):
+        return None
+    return KERNELS.get().lib
+
+
+def absmax(w: torch.Tensor, isa: int = 0) -> float | None:
+    """``float(w.abs().amax())`` (NaN if any NaN), or None where the kernel does not apply."""
+    lib = _lib_for(w)
+    if lib is None:
+        return None
+    return float(lib.hq_absmax(w.data_ptr(), w.dtype == torch.bfloat16, w.numel(), isa))
+
+
+def nvfp4(
+    w: torch.Tensor, s2: float, kmajor: bool, isa: int = 0
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """NVFP4 ``(weight, weight_scale)`` of rows ``w`` [N, K] with global scale ``s2`` (an exact
+    float32 value): canonical [N, K/2] U8 and [N, K/16] E4M3, or with ``kmajor`` [K, N/2] and
+    [K/16, N]. None where the kernel does not apply or ``w`` holds NaN/Inf. ``isa``: cap the
+    instruction path (tests), 0 = best."""
+    lib = _lib_for(w)
+    if lib is None or w.ndim != 2 or (kmajor and w.shape[0] % 2):
+        return None
+    n, k = w.shape
+    q = torch.empty((k, n // 2) if kmajor else (n, k // 2), dtype=torch.uint8)
+    sc = torch.empty((k // 16, n) if kmajor else (n, k // 16), dtype=torch.uint8)
+    rc = lib.hq_nvfp4_quantize(
+        w.data_ptr(), w.dtype == torch.bfloat16, n, k, s2, q.data_ptr(), sc.data_ptr(), kmajor, isa
+    )
+    return None if rc else (q, sc.view(torch.float8_e4m3fn))
+
+
+def awq_rtn(w: torch.Tensor, group: int, isa: int = 0) -> dict[str, torch.Tensor] | None:
+    """AWQ round-to-nearest of rows ``w`` [R, K] (shape already validated): ``qweight`` I32
+    [K, R/8], ``qzeros`` I32 [K/g, R/8], ``scales`` F16 [K/g, R]. None where the kernel does not
+    apply, ``w`` holds NaN/Inf or a scale overflows FP16."""
+    lib = _lib_for(w)
+    if lib is None:
+        return None
+    r, k = w.shape
+    out = {
+        "qweight": torch.empty((k, r // 8), dtype=torch.int32),
+        "qzeros": torch.empty((k // group, r // 8), dtype=torch.int32),
+        "scales": torch.empty((k // group, r), dtype=torch.float16),
+    }
+    ptrs = (t.data_ptr() for t in out.values())
+    rc = lib.hq_awq_quantize(w.data_ptr(), w.dtype == torch.bfloat16, r, k, group, *ptrs, isa)
+    return None if rc else out
+
+
+def _encode(fn_name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    lib = KERNELS.get().lib
+    if lib is None:
+        return None
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    getattr(lib, fn_name)(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
+def e4m3_encode(x: torch.Tensor) -> torch.Tensor | None:
+    """The kernels' float32 -> E4M3 bits (uint8), for tests; None without the kernels."""
+    return _encode("hq_e4m3_encode", x, torch.uint8)
+
+
+def f16_encode(x: torch.Tensor) -> torch.Tensor | None:
+    """The kernels' float32 -> float16 (as float16), for tests; None without the kernels."""
+    return _encode("hq_f16_encode", x, torch.float16)

@@ -1,0 +1,355 @@
+"""The fused C++ quantize kernels (formats/_quant_native.py) against the torch reference.
+
+Every output tensor must be bit-identical (``torch.equal`` on the raw bytes) on every instruction
+path, for inputs chosen to hit each rounding decision: E2M1 bounds and ties, E4M3 subnormal and
+saturated block scales, FP16 subnormal AWQ scales, AWQ ties, one-sign and constant groups. Then
+the fallbacks: ``HETQUANT_QUANT_BACKEND=torch``, a failed build, unsupported inputs, NaN/Inf.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import pytest
+import torch
+
+from hetquant.formats import HetquantError
+from hetquant.formats import _quant_native as Q
+from hetquant.formats._native import NativeLibrary
+from hetquant.formats.awq_w4a16 import AwqW4A16
+from hetquant.formats.nvfp4 import BLOCK, E2M1_BOUNDS, E2M1_MAX, FP8_E4M3_MAX, Nvfp4
+from hetquant.formats.nvfp4_ascend import _KMajorChunks
+
+NVFP4_FORMATS = (Nvfp4(), _KMajorChunks())
+DTYPES = (torch.bfloat16, torch.float32)
+S2_ONE = E2M1_MAX * FP8_E4M3_MAX  # weight_amax that makes weight_scale_2 exactly 1
+
+
+@pytest.fixture(scope="module")
+def native() -> None:
+    if not Q.available():
+        pytest.skip(f"quantize kernels unavailable: {Q.KERNELS.get().error}")
+
+
+@pytest.fixture
+def fresh_kernels():
+    """Forget the process's build before and after a test that changes how it is made."""
+    Q.KERNELS.reset()
+    yield
+    Q.KERNELS.reset()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for key, w in want.items():
+        g = got[key]
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), key
+        assert torch.equal(_raw(g), _raw(w)), key
+
+
+def check_nvfp4(w: torch.Tensor, weight_amax: float | None = None) -> None:
+    """Format path (best ISA, amax and s2 included) and each ISA's kernel == torch, both layouts."""
+    opts = {} if weight_amax is None else {"weight_amax": weight_amax}
+    for fmt in NVFP4_FORMATS:
+        if fmt._K_MAJOR and w.shape[0] % 2:
+            continue
+        want = fmt._quantize_torch(w, weight_amax)
+        assert_same(fmt.quantize(w, **opts), want)
+        s2 = float(want["weight_scale_2"])
+        want.pop("weight_scale_2")
+        for isa in Q.ISAS.values():
+            got = Q.nvfp4(w.contiguous(), s2, fmt._K_MAJOR, isa=isa)
+            assert got is not None
+            assert_same({"weight": got[0], "weight_scale": got[1]}, want)
+
+
+def check_awq(w: torch.Tensor, group: int) -> None:
+    fmt = AwqW4A16(group_size=group)
+    want = fmt._quantize_torch(w)
+    assert_same(fmt.quantize(w), want)
+    for isa in Q.ISAS.values():
+        got = Q.awq_rtn(w.contiguous(), group, isa=isa)
+        assert got is not None
+        assert_same(got, want)
+
+
+def _normal(n: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.02).to(dtype)
+
+
+# ---- element conversions -------------------------------------------------------------------------
+
+
+def _f32(bits: torch.Tensor) -> torch.Tensor:
+    return (
+        bits.to(torch.int64)
+        .sub(((bits.to(torch.int64) >> 31) & 1) << 32)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
+
+
+def _e4m3_probe() -> torch.Tensor:
+    """Every E4M3 value, the midpoints between neighbours and the floats next to each, ±."""
+    vals = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0..448
+    mids = (vals[:-1].double() + vals[1:].double()) / 2  # exact in float32
+    pts = torch.cat([vals, mids.float(), torch.tensor([448.0, 464.0, 480.0, 1e30, float("inf")])])
+    inf = torch.full_like(pts, float("inf"))
+    pts = torch.cat([pts, torch.nextafter(pts, inf), torch.nextafter(pts, -inf)])
+    return torch.cat([pts, -pts, torch.tensor([float("nan")])])
+
+
+def test_e4m3_encode_matches_torch(native: None) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat(
+        [
+            _e4m3_probe(),
+            torch.randn(1 << 20, generator=g) * torch.exp2(torch.randint(-24, 12, (1 << 20,))),
+            _f32(torch.arange(0, 1 << 32, 251, dtype=torch.int64)),  # a sweep of all bit patterns
+        ]
+    )
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    got = Q.e4m3_encode(x)
+    saturates = torch.tensor([500.0]).to(torch.float8_e4m3fn).view(torch.uint8).item() == 0x7E
+    keep = torch.ones_like(x, dtype=torch.bool) if saturates else ~(x.abs() >= 464)  # torch < 2.13
+    assert torch.equal(got[keep], want[keep])
+
+
+def test_f16_encode_matches_torch(native: None) -> None:
+    x = _f32(torch.arange(0, 1 << 32, 251, dtype=torch.int64))
+    h = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    mids = ((h[:-1].double() + h[1:].double()) / 2).float()  # ties, exact in float32
+    x = torch.cat([x, h, mids, torch.nextafter(mids, h[1:]), torch.nextafter(mids, h[:-1]), -mids])
+    want, got = x.to(torch.float16), Q.f16_encode(x)
+    nan = torch.isnan(x)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert torch.isnan(got[nan]).all()
+
+
+# ---- NVFP4 ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape", [(8, 16), (16, 32), (1, 16), (3, 48), (10, 96), (128, 256), (130, 528), (260, 272)]
+)
+def test_nvfp4_random(native: None, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    w = _normal(*shape, seed=shape[0] * 1000 + shape[1], dtype=dtype)
+    check_nvfp4(w)
+    check_nvfp4(w, weight_amax=float(w.float().abs().amax()) * 1.7)  # a block of a larger weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_zeros_outlier_negative_zero(native: None, dtype: torch.dtype) -> None:
+    w = _normal(6, 64, seed=1, dtype=torch.float32)
+    w[0] = 0.0  # an all-zero row
+    w[1, :BLOCK] = 0.0  # an all-zero block
+    w[2, 5] = 1e4  # one huge outlier: its block's other values round to 0 (and -0: code 8)
+    w[3, :BLOCK] = -0.0  # -0.0 is not < 0: code 0
+    w[3, BLOCK : 2 * BLOCK] = torch.tensor([-0.0, 1.0] * 8)
+    w[4, :BLOCK] = -1e-30  # tiny negatives in a tiny block
+    check_nvfp4(w.to(dtype))
+    check_nvfp4(w.to(dtype), weight_amax=1.0)
+
+
+def _bound_blocks(step: float) -> torch.Tensor:
+    """Blocks whose y = |w| / step lands on, and one float either side of, every E2M1 bound and
+    grid value, signed; the first element of a block sets amax = 6 * step (so sb = step with
+    s2 = 1, when step is an E4M3 value)."""
+    targets = torch.tensor(sorted(set(E2M1_BOUNDS) | {0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}))
+    vals = targets * step
+    inf = torch.full_like(vals, float("inf"))
+    vals = torch.cat([vals, torch.nextafter(vals, inf), torch.nextafter(vals, -inf)])
+    vals = torch.cat([vals, -vals])  # 84 values
+    per = BLOCK - 1
+    vals = torch.cat([vals, torch.zeros(-len(vals) % per)]).reshape(-1, per)  # (blocks, 15)
+    head = torch.full((vals.shape[0], 1), 6.0 * step)
+    return torch.cat([head, vals], dim=1).reshape(1, -1)  # (1, blocks * 16)
+
+
+@pytest.mark.parametrize("step", [1.0, 2.0**-5, 1.125, 0.8125, 448.0 / 6, 2.0**-9])
+def test_nvfp4_every_bound_and_tie(native: None, step: float) -> None:
+    w = _bound_blocks(step)
+    check_nvfp4(torch.cat([w, -w]), weight_amax=S2_ONE)  # s2 = 1: y is exactly |w| / step
+    check_nvfp4(torch.cat([w, -w]))
+    if step in (1.0, 2.0**-5):  # powers of two: every value is a bfloat16
+        check_nvfp4(torch.cat([w, -w]).to(torch.bfloat16), weight_amax=S2_ONE)
+
+
+def test_nvfp4_block_scales_over_the_e4m3_range(native: None) -> None:
+    """Block amax from 1e-12 to 1e4 with s2 = 1/2688: block scales clamped at 2^-9, through the
+    E4M3 subnormals (2^-9 .. 2^-6), normals, up to the clamp at 448 (y then beyond 6)."""
+    n_blocks = 512
+    amax = torch.logspace(-12, 4, n_blocks)  # (512,)
+    g = torch.Generator().manual_seed(3)
+    shape = torch.rand(n_blocks, BLOCK, generator=g) * 2 - 1
+    shape[:, 0] = 1.0
+    w = (shape * amax[:, None]).reshape(8, -1)  # (8, 1024)
+    check_nvfp4(w, weight_amax=1.0)
+    check_nvfp4(w * 1e-8, weight_amax=1.0)  # tiny weights: subnormal block scales
+
+
+@pytest.mark.parametrize("weight_amax", [448.0, 5.0, 7.0, 11.0, 1e-3])
+def test_nvfp4_block_scale_ties(native: None, weight_amax: float) -> None:
+    """sb = amax / f32(6 * s2) on E4M3 midpoints. With weight_amax = 448, s2 = f32(1/6) and
+    6 * s2 = 1 + 3e-8 rounds to 1.0 in float32: sb is then exactly a tie (1.1875 -> 1.25, even),
+    where a float64 ``6 * s2`` would give 1.125. The torch code's E2M1_MAX * s2 is float32."""
+    s2 = torch.tensor(weight_amax, dtype=torch.float32) / S2_ONE
+    d = E2M1_MAX * s2  # float32 0-d, as in _block_scales_from_amax
+    e4m3 = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    mids = torch.cat([e4m3, (e4m3[:-1] + e4m3[1:]) / 2]).float()  # (251,)
+    amax = mids * d  # (251,) float32
+    w = torch.zeros(len(amax), BLOCK)
+    w[:, 0], w[:, 1], w[:, 2] = amax, -amax / 3, amax / 7
+    check_nvfp4(w.reshape(1, -1), weight_amax=weight_amax)
+
+
+def test_nvfp4_saturation_after_scale_rounding(native: None) -> None:
+    """sb = amax / 6 rounds down in E4M3 (1.06 -> 1.0), so y = amax / eff > 6 saturates; and a
+    weight_amax below the block's amax clamps sb to 448."""
+    w = torch.tensor([[6.36, 6.3, -6.36, 5.9] + [1.0] * 12] * 2)  # sb = 1.06 -> 1.0
+    check_nvfp4(w, weight_amax=S2_ONE)
+    check_nvfp4(_normal(4, 64, seed=5, dtype=torch.float32), weight_amax=1e-4)
+
+
+@pytest.mark.parametrize("amax", [0.0, float("nan"), -1.0, 1e-42, 3e38, float("inf")])
+def test_nvfp4_odd_weight_amax(native: None, amax: float) -> None:
+    """s2 falls back to 1 (0, NaN, negative), is subnormal (eff underflows: y = inf or NaN ->
+    code 7 or 0) or huge (eff = inf: y = 0)."""
+    check_nvfp4(_normal(4, 32, seed=6, dtype=torch.float32), weight_amax=amax)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("weight_amax", [None, 1.0])
+def test_nvfp4_nan_inf_raise(native: None, bad: float, weight_amax: float | None) -> None:
+    w = _normal(4, 64, seed=7, dtype=torch.float32)
+    w[3, 40] = bad
+    opts = {} if weight_amax is None else {"weight_amax": weight_amax}
+    for fmt in NVFP4_FORMATS:
+        for dtype in DTYPES:
+            with pytest.raises(HetquantError, match="NaN or Inf"):
+                fmt.quantize(w.to(dtype), **opts)
+    assert Q.nvfp4(w, 1.0, False) is None
+
+
+def test_nvfp4_unsupported_inputs_use_torch(native: None) -> None:
+    w = _normal(6, 64, seed=8, dtype=torch.float32)
+    assert Q.nvfp4(w.t().contiguous().t(), 1.0, False) is None  # not contiguous
+    assert Q.nvfp4(w.half(), 1.0, False) is None
+    assert Q.nvfp4(w[:5], 1.0, True) is None  # K-major needs pairs of rows
+    for fmt in NVFP4_FORMATS:
+        for x in (w.half(), w.double(), w[:, :32].contiguous().t().contiguous().t()):
+            assert_same(fmt.quantize(x), fmt._quantize_torch(x, None))
+
+
+# ---- AWQ -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n", "k", "group"),
+    [(8, 128, 128), (8, 64, 64), (24, 384, 128), (136, 576, 64), (264, 1280, 128), (16, 1088, 64)],
+)
+def test_awq_random(native: None, n: int, k: int, group: int, dtype: torch.dtype) -> None:
+    check_awq(_normal(n, k, seed=n * 1000 + k, dtype=dtype), group)
+
+
+@pytest.mark.parametrize("group", [128, 64])
+def test_awq_one_sign_constant_and_zero_groups(native: None, group: int) -> None:
+    g = torch.Generator().manual_seed(9)
+    w = torch.rand(8, 6 * group, generator=g) * 0.5 + 0.1  # positive groups
+    w[1] = -w[1]  # negative groups
+    w[2] = 0.3  # constant
+    w[3] = -0.2
+    w[4] = 0.0  # span 0 -> clamped at RANGE_EPS
+    w[5, :group] = -0.0
+    w[6] = torch.randn(6 * group, generator=g) * 1e-6  # span < RANGE_EPS
+    w[7] = torch.randn(6 * group, generator=g) * 3e-4  # scales around the FP16 subnormal edge
+    for dtype in DTYPES:
+        check_awq(w.to(dtype), group)
+
+
+@pytest.mark.parametrize("s", [2.0**-7, 0.01171875, 2.0**-20, 1000.0])
+def test_awq_ties(native: None, s: float) -> None:
+    """Groups spanning exactly 15 * s (s an FP16 value, so it is the scale): w / s = m + 0.5 ties
+    to even, and a zero point lo / s = -6.5 ties too."""
+    m = torch.arange(-7, 8, dtype=torch.float64)  # (15,)
+    ties = ((m + 0.5) * s).float()
+    row_a = torch.cat([torch.tensor([-7 * s, 8 * s]), ties]).float()  # z = 7
+    row_b = torch.cat([torch.tensor([-6.5 * s, 8.5 * s]), ties[1:]]).float()  # z ties: 6
+    rows = [torch.cat([r, torch.full((128 - len(r),), float(s))]) for r in (row_a, row_b)]
+    w = torch.stack(rows * 4)  # (8, 128)
+    check_awq(w, 128)
+    check_awq(torch.cat([w, w], dim=1), 64)
+
+
+def test_awq_overflow_and_nan_raise(native: None) -> None:
+    fmt = AwqW4A16()
+    huge = torch.full((8, 128), 1e6)
+    huge[:, 0] = -1e6
+    with pytest.raises(HetquantError, match="FP16 range"):
+        fmt.quantize(huge)
+    assert Q.awq_rtn(huge, 128) is None
+    w = _normal(8, 256, seed=10, dtype=torch.float32)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        w[5, 200] = bad
+        for dtype in DTYPES:
+            with pytest.raises(HetquantError, match="NaN or Inf"):
+                fmt.quantize(w.to(dtype))
+
+
+# ---- fallbacks -----------------------------------------------------------------------------------
+
+
+def test_backend_torch_env_gives_the_same_bytes(native: None, monkeypatch, fresh_kernels) -> None:
+    w = _normal(16, 256, seed=11, dtype=torch.bfloat16)
+    outs = [(Nvfp4(), {"weight_amax": 0.1}), (_KMajorChunks(), {}), (AwqW4A16(group_size=64), {})]
+    native_out = [fmt.quantize(w, **opts) for fmt, opts in outs]
+    monkeypatch.setenv("HETQUANT_QUANT_BACKEND", "torch")
+    Q.KERNELS.reset()
+    assert not Q.available() and "HETQUANT_QUANT_BACKEND" in Q.KERNELS.get().error
+    assert Q.nvfp4(w, 1.0, False) is None and Q.awq_rtn(w, 64) is None
+    for (fmt, opts), want in zip(outs, native_out, strict=True):
+        assert_same(fmt.quantize(w, **opts), want)
+
+
+def test_failed_build_falls_back(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("HETQUANT_CACHE_DIR", str(tmp_path))
+    missing = NativeLibrary("quant", Q._SOURCE, Q._bind, compiler="no-such-c++-compiler")
+    built = missing.build()
+    assert built.lib is None and "not found" in built.error
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    failing = NativeLibrary("quant", Q._SOURCE, Q._bind, label="quantize kernels")
+    with caplog.at_level(logging.WARNING, logger="hetquant.native"):
+        assert failing.get().lib is None and "false failed" in failing.get().error
+    assert sum("native kernel unavailable" in r.message for r in caplog.records) == 1  # once
+    monkeypatch.setattr(Q, "KERNELS", failing)
+    w = _normal(8, 128, seed=12, dtype=torch.float32)
+    assert_same(Nvfp4().quantize(w), Nvfp4()._quantize_torch(w, None))
+    assert_same(AwqW4A16().quantize(w), AwqW4A16()._quantize_torch(w))
+
+
+def test_build_is_cached_and_compile_errors_reported(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("HETQUANT_CACHE_DIR", str(tmp_path))
+
+    def bind(lib: ctypes.CDLL) -> None:
+        lib.hq_answer.restype = ctypes.c_int
+
+    src = 'extern "C" int hq_answer(void) { return 42; }\n'
+    first = NativeLibrary("probe", src, bind).build()
+    if first.lib is None:
+        pytest.skip(f"no working C++ compiler: {first.error}")
+    assert first.lib.hq_answer() == 42 and first.compile_s is not None
+    again = NativeLibrary("probe", src, bind).build()
+    assert again.path == first.path and again.compile_s is None  # from the cache
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp files
+    broken = NativeLibrary("probe", src + "not C++\n", bind).build()
+    assert broken.lib is None and "failed" in broken.error
+    unbound = NativeLibrary("probe", src, lambda lib: lib.hq_missing).build()
+    assert unbound.lib is None and "cannot load" in unbound.error
