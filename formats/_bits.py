@@ -59,7 +59,9 @@ def unpack_nibbles_i32(
     words: torch.Tensor, order: tuple[int, ...] = tuple(range(8))
 ) -> torch.Tensor:
     """Inverse of :func:`pack_nibbles_i32`: int32 [..., K/8] → uint8 codes [..., K]."""
-    nib = (words.to(torch.int64)[..., None] >> _SHIFTS) & 0xF  # (..., K/8, 8) in nibble order
+    nib = (
+        words.to(torch.int64)[..., None] >> _SHIFTS.to(words.device)
+    ) & 0xF  # (..., K/8, 8) in nibble order
     inverse = [order.index(k) for k in range(8)]
     return nib[..., inverse].to(torch.uint8).reshape(*words.shape[:-1], -1)
 

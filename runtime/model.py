@@ -137,16 +137,22 @@ class DeepseekV3Reference:
         vocab = self.cfg.vocab_size
         if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
             raise HetquantError(f"forward: token ids must lie in [0, {vocab})")
-        t = tokens.shape[0]
         h = self.weights.embed(tokens).to(self.dtype)  # [T, D]
-        cos, sin = cos_sin(self.rope, torch.arange(t))  # [T, dr/2] each
-        mask = torch.full((t, t), float("-inf")).triu(1)  # [T, T], 0 on and below the diagonal
+        cos, sin, mask = self.positions(h)
         for layer in range(self.cfg.num_hidden_layers):  # MTP layers excluded
             h = self.decoder_layer(layer, h, cos, sin, mask)
         h = rms_norm(h, self.weights.get("model.norm.weight"), self.eps)  # [T, D]
         return self.weights.linear("lm_head", h).to(torch.float32)  # [T, V]
 
     __call__ = forward
+
+    def positions(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE ``cos``, ``sin`` [T, dr/2] and the causal mask [T, T] (0 on and below the
+        diagonal, -inf above) for hidden states ``h`` [T, D], on ``h``'s device."""
+        t = h.shape[0]
+        cos, sin = cos_sin(self.rope, torch.arange(t))  # [T, dr/2] each, float32 on the CPU
+        mask = torch.full((t, t), float("-inf")).triu(1)  # [T, T]
+        return cos.to(h.device), sin.to(h.device), mask.to(h.device)
 
     def generate(self, tokens: torch.Tensor, k: int) -> torch.Tensor:
         """Greedy: append ``k`` argmax tokens (full re-prefill per step); returns [T + k]."""

@@ -110,7 +110,8 @@ def route(
         else:
             group_score = grouped.amax(-1)  # [T, G]
         kept = group_score.topk(spec.topk_group, dim=-1).indices  # [T, topk_group]
-        keep = torch.zeros(t, spec.n_group, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
+        keep = torch.zeros(t, spec.n_group, dtype=torch.bool, device=logits.device)  # [T, G]
+        keep = keep.scatter_(1, kept, True)
         keep = keep.repeat_interleave(per_group, dim=1)  # [T, E]
         choice = choice.masked_fill(~keep, float("-inf"))  # [T, E]
     topk_ids = choice.topk(spec.top_k, dim=-1).indices  # [T, k]

@@ -32,7 +32,6 @@ from hetquant.formats import HetquantError
 from .layout import ParallelLayout
 from .model import DeepseekV3Reference, rms_norm
 from .ops import QuantLinear
-from .rope import cos_sin
 from .shard_rules import IN, OUT, ModuleInfo, place, split_of, split_range
 
 __all__ = ["Comm", "RankWeights", "run_stage"]
@@ -48,8 +47,18 @@ class Comm:
         if self.size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(x, group=self.group)
+            if self._via_cpu(x):
+                x.copy_(self.all_reduce(x.cpu()))
+            else:
+                dist.all_reduce(x, group=self.group)
         return x
+
+    def _via_cpu(self, x: torch.Tensor) -> bool:
+        """gloo (this reference's backend, any number of ranks per GPU) on non-CPU tensors:
+        collectives go through host copies."""
+        import torch.distributed as dist
+
+        return x.device.type != "cpu" and dist.get_backend(self.group) == "gloo"
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dim (equal shapes)."""
@@ -57,6 +66,8 @@ class Comm:
             return x
         import torch.distributed as dist
 
+        if self._via_cpu(x):
+            return self.all_gather_last(x.cpu()).to(x.device)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
@@ -79,6 +90,8 @@ class RankWeights:
     ) -> None:
         self.t, self.modules, self.layout, self.cfg = dict(tensors), modules, layout, cfg
         self.backend, self.comm, self.pool, self.npu_ops = backend, comm or Comm(), pool, npu_ops
+        first = next(iter(self.t.values()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
         self._linears: dict[str, QuantLinear] = {}
         self._moe_index = {
             layer: i
@@ -107,8 +120,9 @@ class RankWeights:
         lo, hi = split_range(
             place("model.embed_tokens"), self.cfg.vocab_size, self.comm.size, self.comm.rank
         )
+        tokens = tokens.to(table.device)
         mine = (tokens >= lo) & (tokens < hi)  # [T]
-        out = torch.zeros(tokens.shape[0], table.shape[1], dtype=table.dtype)  # [T, D]
+        out = table.new_zeros(tokens.shape[0], table.shape[1])  # [T, D]
         out[mine] = table[tokens[mine] - lo]
         return self.comm.all_reduce(out)
 
@@ -116,8 +130,8 @@ class RankWeights:
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         if self.pool is not None and layer in self.pool.layers:
-            y = (
-                self.pool.forward(layer, x, topk_ids, topk_weights)
+            y = (  # the pool is on the host: activations travel there and back
+                self.pool.forward(layer, x.cpu(), topk_ids.cpu(), topk_weights.cpu()).to(x.device)
                 if self.comm.rank == 0
                 else torch.zeros_like(x)
             )
@@ -187,10 +201,9 @@ def run_stage(
     """This stage's part of the forward: token ids [T] (first stage) or hidden [T, D] in; hidden
     [T, D] out, or float32 logits [T, V] on the last stage."""
     w, eps = model.weights, model.eps
+    h_or_tokens = h_or_tokens.to(w.device)
     h = w.embed(h_or_tokens).to(model.dtype) if first else h_or_tokens  # [T, D]
-    t = h.shape[0]
-    cos, sin = cos_sin(model.rope, torch.arange(t))  # [T, dr/2]
-    mask = torch.full((t, t), float("-inf")).triu(1)  # [T, T]
+    cos, sin, mask = model.positions(h)
     with torch.inference_mode():
         for layer in layers:
             h = model.decoder_layer(layer, h, cos, sin, mask)

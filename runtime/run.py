@@ -132,7 +132,7 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path) -> No
         seq = torch.cat([seq, nxt])
     if last and grank == 0:
         assert logits is not None
-        np.save(out / "logits.npy", logits.numpy())
+        np.save(out / "logits.npy", logits.cpu().numpy())
         np.save(out / "generated.npy", seq[len(spec.tokens) :].numpy())
     if pool is not None:
         pool.close()
@@ -172,7 +172,7 @@ def _pipeline(
         dist.recv(x, src=(stage - 1) * g + grank)
     y = run_stage(model, layers, x, first=first, last=last)
     if not last:
-        dist.send(y.contiguous(), dst=(stage + 1) * g + grank)
+        dist.send(y.contiguous().cpu(), dst=(stage + 1) * g + grank)  # gloo: host tensors
         return None
     return y if grank == 0 else None
 

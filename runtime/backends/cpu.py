@@ -79,9 +79,11 @@ register_kernel("bf16", "cpu", "cuda", "npu")(bf16_kernel)
 def dequant_kernel(
     fmt: WeightFormat, tensors: Mapping[str, torch.Tensor], ctx: Backend, why: str = ""
 ) -> Kernel:
-    """The fallback: ``fmt.dequantize`` once (F32 [N, K], the format's definition), F32 GEMM."""
+    """The fallback: ``fmt.dequantize`` once (F32 [N, K], the format's definition), F32 GEMM.
+    The dequantization runs on the host (the formats' reference code), whatever ``ctx.device``."""
     n, k = checked_shape(fmt, tensors)
-    w = fmt.dequantize(tensors).to(ctx.device, torch.float32)  # (N, K)
+    host = {key: t.cpu() for key, t in tensors.items()}
+    w = fmt.dequantize(host).to(ctx.device, torch.float32)  # (N, K)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), w).to(x.dtype)

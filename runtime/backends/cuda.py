@@ -57,6 +57,7 @@ def _int4_cuda_kernel(
     fmt: WeightFormat, tensors: Mapping[str, torch.Tensor], ctx: Backend
 ) -> Kernel:
     n, k = checked_shape(fmt, tensors)
+    tensors = {key: t.cpu() for key, t in tensors.items()}  # unpacked once, on the host
     aff = INT4_AFFINE[fmt.name](fmt, tensors)
     grouped = regroup(aff)
     inner = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)

@@ -406,7 +406,8 @@ def test_cuda_pair_matches_dequantize_then_matmul(case: Case, dtype: torch.dtype
     t = stored(case)
     fmt = get_format(case.fmt, **dict(case.params))
     w, x = fmt.dequantize(t), activations(case, dtype)
-    lin = QuantLinear.from_stored(case.fmt, t, backend="cuda", params=dict(case.params))
+    on_gpu = {key: v.cuda() for key, v in t.items()}  # as the loader delivers them
+    lin = QuantLinear.from_stored(case.fmt, on_gpu, backend="cuda", params=dict(case.params))
     y = lin(x.cuda()).cpu()
     e, E, gamma, u_s = spec(case, "cuda", lin, t, x, w, dtype, cuda=True)
     assert_within(y, x.double() @ w.double().T, x, w, e=e, E=E, gamma=gamma, u_s=u_s)

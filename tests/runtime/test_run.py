@@ -115,6 +115,26 @@ def test_npu_backend_on_the_emulated_contracts(
     assert os.environ["HETQUANT_NPU_EMULATION"] == "1"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", [{}, {"tp": 2, "subpools": 2}, {"pp": 2}])
+def test_cuda_device_equals_cpu(artifacts: dict[str, Path], layout: dict) -> None:
+    """Weights on the GPU (every rank on the one device, gloo through host copies); the hybrid's
+    experts stay in the CPU pool, so activations travel to the host and back.
+
+    bf16: only the order of float32 sums differs (``_tol``). Hybrid: W8A8 runs torch._int_mm,
+    exact like the CPU kernel, but a float32 difference of one ulp before a per-token int8
+    activation quantization can move a value across a rounding boundary, one activation step
+    (amax/127 of the row) — the same size of change as the TP-slice scales of
+    ``test_hybrid_tp2_with_a_two_subpool_cpu_pool``, hence its bound."""
+    for recipe in ("bf16", "ascend-hybrid"):
+        if recipe == "bf16" and "subpools" in layout:
+            continue
+        cpu, _ = run_artifact(RunSpec(str(artifacts[recipe]), TOKENS, **layout))
+        gpu, _ = run_artifact(RunSpec(str(artifacts[recipe]), TOKENS, device="cuda", **layout))
+        bound = _tol(cpu) if recipe == "bf16" else 0.05 * np.abs(cpu).max()
+        assert np.abs(gpu - cpu).max() <= bound, recipe
+
+
 def test_cli_run(cli, artifacts: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "l.npy"
     res = cli(
