@@ -4,6 +4,13 @@
 #include <string.h>
 #include <math.h>
 #include <pthread.h>
+#include <unistd.h>
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <new>
+#include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define HQ_X86 1
@@ -236,7 +243,113 @@ static void run(const Job& j) {
   run_generic(j);
 }
 
-static void* thread_main(void* p) { run(*static_cast<const Job*>(p)); return nullptr; }
+// Worker threads of one calling thread, kept between calls (creating threads per call cost about
+// as much as a second thread gained on a 0.5-1 ms GEMV). The rows are dealt in chunks through an
+// atomic counter, so a thread slowed by another process does not hold the call up; every row is
+// computed by exactly one thread with the same code, so the result does not depend on the split.
+// One pool per calling thread (thread_local): concurrent callers (CPU expert subpools) never
+// share workers. The workers are joined when the calling thread exits; after a fork() the child
+// forgets the parent's workers (they do not exist there) and starts its own.
+class Pool {
+ public:
+  ~Pool() {
+    if (pid_ != getpid()) return;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (pthread_t t : workers_) pthread_join(t, nullptr);
+  }
+
+  // Run rows [0, base.n1) of base in chunks of `chunk` rows on up to `nt` threads (this one too).
+  void run_all(const Job& base, int64_t chunk, int nt) {
+    if (pid_ != getpid()) forget_parent();
+    while ((int)workers_.size() < nt - 1) {
+      {
+        std::lock_guard<std::mutex> lk(m_);
+        created_gen_ = gen_;  // a new worker joins from the next round on: this one
+      }
+      pthread_t t;
+      if (pthread_create(&t, nullptr, &Pool::main, this) != 0) break;  // fewer threads, then
+      workers_.push_back(t);
+    }
+    const int helpers = std::min<int>(nt - 1, (int)workers_.size());
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      base_ = &base;
+      chunk_ = chunk;
+      chunks_ = (base.n1 + chunk - 1) / chunk;
+      next_.store(0, std::memory_order_relaxed);
+      active_ = helpers;
+      running_ = helpers;
+      ++gen_;
+    }
+    if (helpers > 0) wake_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lk(m_);
+    done_.wait(lk, [&] { return running_ == 0; });
+  }
+
+ private:
+  // In a forked child the parent's workers do not exist, yet the copied mutex and condition
+  // variables still count them as waiters (a broadcast could wait for them forever): start over
+  // with fresh objects, without destroying the copied ones.
+  void forget_parent() {
+    workers_.clear();
+    new (&m_) std::mutex();
+    new (&wake_) std::condition_variable();
+    new (&done_) std::condition_variable();
+    stop_ = false;
+    next_id_ = active_ = running_ = 0;
+    pid_ = getpid();
+  }
+
+  static void* main(void* self) {
+    static_cast<Pool*>(self)->loop();
+    return nullptr;
+  }
+
+  void work() {
+    for (;;) {
+      const int64_t c = next_.fetch_add(1, std::memory_order_relaxed);
+      if (c >= chunks_) return;
+      Job j = *base_;
+      j.n0 = c * chunk_;
+      j.n1 = std::min(base_->n1, (c + 1) * chunk_);
+      run(j);
+    }
+  }
+
+  void loop() {
+    std::unique_lock<std::mutex> lk(m_);
+    const int id = next_id_++;
+    uint64_t seen = created_gen_;
+    for (;;) {
+      wake_.wait(lk, [&] { return stop_ || gen_ != seen; });
+      if (stop_) return;
+      seen = gen_;
+      if (id >= active_) continue;
+      lk.unlock();
+      work();
+      lk.lock();
+      if (--running_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable wake_, done_;
+  std::vector<pthread_t> workers_;
+  pid_t pid_ = getpid();
+  bool stop_ = false;
+  uint64_t gen_ = 0, created_gen_ = 0;
+  int next_id_ = 0, active_ = 0, running_ = 0;
+  const Job* base_ = nullptr;
+  int64_t chunk_ = 4, chunks_ = 0;
+  std::atomic<int64_t> next_{0};
+};
+
+thread_local Pool tl_pool;
 
 }  // namespace
 
@@ -324,26 +437,9 @@ int hq_int4_gemv(const uint8_t* w, int64_t rs, const float* s, int64_t N, int64_
   if (nt > 256) nt = 256;
   if (nt <= 1) {
     run(base);
-  } else {
-    Job* jobs = (Job*)malloc((size_t)nt * sizeof(Job));
-    pthread_t* th = (pthread_t*)malloc((size_t)nt * sizeof(pthread_t));
-    bool* ok = (bool*)calloc((size_t)nt, sizeof(bool));
-    if (!jobs || !th || !ok) {
-      run(base);
-    } else {
-      for (int64_t i = 0; i < nt; ++i) {
-        jobs[i] = base;
-        jobs[i].n0 = blocks * i / nt * 4;
-        jobs[i].n1 = i + 1 == nt ? N : blocks * (i + 1) / nt * 4;
-      }
-      for (int64_t i = 1; i < nt; ++i) ok[i] = pthread_create(&th[i], nullptr, thread_main, &jobs[i]) == 0;
-      run(jobs[0]);
-      for (int64_t i = 1; i < nt; ++i) {
-        if (ok[i]) pthread_join(th[i], nullptr);
-        else run(jobs[i]);  // could not start a thread: do its rows here
-      }
-    }
-    free(jobs); free(th); free(ok);
+  } else {  // ~8 chunks per thread, whole 4-row tiles
+    const int64_t chunk = ((blocks + 8 * nt - 1) / (8 * nt)) * 4;
+    tl_pool.run_all(base, chunk, (int)nt);
   }
   free(xq); free(sx); free(ex);
   return isa;

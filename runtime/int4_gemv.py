@@ -227,8 +227,10 @@ def int4_gemv(
 ) -> torch.Tensor:
     """``y[t, n] = scale[n] · Σ_k (c[n, k] − 8) · x[t, k]`` as float32 [T, N] ([N] for 1-D x).
 
-    ``threads``: worker threads of the native kernel for this call (default
-    ``torch.get_num_threads()``; small calls use one). ``precision`` (native kernel):
+    ``threads``: threads of the native kernel for this call (default
+    ``torch.get_num_threads()``; small calls use one). The calling thread works too; the others
+    come from a pool the calling thread keeps between calls (joined when it exits), and rows are
+    dealt in chunks, so any thread count gives the same bits. ``precision`` (native kernel):
     ``"high"`` rounds activations to 22-bit fixed point per token, ``"fast"`` to 14-bit (two
     digit planes instead of three). See the module docstring for backends and error bounds.
     """
