@@ -2,7 +2,9 @@
 
 - ``data``: text → token blocks [N, L] with the checkpoint's tokenizer (deterministic rule).
 - ``awq``: the AWQ math as pure functions (scale and clip search, folds, the RTN quantizer).
-- ``calibrate``: ``calibrate(source, tokens) -> CalibrationResult``, one decoder layer at a time.
+- ``calibrate``: ``calibrate(source, tokens) -> CalibrationResult``, one decoder layer at a time
+  (``layer``: one layer's capture, scale and clip search; ``transforms``: the options, the
+  per-tensor transforms and the saved result).
 - ``eval``: ``evaluate(artifact_forward, reference_forward, tokens)`` and the forwards for it.
 - ``forward``: the layer-streamed DeepSeek-V3 forward both use.
 """

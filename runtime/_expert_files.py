@@ -1,0 +1,181 @@
+"""The ``cpu_experts/layer_XXX.safetensors`` files of a hybrid artifact: discovery and mapping.
+
+``_cpu_expert_files`` lists the files from the manifest (``hetquant.json`` →
+``parts.cpu_experts.files``), ``_layers_of`` reads one file's safetensors header into an
+:class:`ExpertLayerInfo` per MoE layer (``int4_cpu`` layout, ``formats/int4_cpu.py``),
+``_select_layers`` collects the layers of all files (or the requested ones), and ``_Mapping``
+maps one file for :class:`~hetquant.runtime.expert_pool.CpuExpertPool`.
+
+Memory. Every layer file is mapped whole with a private copy-on-write ``mmap`` (the file is never
+written; pages are page cache shared with other processes) and every tensor is a zero-copy view
+of that one mapping (``CpuExpertPool.mapped_ranges`` gives the address ranges). Nothing is read
+at open except the headers and the pages each subpool touches.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hetquant.formats import HetquantError
+from hetquant.formats.dtypes import itemsize, torch_dtype
+from hetquant.formats.int4_cpu import LAYER_KEYS, layer_stored
+from hetquant.formats.safetensors_io import HeaderEntry, read_header
+
+__all__ = [
+    "MANIFEST",
+    "_PREFIX",
+    "ExpertLayerInfo",
+    "_Mapping",
+    "_cpu_expert_files",
+    "_layers_of",
+    "_select_layers",
+]
+
+MANIFEST = "hetquant.json"
+_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
+
+
+@dataclass(frozen=True)
+class ExpertLayerInfo:
+    """One MoE layer of the pool: where it lives and its dims (E experts, hidden H, inter I)."""
+
+    layer: int
+    path: Path
+    prefix: str  # tensor-name prefix, e.g. "model.layers.3.mlp.experts"
+    num_experts: int
+    hidden: int
+    inter: int
+    entries: dict[str, HeaderEntry]  # LAYER_KEYS → header entry
+
+
+# ------------------------------------------------------------------------------------------------
+# manifest and headers
+
+
+def _cpu_expert_files(artifact: Path) -> list[Path]:
+    man = artifact / MANIFEST
+    if not man.is_file():
+        raise HetquantError(
+            f"{artifact}: no {MANIFEST}; not a hetquant artifact, or its conversion did not finish"
+        )
+    try:
+        doc = json.loads(man.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HetquantError(f"{man}: not valid JSON ({e}); re-run the conversion") from None
+    if not isinstance(doc, dict) or doc.get("complete") is not True:
+        raise HetquantError(f"{man}: the artifact is not complete; re-run the conversion")
+    parts = doc.get("parts")
+    part = parts.get("cpu_experts") if isinstance(parts, dict) else None
+    files = part.get("files") if isinstance(part, dict) else None
+    if not files:
+        recipe = (doc.get("recipe") or {}).get("name", "?")
+        raise HetquantError(
+            f"{artifact}: the artifact (recipe {recipe}) has no cpu_experts part; convert with "
+            "--recipe ascend-hybrid to get CPU experts"
+        )
+    root = artifact.resolve()
+    out = []
+    for rel in files:
+        if not isinstance(rel, str):
+            raise HetquantError(f"{man}: parts.cpu_experts.files holds a non-string {rel!r}")
+        p = (artifact / rel).resolve()
+        if not p.is_relative_to(root):
+            raise HetquantError(f"{man}: cpu_experts file {rel!r} points outside the artifact")
+        if not p.is_file():
+            raise HetquantError(f"{artifact}: cpu_experts file {rel} is missing; re-download it")
+        out.append(p)
+    return out
+
+
+def _layers_of(path: Path) -> list[ExpertLayerInfo]:
+    header = read_header(path)
+    groups: dict[str, dict[str, HeaderEntry]] = {}
+    for name, entry in header.entries.items():
+        prefix, _, key = name.rpartition(".")
+        if key in LAYER_KEYS:
+            groups.setdefault(prefix, {})[key] = entry
+    if not groups:
+        raise HetquantError(f"{path}: no int4_cpu expert tensors ({', '.join(LAYER_KEYS)})")
+    out = []
+    for prefix, entries in groups.items():
+        m = _PREFIX.search(prefix)
+        if m is None:
+            raise HetquantError(f"{path}: cannot read a layer number from tensor prefix {prefix!r}")
+        missing = [k for k in LAYER_KEYS if k not in entries]
+        if missing:
+            raise HetquantError(f"{path}: {prefix} lacks {', '.join(missing)}")
+        gu = entries["gate_up_packed"]
+        down = entries["down_packed"]
+        if len(gu.shape) != 3 or len(down.shape) != 3:
+            raise HetquantError(f"{path}: {prefix}: packed tensors must be 3-D")
+        dims = (gu.shape[0], 2 * gu.shape[2], 2 * down.shape[2])
+        want = layer_stored(*dims)
+        for key, meta in want.items():
+            if entries[key].meta != meta:
+                raise HetquantError(
+                    f"{path}: {prefix}.{key} is {entries[key].meta}, expected {meta}"
+                )
+        out.append(ExpertLayerInfo(int(m.group(1)), path, prefix, *dims, entries))
+    return out
+
+
+def _select_layers(artifact: Path, layers: Iterable[int] | None) -> dict[int, ExpertLayerInfo]:
+    """The layers of ``artifact``'s cpu_experts files, keyed by layer number; only ``layers``
+    (all if None)."""
+    infos: dict[int, ExpertLayerInfo] = {}
+    for path in _cpu_expert_files(artifact):
+        for info in _layers_of(path):
+            if info.layer in infos:
+                raise HetquantError(
+                    f"{artifact}: layer {info.layer} appears in {infos[info.layer].path.name} "
+                    f"and {path.name}"
+                )
+            infos[info.layer] = info
+    if layers is not None:
+        want = sorted({int(v) for v in layers})
+        absent = [v for v in want if v not in infos]
+        if absent:
+            raise HetquantError(
+                f"{artifact}: no CPU experts for layer(s) {absent}; the artifact has "
+                f"{sorted(infos)}"
+            )
+        infos = {v: infos[v] for v in want}
+    if not infos:
+        raise HetquantError(f"{artifact}: no layers selected")
+    return infos
+
+
+# ------------------------------------------------------------------------------------------------
+# the mapping
+
+
+class _Mapping:
+    """One file, mapped whole (private, copy-on-write); views are slices of one uint8 tensor."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.base: torch.Tensor | None = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.range = (self.base.data_ptr(), self.base.data_ptr() + len(self.mm))
+        self.path = path
+
+    def view(self, entry: HeaderEntry) -> torch.Tensor:
+        assert self.base is not None
+        raw = self.base[entry.start : entry.end]
+        if entry.start % itemsize(entry.dtype):  # safetensors does not promise alignment
+            raw = raw.clone()
+        return raw.view(torch_dtype(entry.dtype)).reshape(entry.shape)
+
+    def close(self) -> None:
+        self.base = None
+        try:
+            self.mm.close()
+        except BufferError:  # a caller still holds a view: the map goes when the view does
+            pass
