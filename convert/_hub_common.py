@@ -1,0 +1,42 @@
+"""What every Hub call of hetquant shares: the environment read at call time, and redaction.
+
+The token is passed through to huggingface_hub and never printed, logged or put in a message.
+``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` are read when a function runs (huggingface_hub reads them
+once, at import), so setting them later in the same process still takes effect.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "hub_endpoint", "hub_offline", "redact"]
+
+INDEX_NAME = "model.safetensors.index.json"  # same names as convert/source.py
+SINGLE_NAME = "model.safetensors"
+
+
+def hub_endpoint() -> str | None:
+    """``HF_ENDPOINT`` as set now (None: huggingface_hub's default)."""
+    value = os.environ.get("HF_ENDPOINT", "").strip().rstrip("/")
+    return value or None
+
+
+def hub_offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set, now or at import."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return bool(constants.HF_HUB_OFFLINE) or env.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def redact(text: str, token: str | None) -> str:
+    """``text`` with ``token`` (and anything shaped like an HF token) replaced by ``***``."""
+    if token:
+        text = text.replace(token, "***")
+    return re.sub(r"hf_[A-Za-z0-9]{20,}", "hf_***", text)
+
+
+def _first_line(e: BaseException, token: str | None) -> str:
+    lines = str(e).strip().splitlines()
+    return redact(lines[0] if lines else type(e).__name__, token)

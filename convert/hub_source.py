@@ -1,0 +1,195 @@
+"""Fetching a Hub source: ``resolve_source("org/name@rev", download_dir, token)``.
+
+``resolve_source`` turns a ``SOURCE`` argument into a local checkpoint directory and the commit
+sha it came from. An existing path always wins; otherwise the argument must look like a Hub repo
+id. Only the files a conversion reads are fetched, in two steps: config.json, the index and the
+small companions (tokenizer, generation config, remote code, license, model card) first; then
+exactly the shards that index names. Files land in the normal HF cache, or as plain files in
+``download_dir``. With ``HF_HUB_OFFLINE=1`` nothing is requested and a file missing from the
+cache is a :class:`HetquantError` naming it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from hetquant.formats import HetquantError
+
+from ._hub_common import INDEX_NAME, SINGLE_NAME, _first_line, hub_endpoint, hub_offline
+
+__all__ = ["SOURCE_META_PATTERNS", "parse_repo_spec", "resolve_source"]
+
+log = logging.getLogger("hetquant.hub")
+
+# What a conversion reads besides the shards: engine.AUX_PATTERNS (copied into the artifact),
+# plus the source's model card, which tells `hetquant publish` the license and base model.
+SOURCE_META_PATTERNS = (
+    "config.json", INDEX_NAME, "README.md",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "generation_config.json", "configuration_*.py", "modeling_*.py", "LICENSE*",
+)  # fmt: skip
+
+# huggingface_hub's validate_repo_id, plus an optional "@revision" (which may contain "/").
+_REPO_SPEC = re.compile(
+    r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95})"
+    r"(?:@(?P<rev>[^\s@]+))?$"
+)
+_COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+def parse_repo_spec(spec: str) -> tuple[str, str | None] | None:
+    """``("org/name", "rev" | None)`` when ``spec`` reads as a Hub repo id, else None."""
+    m = _REPO_SPEC.match(spec)
+    if m is None:
+        return None
+    repo = m["repo"]
+    if "--" in repo or ".." in repo or repo.endswith(".git") or re.search(r"[.-](/|$)", repo):
+        return None
+    return repo, m["rev"]
+
+
+def resolve_source(
+    spec: str, download_dir: Path | None = None, token: str | None = None
+) -> tuple[Path, str | None]:
+    """A local checkpoint directory for ``spec`` and the commit sha it came from.
+
+    ``spec`` is a local directory (returned as it is, revision None) or ``org/name[@revision]``.
+    An existing path wins over a repo id of the same spelling.
+    """
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise HetquantError(f"{spec}: SOURCE is a file; give the checkpoint directory")
+        return path, None
+    parsed = parse_repo_spec(spec)
+    if parsed is None:
+        raise HetquantError(
+            f"{spec}: SOURCE is neither an existing directory nor a Hub repo id "
+            "(org/name or org/name@revision)"
+        )
+    repo_id, revision = parsed
+    return _download(repo_id, revision, download_dir, token)
+
+
+def _download(
+    repo_id: str, revision: str | None, download_dir: Path | None, token: str | None
+) -> tuple[Path, str | None]:
+    offline = hub_offline()
+    where = f"{repo_id}@{revision or 'main'}"
+    log.info("fetching %s%s", where, " from the local cache (offline)" if offline else "")
+    # Step 1: the small files, which say which shards exist.
+    root = _snapshot(repo_id, revision, list(SOURCE_META_PATTERNS), download_dir, token, offline)
+    sha = _commit_of(root, download_dir)
+    if not (root / "config.json").is_file():
+        raise _missing(where, ["config.json"], offline, root)
+    shards = _shards_named(root, where)
+    # Step 2: exactly those shards, at the commit step 1 resolved (a moving branch can't mix).
+    patterns = [*SOURCE_META_PATTERNS, *(glob.escape(s) for s in shards)]
+    root = _snapshot(repo_id, sha or revision, patterns, download_dir, token, offline)
+    missing = [s for s in shards if not (root / s).is_file()]
+    if missing:
+        raise _missing(where, missing, offline, root)
+    log.info("source %s at commit %s: %d shards in %s", repo_id, sha, len(shards), root)
+    return root, sha
+
+
+def _snapshot(
+    repo_id: str,
+    revision: str | None,
+    patterns: list[str],
+    download_dir: Path | None,
+    token: str | None,
+    offline: bool,
+) -> Path:
+    from huggingface_hub import snapshot_download
+
+    kwargs: dict[str, Any] = {
+        "revision": revision,
+        "allow_patterns": patterns,
+        "token": token,
+        "local_files_only": offline,
+    }
+    if download_dir is not None:
+        kwargs["local_dir"] = str(download_dir)
+    if (endpoint := hub_endpoint()) is not None:
+        kwargs["endpoint"] = endpoint
+    try:
+        return Path(snapshot_download(repo_id, **kwargs))
+    except Exception as e:  # every failure of the client becomes one clear line
+        raise _hub_error(e, f"{repo_id}@{revision or 'main'}", offline, token) from e
+
+
+def _commit_of(root: Path, download_dir: Path | None) -> str | None:
+    """The commit sha the snapshot at ``root`` was taken from."""
+    if download_dir is None:
+        return root.name if _COMMIT_SHA.match(root.name) else None  # cache: snapshots/<sha>
+    # local_dir: huggingface_hub (≥ 0.23) keeps "<commit>\n<etag>\n<time>" per downloaded file.
+    meta = root / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    try:
+        first = meta.read_text().split("\n", 1)[0].strip()
+    except OSError:
+        return None
+    return first if _COMMIT_SHA.match(first) else None
+
+
+def _shards_named(root: Path, where: str) -> list[str]:
+    index = root / INDEX_NAME
+    if not index.is_file():
+        return [SINGLE_NAME]  # a one-file checkpoint, or the clear "neither" error later
+    try:
+        doc = json.loads(index.read_text())
+        weight_map = doc["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise HetquantError(f"{where}: {INDEX_NAME} is not a valid index ({e})") from None
+    for f in files:
+        p = PurePosixPath(f) if isinstance(f, str) else None
+        if p is None or not f or p.is_absolute() or ".." in p.parts or "\\" in f:
+            raise HetquantError(
+                f"{where}: {INDEX_NAME} names shard {f!r}, outside the repository; refusing it"
+            )
+    return files
+
+
+def _missing(where: str, names: list[str], offline: bool, root: Path) -> HetquantError:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    if offline:
+        return HetquantError(
+            f"{where}: HF_HUB_OFFLINE is set and {shown} is not in the local copy ({root}); "
+            "run once with network access (unset HF_HUB_OFFLINE) or pass a local directory"
+        )
+    return HetquantError(f"{where}: the repository has no {shown}; is it an HF checkpoint?")
+
+
+def _hub_error(e: Exception, what: str, offline: bool, token: str | None) -> HetquantError:
+    from huggingface_hub import errors
+
+    name = type(e).__name__
+    first = _first_line(e, token)
+    if isinstance(e, errors.GatedRepoError):
+        return HetquantError(
+            f"{what}: gated repository; accept its terms on the Hub and pass a token (HF_TOKEN or --token)"
+        )
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return HetquantError(
+            f"{what}: repository not found on the Hub, or private and the token can't read it"
+        )
+    if isinstance(e, errors.RevisionNotFoundError):
+        return HetquantError(f"{what}: no such revision (branch, tag or commit) in the repository")
+    if isinstance(e, errors.LocalEntryNotFoundError) or offline:
+        if offline:
+            return HetquantError(
+                f"{what}: HF_HUB_OFFLINE is set and the files are not (all) in the local cache: {first}; "
+                "run once with network access (unset HF_HUB_OFFLINE) or pass a local directory"
+            )
+        return HetquantError(
+            f"{what}: the Hub could not be reached and no local copy exists: {first}"
+        )
+    if isinstance(e, errors.HfHubHTTPError):
+        return HetquantError(f"{what}: the Hub answered an error: {first}")
+    return HetquantError(f"{what}: {name}: {first}")
