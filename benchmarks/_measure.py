@@ -38,6 +38,8 @@ __all__ = [
     "machine_info",
     "median",
     "proc_status_kib",
+    "read_files",
+    "replace_marked",
     "run_measured",
     "warm_page_cache",
     "write_result",
@@ -210,16 +212,21 @@ def run_measured(
 # page cache
 
 
-def warm_page_cache(paths: Iterable[str | os.PathLike[str]]) -> int:
-    """Read every byte of ``paths`` (8 MB reads) so they sit in the page cache; returns bytes."""
-    buf = bytearray(_READ_BLOCK)
-    view = memoryview(buf)
+def read_files(paths: Iterable[str | os.PathLike[str]], block: int = _READ_BLOCK) -> int:
+    """Read every byte of ``paths`` with ``block``-byte ``readinto`` calls into one reused buffer
+    (a raw sequential read); returns the bytes read."""
+    view = memoryview(bytearray(block))
     total = 0
     for p in paths:
         with open(p, "rb", buffering=0) as f:
             while n := f.readinto(view):
                 total += n
     return total
+
+
+def warm_page_cache(paths: Iterable[str | os.PathLike[str]]) -> int:
+    """Read every byte of ``paths`` (8 MB reads) so they sit in the page cache; returns bytes."""
+    return read_files(paths)
 
 
 def cached_fraction(paths: Iterable[str | os.PathLike[str]]) -> float | None:
@@ -372,3 +379,16 @@ def write_result(path: str | os.PathLike[str], doc: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def replace_marked(path: Path, start: str, end: str, text: str) -> bool:
+    """Replace what lies between the ``start`` and ``end`` markers of ``path`` by ``text``
+    (written atomically); False, and the file untouched, when a marker is missing."""
+    body = path.read_text(encoding="utf-8") if path.exists() else ""
+    if start not in body or end not in body:
+        return False
+    a, b = body.index(start), body.index(end) + len(end)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(body[:a] + f"{start}\n{text}{end}" + body[b:], encoding="utf-8")
+    os.replace(tmp, path)
+    return True

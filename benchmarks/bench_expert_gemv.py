@@ -47,7 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _measure import machine_info, median, write_result  # noqa: E402
+from _measure import machine_info, median, replace_marked, write_result  # noqa: E402
 
 SECTION = "## CPU INT4 expert GEMV"
 START = "<!-- bench_expert_gemv:results:start -->"
@@ -449,17 +449,12 @@ def render(doc: dict[str, Any], nthreads: int) -> str:
 
 def update_readme(path: Path, table: str) -> None:
     """Replace the text between the markers, or append the section; other sections untouched."""
+    if replace_marked(path, START, END, table):
+        return
     text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-    block = f"{START}\n{table}{END}\n"
-    if START in text and END in text:
-        a, b = text.index(START), text.index(END) + len(END)
-        text = text[:a] + block.rstrip("\n") + text[b:]
-    else:
-        if SECTION not in text:
-            text = (
-                text.rstrip("\n") + f"\n\n{SECTION}\n\n`python benchmarks/bench_expert_gemv.py`\n"
-            )
-        text = text.rstrip("\n") + "\n\n" + block
+    if SECTION not in text:
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n`python benchmarks/bench_expert_gemv.py`\n"
+    text = text.rstrip("\n") + "\n\n" + f"{START}\n{table}{END}\n"
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)

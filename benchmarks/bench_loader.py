@@ -72,6 +72,8 @@ from _measure import (  # noqa: E402
     cached_fraction,
     machine_info,
     median,
+    read_files,
+    replace_marked,
     run_measured,
     warm_page_cache,
     write_result,
@@ -105,13 +107,7 @@ def _artifact_files(root: Path) -> list[Path]:
 
 
 def _raw(files: Iterable[str]) -> int:
-    buf = bytearray(RAW_BLOCK)
-    view, total = memoryview(buf), 0
-    for p in files:
-        with open(p, "rb", buffering=0) as f:
-            while n := f.readinto(view):
-                total += n
-    return total
+    return read_files(files, RAW_BLOCK)
 
 
 def _raw_fresh(files: Iterable[str]) -> int:
@@ -593,12 +589,8 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def update_readme(path: Path, text: str) -> None:
-    body = path.read_text()
-    if START not in body or END not in body:
+    if not replace_marked(path, START, END, text):
         print(f"{path}: no {START} … {END} markers; README not updated")
-        return
-    a, b = body.index(START), body.index(END) + len(END)
-    path.write_text(body[:a] + f"{START}\n{text}{END}" + body[b:])
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _measure import cached_fraction, warm_page_cache  # noqa: E402
+from _measure import cached_fraction, read_files, warm_page_cache  # noqa: E402
 
 from hetquant.runtime import _staging  # noqa: E402
 
@@ -91,13 +91,7 @@ def _files(root: Path) -> list[Path]:
 
 
 def _raw(files: list[Path]) -> int:
-    buf = bytearray(RAW_BLOCK)
-    view, total = memoryview(buf), 0
-    for p in files:
-        with open(p, "rb", buffering=0) as f:
-            while n := f.readinto(view):
-                total += n
-    return total
+    return read_files(files, RAW_BLOCK)
 
 
 def _load(root: Path, dev: str) -> tuple[float, int, dict[str, torch.Tensor]]:
