@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError, get_expert_format, get_format
+from hetquant.formats.base import all_finite
 from hetquant.formats.dtypes import torch_dtype
 from hetquant.formats.fp8_block import Fp8Block, absmax_dequantized, dequantize_rows
 from hetquant.formats.safetensors_io import write_at
@@ -192,11 +193,7 @@ class JobRunner:
 
 
 def _check_finite(name: str, data: torch.Tensor) -> None:
-    if (
-        data.is_floating_point()
-        and data.element_size() > 1
-        and not bool(torch.isfinite(data).all())
-    ):
+    if data.is_floating_point() and data.element_size() > 1 and not all_finite(data):
         bad = int((~torch.isfinite(data)).sum())
         raise HetquantError(
             f"{name}: {bad} NaN/Inf value(s) in the source; the checkpoint is corrupt"
@@ -216,7 +213,7 @@ def _check_fp8(name: str, codes: torch.Tensor) -> None:
 
 
 def _check_scale(name: str, s: torch.Tensor) -> None:
-    if not bool(torch.isfinite(s).all()):
+    if not all_finite(s):
         n = int((~torch.isfinite(s)).sum())
         raise HetquantError(
             f"{name}_scale_inv: {n} NaN/Inf value(s) of {math.prod(s.shape)}; corrupt scale"
