@@ -152,16 +152,13 @@ class _Source:
 
     def __init__(self, path: Path, stats: LoadStats) -> None:
         self.path, self.stats, self.fd, self.mm = path, stats, os.open(path, os.O_RDONLY), None
-        self.exported = False
         self.lock = threading.Lock()  # the lazy map and the counters
 
     def __enter__(self) -> _Source:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.mm is not None and not self.exported:
-            self.mm.close()
-        self.mm = None  # mapped views hold a reference: unmapped when the last one is freed
+        self.mm = None  # unmapped now, or, if mapped views hold it, when the last one is freed
         os.close(self.fd)
 
     def _map(self) -> mmap.mmap:
@@ -180,7 +177,6 @@ class _Source:
         if not spans:
             return {}
         mm, size = self._map(), os.fstat(self.fd).st_size
-        self.exported = True
         out = {}
         for name, span in spans:
             if span.start + span.run > size:
@@ -188,10 +184,9 @@ class _Source:
                     f"{self.path}: ends before byte {span.start + span.run}; truncated"
                 )
             out[name] = torch.frombuffer(mm, dtype=torch.uint8, count=span.run, offset=span.start)
-            self.stats.bytes_read += span.run
         for lo, hi in _page_ranges(s for _, s in spans):
             self._populate(mm, lo, hi - lo)
-        self.stats.mapped += len(out)
+        self._count(bytes_read=sum(s.run for _, s in spans), mapped=len(out))
         return out
 
     def _populate(self, mm: mmap.mmap, start: int, length: int) -> None:
@@ -202,7 +197,7 @@ class _Source:
             view = torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=start)
             view[::_PAGE].max()
             del view
-        self.stats.syscalls += 2
+        self._count(syscalls=2)
 
     def read_many(self, items: list[tuple[Span, torch.Tensor]]) -> None:
         """Fill each CPU uint8 buffer from its span; adjacent contiguous spans share a call."""
