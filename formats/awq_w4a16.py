@@ -40,6 +40,7 @@ Sources: AutoAWQ 0.2.9 (``88e4c76``) ``awq/modules/linear/gemm.py`` (``WQLinear_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -75,7 +76,13 @@ class AwqW4A16(WeightFormat):
     """AutoAWQ GEMM W4A16 with asymmetric per-group quantization (see module docstring)."""
 
     name: ClassVar[str] = "awq_w4a16"
+    keys: ClassVar[frozenset[str]] = frozenset({"qweight", "qzeros", "scales"})
     group_size: int = 128
+
+    def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[AwqW4A16, tuple[int, int]]:
+        k, n = metas["qweight"].shape[0], metas["scales"].shape[1]  # qweight [K, N/8]
+        group = k // metas["scales"].shape[0]
+        return dataclasses.replace(self, group_size=group), (n, k)
 
     def __post_init__(self) -> None:
         if self.group_size not in GROUP_SIZES:

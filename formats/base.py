@@ -6,6 +6,12 @@ a dict of stored tensors keyed by *local* names — relative to the module prefi
 from the shape alone, so plans and loaders never touch data. Formats are frozen dataclasses: their
 parameters (group size, …) are fields, and ``get_format("awq_w4a16", group_size=64)`` returns a
 variant. Callers look formats up by name; nobody branches on a format's name.
+
+Identity: each format declares the stored keys it always writes (``keys``) and those some of its
+variants add (``optional_keys``), and ``from_stored(metas)`` — the exact inverse of ``stored`` —
+gives back the variant and the weight shape from stored dtypes and shapes alone. ``identify``
+asks every registered format and returns the one match that covers the most keys; the source
+reader, the loader and the runtime ops all recognise a module's format through it.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,13 +32,16 @@ __all__ = [
     "EXPERT_FORMATS",
     "FORMATS",
     "ExpertLayerFormat",
+    "Identified",
     "Streaming",
     "TensorMeta",
     "WeightFormat",
     "get_expert_format",
     "get_format",
+    "identify",
     "register",
     "register_expert_format",
+    "stored_metas",
 ]
 
 
@@ -75,6 +84,19 @@ class WeightFormat(ABC):
     """Base of every on-disk weight format (see the module docstring)."""
 
     name: ClassVar[str]
+    keys: ClassVar[frozenset[str]]  # stored keys every variant writes
+    optional_keys: ClassVar[frozenset[str]] = frozenset()  # keys only some variants write
+
+    @abstractmethod
+    def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[WeightFormat, tuple[int, int]]:
+        """The variant (parameters) and weight shape [out, in] whose ``stored`` is ``metas``.
+
+        The inverse of :meth:`stored`, from dtypes and shapes alone. ``metas`` holds this
+        format's ``keys`` and those of its ``optional_keys`` that are present; the caller
+        (:func:`identify`) checks the answer by comparing ``stored(shape)`` with ``metas``, so an
+        implementation may raise (HetquantError, KeyError, IndexError, ArithmeticError) or
+        answer a variant that does not fit when ``metas`` did not come from this format.
+        """
 
     @abstractmethod
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
@@ -144,17 +166,92 @@ class WeightFormat(ABC):
 
     def check_stored(self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> None:
         """Raise unless ``tensors`` has exactly the names, dtypes and shapes ``stored`` promises."""
-        from .dtypes import st_dtype
-
         want = self.stored(shape)
         if set(tensors) != set(want):
             raise HetquantError(
                 f"{self.name}: stored tensors {sorted(tensors)} != expected {sorted(want)}"
             )
+        have = stored_metas(tensors)
         for key, meta in want.items():
-            got = TensorMeta(st_dtype(tensors[key].dtype), tuple(tensors[key].shape))
-            if got != meta:
+            if (got := have[key]) != meta:
                 raise HetquantError(f"{self.name}: {key} is {got}, expected {meta}")
+
+
+@dataclass(frozen=True)
+class Identified:
+    """What :func:`identify` recognised: the format variant, weight shape and the keys it owns."""
+
+    fmt: WeightFormat
+    shape: tuple[int, int]
+    keys: frozenset[str]
+
+
+_NOT_THIS_FORMAT = (HetquantError, KeyError, IndexError, ArithmeticError, TypeError, ValueError)
+
+
+def _match(fmt: WeightFormat, metas: Mapping[str, TensorMeta]) -> Identified | str:
+    """``fmt``'s reading of ``metas``, or why it does not fit."""
+    keys = fmt.keys | (fmt.optional_keys & metas.keys())
+    mine = {k: metas[k] for k in keys}
+    try:
+        variant, shape = fmt.from_stored(mine)
+        want = variant.stored(shape)
+    except _NOT_THIS_FORMAT as e:
+        return f"{fmt.name}: {e}"
+    if want != mine:
+        diff = [f"{k} {mine.get(k)} (expected {m})" for k, m in want.items() if mine.get(k) != m]
+        return f"{fmt.name}: {', '.join(diff) or sorted(set(mine) - set(want))}"
+    return Identified(variant, tuple(int(d) for d in shape), frozenset(keys))  # type: ignore[arg-type]
+
+
+def identify(
+    metas: Mapping[str, TensorMeta],
+    *,
+    name: str = "module",
+    prefer: Iterable[WeightFormat] = (),
+) -> Identified | None:
+    """The registered format whose stored tensors are among ``metas`` (one module's tensors,
+    local names): of the formats that fit exactly, the one owning the most keys; keys it does
+    not own are plain tensors of their own (a router's ``e_score_correction_bias``).
+
+    None when no format fits. Raises HetquantError when the keys carry a quantized format's
+    signature (more than one key; a lone ``weight`` also names norms and biases) but their dtypes
+    or shapes fit none, or when two formats fit equally well; ``name`` prefixes the message.
+    ``prefer``: variants whose parameters a format tries first where shapes leave them open
+    (the source config's FP8 block edge).
+    """
+    fits: list[Identified] = []
+    misfits: list[str] = []
+    preferred = {f.name: f for f in prefer}
+    for fmt in (preferred.get(key, f) for key, f in FORMATS.items()):
+        if not fmt.keys <= metas.keys():
+            continue
+        got = _match(fmt, metas)
+        if isinstance(got, Identified):
+            fits.append(got)
+        elif len(fmt.keys) > 1:
+            misfits.append(got)
+    if not fits:
+        if misfits:
+            raise HetquantError(
+                f"{name}: stored tensors {sorted(metas)} fit no format ({'; '.join(misfits)})"
+            )
+        return None
+    most = max(len(f.keys) for f in fits)
+    best = [f for f in fits if len(f.keys) == most]
+    if len(best) > 1:
+        raise HetquantError(
+            f"{name}: stored tensors {sorted(metas)} fit several formats "
+            f"({', '.join(f.fmt.name for f in best)}); record the format in the manifest"
+        )
+    return best[0]
+
+
+def stored_metas(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
+    """dtype (safetensors string) and shape of each tensor of ``tensors``."""
+    from .dtypes import st_dtype
+
+    return {k: TensorMeta(st_dtype(t.dtype), tuple(t.shape)) for k, t in tensors.items()}
 
 
 def all_finite(t: torch.Tensor) -> bool:

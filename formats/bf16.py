@@ -21,6 +21,11 @@ class Bf16(WeightFormat):
     """A plain BF16 weight."""
 
     name: ClassVar[str] = "bf16"
+    keys: ClassVar[frozenset[str]] = frozenset({"weight"})
+
+    def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Bf16, tuple[int, int]]:
+        n, k = metas["weight"].shape  # 2-D only: a 1-D weight is a norm, not a linear
+        return self, (n, k)
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         return Streaming(self, {"weight": 0})

@@ -43,6 +43,7 @@ Sources: compressed-tensors ``compressors/pack_quantized`` (``pack_to_int32``,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -76,6 +77,7 @@ class CtPackQuantized(WeightFormat):
     """compressed-tensors pack-quantized W4A16, symmetric per-group (see module docstring)."""
 
     name: ClassVar[str] = "ct_pack_quantized"
+    keys: ClassVar[frozenset[str]] = frozenset({"weight_packed", "weight_scale", "weight_shape"})
     group_size: int = 128
     scale_dtype: str = "BF16"
     shape_dtype: str = "I64"
@@ -91,6 +93,18 @@ class CtPackQuantized(WeightFormat):
                     f"ct_pack_quantized: {field} {value!r} is not supported; use one of "
                     f"{list(allowed)}"
                 )
+
+    def from_stored(
+        self, metas: Mapping[str, TensorMeta]
+    ) -> tuple[CtPackQuantized, tuple[int, int]]:
+        n, k = metas["weight_packed"].shape[0], PACK * metas["weight_packed"].shape[1]
+        variant = dataclasses.replace(
+            self,
+            group_size=k // metas["weight_scale"].shape[1],
+            scale_dtype=metas["weight_scale"].dtype,
+            shape_dtype=metas["weight_shape"].dtype,
+        )
+        return variant, (n, k)
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         def finish(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ ships them): per 128×128 block, ``s = amax / 448`` (``s = 1`` for an all-zero b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -108,7 +109,20 @@ class Fp8Block(WeightFormat):
     """E4M3 weight + F32 per-block multiplier (see module docstring)."""
 
     name: ClassVar[str] = "fp8_block"
+    keys: ClassVar[frozenset[str]] = frozenset({"weight", "weight_scale_inv"})
     block: int = 128
+
+    def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Fp8Block, tuple[int, int]]:
+        """The block edge that gives the scale grid. A grid of ceil-divided blocks does not pin
+        the edge down (160 rows in 3 blocks: any edge from 54 to 79), so this variant's edge is
+        tried first, then powers of two, then the edges the grid implies."""
+        n, k = metas["weight"].shape
+        grid = metas["weight_scale_inv"].shape
+        powers = [1 << p for p in range(4, 11)]
+        for block in (self.block, *powers, -(-n // grid[0]), -(-k // grid[1])):
+            if scale_shape((n, k), block) == tuple(grid):
+                return dataclasses.replace(self, block=block), (n, k)
+        raise HetquantError(f"scale grid {list(grid)} fits no square block of weight {[n, k]}")
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return {

@@ -179,6 +179,11 @@ class Int4Cpu(WeightFormat):
     """Symmetric INT4 with one F32 scale per output row (see module docstring)."""
 
     name: ClassVar[str] = "int4_cpu"
+    keys: ClassVar[frozenset[str]] = frozenset({"weight_packed", "weight_scale"})
+
+    def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Int4Cpu, tuple[int, int]]:
+        n, half = metas["weight_packed"].shape  # two codes per byte
+        return self, (n, 2 * half)
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         return Streaming(self, dict.fromkeys(self.stored(shape), 0))

@@ -41,6 +41,7 @@ stores none; ``get_format("nvfp4", with_input_scale=True)`` adds it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.metadata
 import math
 from collections.abc import Iterable, Mapping
@@ -148,7 +149,13 @@ class Nvfp4(WeightFormat):
 
     name: ClassVar[str] = "nvfp4"
     _K_MAJOR: ClassVar[bool] = False  # the kernel's output layout; see nvfp4_ascend._KMajorChunks
+    keys: ClassVar[frozenset[str]] = frozenset({"weight", "weight_scale", "weight_scale_2"})
+    optional_keys: ClassVar[frozenset[str]] = frozenset({"input_scale"})
     with_input_scale: bool = False
+
+    def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Nvfp4, tuple[int, int]]:
+        n, half = metas["weight"].shape  # [N, K/2]: two E2M1 codes per byte
+        return dataclasses.replace(self, with_input_scale="input_scale" in metas), (n, 2 * half)
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         axes: dict[str, int | None] = {"weight": 0, "weight_scale": 0, "weight_scale_2": None}

@@ -41,6 +41,7 @@ DeepSeek-V3 [derived]: expert gate/up (N = 2048) split N over 1, 2, 4 or 8 ranks
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -236,7 +237,13 @@ class Nvfp4Ascend(WeightFormat):
     """NVFP4 in the Ascend tiled layout (see the module docstring)."""
 
     name: ClassVar[str] = "nvfp4_ascend"
+    keys: ClassVar[frozenset[str]] = Nvfp4.keys
+    optional_keys: ClassVar[frozenset[str]] = Nvfp4.optional_keys
     with_input_scale: bool = False
+
+    def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Nvfp4Ascend, tuple[int, int]]:
+        k, half = metas["weight"].shape  # tiled [K, N/2]
+        return dataclasses.replace(self, with_input_scale="input_scale" in metas), (2 * half, k)
 
     def _canonical(self) -> Nvfp4:
         return Nvfp4(with_input_scale=self.with_input_scale)

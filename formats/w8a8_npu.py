@@ -164,6 +164,11 @@ class W8A8Dynamic(WeightFormat):
     """W8A8_DYNAMIC: int8 per-channel weight; activations quantized per token at run time."""
 
     name: ClassVar[str] = "w8a8_dynamic"
+    keys: ClassVar[frozenset[str]] = frozenset({"weight", "weight_scale", "weight_offset"})
+
+    def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[W8A8Dynamic, tuple[int, int]]:
+        n, k = metas["weight"].shape
+        return self, (n, k)
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         return Streaming(self, dict.fromkeys(self.stored(shape), 0))
@@ -208,6 +213,13 @@ class W8A8Static(WeightFormat):
     """W8A8: int8 per-channel weight; per-tensor static activations from calibration stats."""
 
     name: ClassVar[str] = "w8a8"
+    keys: ClassVar[frozenset[str]] = W8A8Dynamic.keys | {
+        "input_scale", "input_offset", "deq_scale", "quant_bias"
+    }  # fmt: skip
+
+    def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[W8A8Static, tuple[int, int]]:
+        n, k = metas["weight"].shape
+        return self, (n, k)
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         axes: dict[str, int | None] = dict.fromkeys(self.stored(shape), 0)
