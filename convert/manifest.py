@@ -2,7 +2,10 @@
 
 It records the schema and hetquant versions, the resolved recipe, the source fingerprint (hash of
 index + config, revision), the parts and their files, every file's size and sha256, the source
-dtype of every role (so the plan can be replayed from the manifest alone), and the precision table.
+dtype of every role (so the plan can be replayed from the manifest alone), the precision table and
+(schema 2) ``module_formats``: for every root-part module stored in a weight format, its
+``{"format", "params", "shape"}`` — what the loader trusts instead of recognising formats; modules
+it does not list are plain tensors. Schema-1 manifests (no ``module_formats``) still load.
 """
 
 from __future__ import annotations
@@ -14,13 +17,25 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from .plan import Plan
-from .recipes import COPY
+from hetquant.formats import get_format
+from hetquant.formats.base import identify
 
-__all__ = ["MANIFEST_NAME", "SCHEMA_VERSION", "build_manifest", "file_digest", "write_json_atomic"]
+from .plan import Plan
+from .recipes import COPY, ROOT
+
+__all__ = [
+    "MANIFEST_NAME",
+    "READABLE_SCHEMAS",
+    "SCHEMA_VERSION",
+    "build_manifest",
+    "file_digest",
+    "module_formats",
+    "write_json_atomic",
+]
 
 MANIFEST_NAME = "hetquant.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # what verify and the loader accept
 _READ = 8 << 20
 
 
@@ -96,6 +111,27 @@ def precision_table(plan: Plan) -> dict[str, Any]:
     }
 
 
+def module_formats(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Module prefix → ``{"format", "params", "shape"}`` of every root-part module the plan
+    stores in a weight format: quantized ones, and copies that are a format's stored tensors (a
+    BF16 linear weight); plain copies (norms, biases) are left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for job in plan.jobs:
+        if job.target.part != ROOT:
+            continue
+        prefix, _, key = job.source.rpartition(".")
+        if job.kind == COPY:
+            got = identify({key: job.outputs[0].meta}, name=job.source)
+            if got is None or got.keys != {key}:
+                continue
+            fmt, shape = got.fmt, got.shape
+        else:
+            fmt = get_format(job.target.fmt, **dict(job.target.params))
+            shape = plan.item(job.source).role.shape
+        out[prefix] = {"format": fmt.name, "params": fmt.params, "shape": list(shape)}
+    return out
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -121,4 +157,5 @@ def build_manifest(
         "parts": {k: {"files": v} for k, v in parts.items()},
         "files": files,
         "precision": precision_table(plan),
+        "module_formats": module_formats(plan),
     }

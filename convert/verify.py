@@ -17,7 +17,7 @@ from hetquant.formats.model_config import ModelConfig, load_json
 from hetquant.formats.safetensors_io import read_header
 
 from .deepseek_v3 import expected_tensors
-from .manifest import MANIFEST_NAME, SCHEMA_VERSION, file_digest
+from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, file_digest, module_formats
 from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
 from .source import INDEX_NAME
@@ -38,7 +38,7 @@ def load_manifest(root: Path) -> dict[str, Any]:
     if not path.exists():
         raise HetquantError(f"{root}: no {MANIFEST_NAME}; not a (complete) hetquant artifact")
     doc = load_json(path)
-    if not isinstance(doc, dict) or doc.get("schema_version") != SCHEMA_VERSION:
+    if not isinstance(doc, dict) or doc.get("schema_version") not in READABLE_SCHEMAS:
         raise HetquantError(
             f"{path}: unknown manifest schema {doc.get('schema_version') if isinstance(doc, dict) else doc!r}"
         )
@@ -115,6 +115,8 @@ def _check_structure(root: Path, manifest: dict[str, Any]) -> list[str]:
         index = load_json(root / INDEX_NAME) if (root / INDEX_NAME).exists() else {}
     except HetquantError as e:
         return [*problems, f"{INDEX_NAME}: {e}"]
+    if "module_formats" in manifest and manifest["module_formats"] != module_formats(plan):
+        problems.append(f"{MANIFEST_NAME}: module_formats differ from the plan's formats")
     want_map = {t.name: f.name for f in plan.files if f.part == "root" for t in f.tensors}
     if not isinstance(index, dict) or index.get("weight_map") != want_map:
         problems.append(f"{INDEX_NAME}: weight_map does not match the root shards")

@@ -114,6 +114,11 @@ class WeightFormat(ABC):
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Stored tensors → float32 weight [out, in]; the reference kernels are checked against."""
 
+    @property
+    def params(self) -> dict[str, Any]:
+        """This variant's parameters: ``get_format(self.name, **self.params) == self``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     def streaming(self, shape: tuple[int, int]) -> Streaming | None:
         """How a converter may quantize a weight of ``shape`` a block of rows at a time.
 

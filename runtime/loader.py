@@ -2,24 +2,12 @@
 ``Artifact.load``: one rank's tensors, reading only the bytes it keeps.
 
 Which format each stored module is in: ``hetquant.json`` ``module_formats`` (prefix →
-``{"format": name, "params": {...}, "shape": [out, in]}``) when present, otherwise the module's
-key set (``IDENTIFY``):
+``{"format": name, "params": {...}, "shape": [out, in]}``, schema 2) for artifacts hetquant
+wrote; otherwise (schema-1 manifests, checkpoints hetquant did not write) the module's stored
+tensors are recognised by ``hetquant.formats.identify`` — each format's own inverse of
+``stored`` — and a lone ``weight`` no format claims (a norm, an F32 copy) is a plain tensor.
 
-=================================================  ===============================================
-keys                                               format (weight shape [out, in] from)
-=================================================  ===============================================
-qweight, qzeros, scales                            awq_w4a16, group = K / scales.shape[0]
-weight_packed, weight_scale, weight_shape          ct_pack_quantized, group from weight_scale
-weight_packed, weight_scale                        int4_cpu
-weight, weight_scale, weight_offset (+ input_*,    w8a8_dynamic (w8a8 with the four static keys)
-deq_scale, quant_bias)
-weight, weight_scale, weight_scale_2 (+ input_     nvfp4, or nvfp4_ascend when config.json's
-scale)                                             quantization_config says ``format: nvfp4_ascend``
-weight, weight_scale_inv                           fp8_block
-weight (2-D BF16) / anything else                  bf16 / a plain tensor, loaded as stored
-=================================================  ===============================================
-
-Every identified module is checked against ``fmt.stored(shape)``; keys outside the matched row
+Every module is checked against ``fmt.stored(shape)``; keys the format does not own
 (``e_score_correction_bias``) are plain tensors of their own.
 
 ``plan`` is shape-only: for every kept tensor, the ``Span`` of file bytes its piece occupies (the
@@ -40,7 +28,8 @@ from typing import Any
 
 import torch
 
-from hetquant.formats import FORMATS, WeightFormat, get_format
+from hetquant.formats import WeightFormat, get_format
+from hetquant.formats.base import identify
 from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.errors import HetquantError
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
@@ -58,58 +47,25 @@ from .shard_rules import (
     split_range,
 )
 
-__all__ = ["IDENTIFY", "Artifact", "LoadStats", "Span", "TensorRead", "open_artifact"]
+__all__ = ["Artifact", "LoadStats", "Span", "TensorRead", "open_artifact"]
 
 MANIFEST, INDEX = "hetquant.json", "model.safetensors.index.json"
 Repack = Callable[[str, WeightFormat | None, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def _q(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    return cfg.get("quantization_config") or {}
-
-
-_Infer = Callable[[Mapping[str, HeaderEntry], Mapping[str, Any]], tuple[WeightFormat, tuple]]
-IDENTIFY: tuple[tuple[frozenset[str], _Infer], ...] = tuple((frozenset(k.split()), f) for k, f in (
-    ("qweight qzeros scales", lambda m, c: (get_format(
-        "awq_w4a16", group_size=m["qweight"].shape[0] // m["scales"].shape[0]),
-        (m["scales"].shape[1], m["qweight"].shape[0]))),
-    ("weight_packed weight_scale weight_shape", lambda m, c: (get_format(
-        "ct_pack_quantized", group_size=8 * m["weight_packed"].shape[1] // m["weight_scale"].shape[1],
-        scale_dtype=m["weight_scale"].dtype, shape_dtype=m["weight_shape"].dtype),
-        (m["weight_packed"].shape[0], 8 * m["weight_packed"].shape[1]))),
-    ("weight_packed weight_scale", lambda m, c: (
-        FORMATS["int4_cpu"], (m["weight_packed"].shape[0], 2 * m["weight_packed"].shape[1]))),
-    ("weight weight_scale weight_offset input_scale input_offset deq_scale quant_bias",
-     lambda m, c: (FORMATS["w8a8"], m["weight"].shape)),
-    ("weight weight_scale weight_offset", lambda m, c: (FORMATS["w8a8_dynamic"], m["weight"].shape)),
-    ("weight weight_scale weight_scale_2 input_scale", lambda m, c: _fp4(m, c, True)),
-    ("weight weight_scale weight_scale_2", lambda m, c: _fp4(m, c, False)),
-    ("weight weight_scale_inv", lambda m, c: (FORMATS["fp8_block"], m["weight"].shape)),
-    ("weight", lambda m, c: (FORMATS["bf16"], m["weight"].shape)),
-))  # fmt: skip
-
-
-def _fp4(m: Mapping[str, HeaderEntry], cfg: Mapping[str, Any], inp: bool) -> tuple:
-    w = m["weight"].shape
-    if _q(cfg).get("format") == "nvfp4_ascend":  # tiled: weight [K, N/2]
-        return get_format("nvfp4_ascend", with_input_scale=inp), (2 * w[1], w[0])
-    return get_format("nvfp4", with_input_scale=inp), (w[0], 2 * w[1])
-
-
-def _identify(prefix: str, metas: dict[str, HeaderEntry], cfg: Mapping[str, Any], named: Any):
+def _identify(prefix: str, metas: dict[str, HeaderEntry], named: Any, trusted: bool):
     """(format or None, weight shape, keys it covers) of one module's stored tensors.
 
-    ``named``: the manifest's ``{"format", "params", "shape"}`` for this module, if any.
+    ``named``: the manifest's ``{"format", "params", "shape"}`` for this module, if any;
+    ``trusted``: the manifest lists every module's format, so one it does not name is plain.
     """
     if named is not None:
         return _checked(prefix, metas, lambda: _named(named))
-    for keys, infer in IDENTIFY:
-        if not keys <= metas.keys():
-            continue
-        w = metas.get("weight")
-        if keys == {"weight"} and (w.dtype != "BF16" or len(w.shape) != 2):
-            return None, w.shape, keys  # a norm, a bias, an F32 copy: plain
-        return _checked(prefix, metas, lambda infer=infer: infer(metas, cfg))
+    got = None if trusted else identify({k: e.meta for k, e in metas.items()}, name=prefix)
+    if got is not None:
+        return got.fmt, got.shape, got.keys
+    if "weight" in metas:  # a norm, a bias, an F32 copy: plain
+        return None, metas["weight"].shape, frozenset({"weight"})
     return None, (), frozenset()
 
 
@@ -322,11 +278,13 @@ def open_artifact(path: str | os.PathLike[str]) -> Artifact:
             raise HetquantError(f"{root / INDEX}: {name} is not in {file}; the index is corrupt")
         prefix, _, key = name.rpartition(".")
         grouped.setdefault(prefix, {})[key] = (file, headers[file][name])
-    named = manifest.get("module_formats") or {}
+    named = manifest.get("module_formats")
+    trusted = isinstance(named, dict)
+    named = named if trusted else {}
     modules = {}
     for prefix, entries in grouped.items():
         metas = {k: e for k, (_, e) in entries.items()}
-        fmt, shape, keys = _identify(prefix, metas, config, named.get(prefix))
+        fmt, shape, keys = _identify(prefix, metas, named.get(prefix), trusted)
         if keys:
             modules[prefix] = ModuleInfo(prefix, fmt, shape, {k: entries[k] for k in keys})
         extras = sorted(entries.keys() - keys)  # plain tensors of their own

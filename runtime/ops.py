@@ -42,12 +42,12 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError, WeightFormat, get_format
+from hetquant.formats.base import stored_metas
 
 __all__ = [
     "BACKENDS",
     "FLOAT_DTYPES",
     "KERNELS",
-    "STORED_SHAPE",
     "Backend",
     "Kernel",
     "QuantLinear",
@@ -109,28 +109,11 @@ def register_backend(name: str) -> Callable:
     return deco
 
 
-def _plain(t: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-    return tuple(t["weight"].shape)
-
-
-STORED_SHAPE: dict[str, Callable[[Mapping[str, torch.Tensor]], tuple[int, int]]] = {
-    "bf16": _plain,
-    "w8a8_dynamic": _plain,
-    "w8a8": _plain,
-    "awq_w4a16": lambda t: (t["scales"].shape[-1], t["qweight"].shape[0]),
-    "ct_pack_quantized": lambda t: (t["weight_packed"].shape[0], 8 * t["weight_packed"].shape[1]),
-    "int4_cpu": lambda t: (t["weight_packed"].shape[0], 2 * t["weight_packed"].shape[1]),
-    "nvfp4": lambda t: (t["weight"].shape[0], 2 * t["weight"].shape[1]),
-    "nvfp4_ascend": lambda t: (2 * t["weight"].shape[1], t["weight"].shape[0]),
-}
-"""format name → the logical weight shape [out, in] read from its stored tensors."""
-
-
 def checked_shape(fmt: WeightFormat, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     """[out, in] of ``tensors`` after checking names, dtypes, shapes and finiteness."""
     try:
-        n, k = (int(d) for d in STORED_SHAPE[fmt.name](tensors))
-    except (KeyError, IndexError, ValueError) as exc:
+        n, k = fmt.from_stored(stored_metas(tensors))[1]
+    except (KeyError, IndexError, ValueError, HetquantError) as exc:
         raise HetquantError(
             f"{fmt.name}: cannot read the weight shape from stored tensors {sorted(tensors)} "
             f"({type(exc).__name__}: {exc}); they are not what this format stores"

@@ -176,6 +176,23 @@ def test_verify_fails_when_the_manifest_is_not_complete(cli, artifact_copy: Path
     assert res.exit_code == 1 and "not marked complete" in res.stdout
 
 
+def test_verify_checks_recorded_module_formats(cli, artifact_copy: Path) -> None:
+    m = read_json(artifact_copy / MANIFEST)
+    prefix = next(iter(m["module_formats"]))
+    m["module_formats"][prefix]["format"] = "w8a8_dynamic"
+    (artifact_copy / MANIFEST).write_text(json.dumps(m))
+    res = cli("verify", artifact_copy)
+    assert res.exit_code == 1 and "module_formats differ from the plan" in res.stdout
+
+
+def test_verify_accepts_a_schema_1_manifest(cli, artifact_copy: Path) -> None:
+    m = read_json(artifact_copy / MANIFEST)
+    m["schema_version"] = 1
+    del m["module_formats"]
+    (artifact_copy / MANIFEST).write_text(json.dumps(m))
+    assert cli("verify", artifact_copy).exit_code == 0
+
+
 def test_verify_a_directory_without_manifest_is_bad_input(
     tiny_ro: Path, cli, tmp_path: Path
 ) -> None:

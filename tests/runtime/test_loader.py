@@ -308,6 +308,38 @@ def test_manifest_module_formats(artifacts, tmp_path: Path) -> None:
         open_artifact(root)
 
 
+def _modules(art: Artifact) -> dict[str, tuple]:
+    return {m: (i.fmt, i.shape, sorted(i.entries)) for m, i in art.modules.items()}
+
+
+@pytest.mark.parametrize("name", sorted(ARTIFACTS))
+def test_recorded_formats_equal_identified_ones(artifacts, name: str, tmp_path: Path) -> None:
+    """Schema 2 records every module's format; the loader trusts it, and a schema-1 manifest
+    (no module_formats: formats recognised by identify) opens into the same modules."""
+    art = artifacts[name]
+    assert art.manifest["schema_version"] == 2
+    recorded = art.manifest["module_formats"]
+    assert recorded and all(art.modules[p].fmt is not None for p in recorded)
+    stored_in_format = {m for m, i in art.modules.items() if i.fmt is not None}
+    assert stored_in_format == set(recorded)
+    root = _copy(art, tmp_path)
+    doc = json.loads((root / "hetquant.json").read_text())
+    doc["schema_version"] = 1
+    del doc["module_formats"]
+    (root / "hetquant.json").write_text(json.dumps(doc))
+    assert _modules(open_artifact(root)) == _modules(art)
+
+
+def test_trusted_manifest_reads_unlisted_modules_as_plain(artifacts, tmp_path: Path) -> None:
+    root = _copy(artifacts["awq"], tmp_path)
+    doc = json.loads((root / "hetquant.json").read_text())
+    prefix = "model.layers.0.self_attn.o_proj"
+    del doc["module_formats"][prefix]
+    (root / "hetquant.json").write_text(json.dumps(doc))
+    modules = open_artifact(root).modules
+    assert all(modules[f"{prefix}.{k}"].fmt is None for k in ("qweight", "qzeros", "scales"))
+
+
 @pytest.mark.parametrize(
     ("edit", "needle"),
     [
