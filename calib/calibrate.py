@@ -86,7 +86,7 @@ def calibrate(
     """Calibrate ``source`` on ``tokens`` [N, T] (see module docstring).
 
     ``source``: anything with ``.config`` (a ``ModelConfig``) and ``.tensors`` (names), and —
-    unless ``weights_fn(name) -> tensor`` is given — ``.weight(name)`` / ``.scale(name)``.
+    unless ``weights_fn(name) -> tensor`` is given — ``.dequantized(name)`` (BF16 weights).
     ``names`` overrides the tensor names. Deterministic: same inputs, same device type → same
     transforms (bit-identical on the CPU).
     """

@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
-from hetquant.formats.fp8_block import Fp8Block
 from hetquant.runtime.model import DeepseekV3Reference, rms_norm
 from hetquant.runtime.moe import gated_mlp, route
 from hetquant.runtime.rope import cos_sin
@@ -117,19 +116,10 @@ def default_device() -> torch.device:
 
 
 def source_tensor_fn(source: Any) -> TensorFn:
-    """``name → tensor`` of a source checkpoint (anything with ``.config``, ``.weight(name)``,
-    ``.scale(name)``): FP8 weights dequantized to BF16 with DeepSeek's exact formula, other
-    tensors as stored (zero-copy views; never written)."""
-    bs = getattr(source.config, "weight_block_size", None)
-    fp8 = Fp8Block(bs[0]) if bs else Fp8Block()
-
-    def get(name: str) -> torch.Tensor:
-        w = source.weight(name)
-        if w.dtype == torch.float8_e4m3fn:
-            return fp8.dequantize_bf16(w, source.scale(name))
-        return w
-
-    return get
+    """``name → tensor`` of a source checkpoint (anything with ``.dequantized(name)``): weights
+    in a quantized source format dequantized exactly to BF16 by that format (FP8 blocks with
+    DeepSeek's formula), other tensors as stored (zero-copy views; never written)."""
+    return source.dequantized
 
 
 def layer_names(names: Iterable[str], layer: int) -> list[str]:

@@ -52,10 +52,7 @@ class ConvertResult:
 
 
 def plan_for(source: SourceCheckpoint, recipe: Recipe, max_shard_size: int) -> Plan:
-    items = [
-        SourceItem(t.name, t.role, t.entry.dtype, t.scale is not None)
-        for t in source.tensors.values()
-    ]
+    items = [SourceItem(t.name, t.role, t.dtype, t.fmt_name) for t in source.tensors.values()]
     return make_plan(items, recipe, max_shard_size)
 
 
@@ -281,6 +278,7 @@ def _finalize(
         "repo_id": source.repo_id,
         "bytes": source.total_bytes,
         "dtypes": {i.role.role.name: i.dtype for i in plan.items},
+        "formats": {i.role.role.name: i.fmt for i in plan.items},
     }
     manifest = build_manifest(plan, src_doc, files, parts, digest)
     if calibration is not None:

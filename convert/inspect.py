@@ -17,7 +17,7 @@ __all__ = ["describe", "format_precision"]
 class _AsIs(Recipe):
     """Every tensor copied: the precision table of the source itself."""
 
-    def assign(self, role: Any, src_dtype: str) -> Target:
+    def assign(self, role: Any, source_fmt: str) -> Target:
         return Target("copy")
 
 
@@ -48,15 +48,13 @@ def describe(path: Path) -> str:
         return "\n".join(head) + "\n\n" + format_precision(m["precision"])
     src = SourceCheckpoint.open(path)
     c = src.config
-    items = [
-        SourceItem(t.name, t.role, t.entry.dtype, t.scale is not None) for t in src.tensors.values()
-    ]
+    items = [SourceItem(t.name, t.role, t.dtype, t.fmt_name) for t in src.tensors.values()]
     table = precision_table(make_plan(items, _AsIs("as-is", ""), 1 << 62))
-    scales = sum(t.scale.nbytes for t in src.tensors.values() if t.scale)
+    scales = sum(t.nbytes - t.main.nbytes for t in src.tensors.values())  # partner tensors
     head = [
         f"checkpoint {path}",
         f"model      {c.raw.get('model_type', '?')}: {c.num_hidden_layers} layers ({c.first_k_dense_replace} dense) "
         f"+ {c.num_nextn_predict_layers} MTP, hidden {c.hidden_size}, {c.n_routed_experts} routed experts",
-        f"shards     {len(src.shard_files)}, {src.total_bytes:,} bytes ({scales:,} in FP8 block scales)",
+        f"shards     {len(src.shard_files)}, {src.total_bytes:,} bytes ({scales:,} in scales of quantized weights)",
     ]
     return "\n".join(head) + "\n\n" + format_precision(table)

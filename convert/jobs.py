@@ -1,16 +1,16 @@
 """Executing one job: read a source tensor, convert it, write its outputs at their offsets.
 
-Jobs are independent and idempotent (fixed offsets, deterministic bytes). A format whose stored
-tensors run along the weight's rows (``WeightFormat.streaming``) is converted one source block row
-at a time: rows-major outputs are written as they come, others are assembled at their packed size,
-so memory stays near one block row plus the (4- or 8-bit) output however large the weight.
+Jobs are independent and idempotent (fixed offsets, deterministic bytes). Source weights come a
+block of rows at a time, validated and dequantized exactly by their own format
+(``SourceCheckpoint.rows``). A format whose stored tensors run along the weight's rows
+(``WeightFormat.streaming``) is converted one such block at a time: rows-major outputs are written
+as they come, others are assembled at their packed size, so memory stays near one block row plus
+the (4- or 8-bit) output however large the weight.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +18,8 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError, get_expert_format, get_format
-from hetquant.formats.base import all_finite
+from hetquant.formats.base import check_finite
 from hetquant.formats.dtypes import torch_dtype
-from hetquant.formats.fp8_block import Fp8Block, absmax_dequantized, dequantize_rows
 from hetquant.formats.safetensors_io import write_at
 
 from .plan import Job, OutPiece, Plan
@@ -29,9 +28,7 @@ from .source import SourceCheckpoint
 
 __all__ = ["JobRunner", "job_peak_bytes"]
 
-_FP8_NAN_MASK = 0x7F  # E4M3FN: S.1111.111 is NaN (no infinities)
-CHUNK_TARGET_BYTES = 8 << 20
-STREAM_ROWS = 128  # one FP8 block row
+STREAM_ROWS = 128  # rows of one streamed source block (an FP8 block row), for the estimate
 
 
 @dataclass
@@ -49,27 +46,26 @@ class JobRunner:
         for f in self.plan.files:
             for name, off in f.offsets().items():
                 self._where[name] = (f.name, off)
-        bs = self.source.config.weight_block_size
-        self._fp8 = Fp8Block(bs[0]) if bs else Fp8Block()
         self._handlers = {COPY: self._copy, "linear": self._linear, "experts": self._experts}
 
     def run(self, job: Job) -> int:
         """Run one job; returns the source bytes it consumed."""
-        self._handlers[job.kind](job)
-        return sum(self._source_bytes(name) for name in job.sources)
+        try:
+            self._handlers[job.kind](job)
+        except HetquantError as e:  # a format's message may not name the tensor
+            if any(name.rpartition(".")[0] in str(e) for name in job.sources):
+                raise
+            raise HetquantError(f"{job.source}: {e}") from None
+        return sum(self.source.tensors[name].nbytes for name in job.sources)
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
 
-    def _source_bytes(self, name: str) -> int:
-        t = self.source.tensors[name]
-        return t.entry.nbytes + (t.scale.nbytes if t.scale else 0)
-
     def _copy(self, job: Job) -> None:
         data = self.source.weight(job.source)
-        _check_finite(job.source, data)
+        check_finite(job.source, data)
         if self._calibrated(job.source):  # a norm or router the AWQ fold changed
             data = self.calibration.apply(job.source, data.to(torch.float32)).to(data.dtype)
         self._write(job.outputs[0], data)
@@ -79,10 +75,10 @@ class JobRunner:
 
     def _linear(self, job: Job) -> None:
         fmt = get_format(job.target.fmt, **dict(job.target.params))
-        shape = self.source.tensors[job.source].entry.shape
+        shape = self.source.tensors[job.source].shape
         plan = fmt.streaming(shape)  # type: ignore[arg-type]
         if plan is None:
-            w = self._dequantized(job.source)
+            w = self.source.dequantized(job.source)
             if self._calibrated(job.source):
                 w = self.calibration.apply(job.source, w)
             stored = fmt.quantize(w)
@@ -97,8 +93,8 @@ class JobRunner:
             for k, m in chunk_metas.items()
             if k not in direct
         }
-        opts = {"weight_amax": self._amax(job.source)} if plan.needs_amax else {}
-        for row0, rows in self._row_chunks(job.source):
+        opts = {"weight_amax": self.source.absmax(job.source)} if plan.needs_amax else {}
+        for row0, rows in self.source.rows(job.source):
             if self._calibrated(job.source):
                 rows = self.calibration.apply(job.source, rows, row0)
             stored = plan.chunk_format.quantize(rows, **opts)
@@ -119,25 +115,12 @@ class JobRunner:
             if key not in direct:
                 self._write(piece, final[key])
 
-    def _amax(self, name: str) -> float:
-        """Absmax of a whole source weight (as dequantized); FP8 ones from their codes."""
-        if self.source.tensors[name].scale is None:
-            return max(
-                (float(rows.abs().amax()) for _, rows in self._row_chunks(name)), default=0.0
-            )
-        s = self.source.scale(name)
-        _check_scale(name, s)
-        try:
-            return absmax_dequantized(self.source.weight(name), s, self._fp8.block)
-        except HetquantError as e:
-            raise HetquantError(f"{name}: {e}") from None
-
     def _experts(self, job: Job) -> None:
         fmt = get_expert_format(job.target.fmt)
         if hasattr(fmt, "quantize_rows") and not any(map(self._calibrated, job.sources)):
             self._experts_streaming(job, fmt.quantize_rows)
             return
-        gate, up, down = (self._dequantized(name) for name in job.sources)
+        gate, up, down = (self.source.dequantized(name) for name in job.sources)
         stored = fmt.quantize_expert(gate, up, down)
         for piece in job.outputs:
             self._write(piece, stored[piece.key])
@@ -145,43 +128,20 @@ class JobRunner:
     def _experts_streaming(self, job: Job, quantize_rows: Any) -> None:
         """Per-row expert formats one block row at a time, gate and up rows interleaved."""
         gate, up, down = job.sources
-        shapes = [tuple(self.source.tensors[n].entry.shape) for n in job.sources]
+        shapes = [self.source.tensors[n].shape for n in job.sources]
         if shapes[0] != shapes[1] or shapes[2] != shapes[0][::-1]:
             raise HetquantError(f"{down}: expert shapes {shapes}, expected [I, H], [I, H], [H, I]")
         pieces = {p.key: p for p in job.outputs}
-        for (r, g), (_, u) in zip(self._row_chunks(gate), self._row_chunks(up), strict=True):
+        rows = self.source.rows
+        for (r, g), (_, u) in zip(rows(gate), rows(up), strict=True):
             gu = torch.stack([g, u], dim=1).reshape(2 * g.shape[0], g.shape[1])  # interleaved
             packed, scale = quantize_rows(gu)
             self._write(pieces["gate_up_packed"], packed, 2 * r * packed.shape[1])
             self._write(pieces["gate_up_scale"], scale, 2 * r * scale.element_size())
-        for r, d in self._row_chunks(down):
+        for r, d in rows(down):
             packed, scale = quantize_rows(d)
             self._write(pieces["down_packed"], packed, r * packed.shape[1])
             self._write(pieces["down_scale"], scale, r * scale.element_size())
-
-    def _row_chunks(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
-        """(first row, BF16 rows) of a source weight, one FP8 block row (or chunk) at a time."""
-        t = self.source.tensors[name]
-        w = self.source.weight(name)
-        out, inp = w.shape
-        if t.scale is None:
-            step = max(1, CHUNK_TARGET_BYTES // max(1, inp * w.element_size()))
-            for r in range(0, out, step):
-                _check_finite(name, w[r : r + step])
-                yield r, w[r : r + step]
-            return
-        s = self.source.scale(name)
-        _check_scale(name, s)
-        b = self._fp8.block
-        for r in range(0, out, b):
-            rows = w[r : r + b]
-            _check_fp8(name, rows)
-            yield r, dequantize_rows(rows, s, r, b)
-
-    def _dequantized(self, name: str) -> torch.Tensor:
-        """The whole source weight as BF16 (FP8 dequantized exactly)."""
-        parts = [rows for _, rows in self._row_chunks(name)]
-        return torch.cat(parts) if parts else self.source.weight(name).to(torch.bfloat16)
 
     def _write(self, piece: OutPiece, data: torch.Tensor, rel: int = 0) -> None:
         """Write ``data`` into ``piece`` at ``rel`` bytes past the piece's start."""
@@ -192,34 +152,6 @@ class JobRunner:
         write_at(fd, off + piece.offset + rel, data)
 
 
-def _check_finite(name: str, data: torch.Tensor) -> None:
-    if data.is_floating_point() and data.element_size() > 1 and not all_finite(data):
-        bad = int((~torch.isfinite(data)).sum())
-        raise HetquantError(
-            f"{name}: {bad} NaN/Inf value(s) in the source; the checkpoint is corrupt"
-        )
-    if data.dtype == torch.float8_e4m3fn:
-        _check_fp8(name, data)
-
-
-def _check_fp8(name: str, codes: torch.Tensor) -> None:
-    # E4M3FN's only NaN codes are 0x7F and 0xFF: the largest int8 and the largest uint8 values,
-    # so two max reductions find them (far cheaper than masking every byte).
-    if codes.numel() and (
-        int(codes.view(torch.int8).max()) == _FP8_NAN_MASK
-        or int(codes.view(torch.uint8).max()) == 0xFF
-    ):
-        raise HetquantError(f"{name}: NaN code(s) in the FP8 weight; the checkpoint is corrupt")
-
-
-def _check_scale(name: str, s: torch.Tensor) -> None:
-    if not all_finite(s):
-        n = int((~torch.isfinite(s)).sum())
-        raise HetquantError(
-            f"{name}_scale_inv: {n} NaN/Inf value(s) of {math.prod(s.shape)}; corrupt scale"
-        )
-
-
 def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
     """Estimated transient memory of one job: streamed block rows plus assembled outputs, or
     whole weights for formats that cannot stream."""
@@ -227,7 +159,7 @@ def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
         return 0
     total = 0
     for name in job.sources:
-        rows, cols = source.tensors[name].entry.shape
+        rows, cols = source.tensors[name].shape
         if _streams(job, (rows, cols)):
             rows = min(rows, STREAM_ROWS)
         total += rows * cols * (2 + 4 + 4)  # bf16 weight, f32 working copy, f32 temporaries

@@ -40,12 +40,13 @@ EXPERT_ROLES = ("expert_gate", "expert_up", "expert_down")  # the order quantize
 
 @dataclass(frozen=True)
 class SourceItem:
-    """Shape-only view of one source tensor."""
+    """Shape-only view of one source tensor: its role, dtype (of the tensor carrying the role's
+    name) and source format (a registered format's name, or ``plain``)."""
 
     name: str
     role: TensorRole
     dtype: str
-    has_scale: bool
+    fmt: str
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
     stacked: dict[str, OutFile] = {}
     experts: dict[tuple[str, int, int], dict[str, SourceItem]] = {}
     for item in items:
-        target = recipe.assign(item.role, item.dtype)
+        target = recipe.assign(item.role, item.fmt)
         if target.fmt == DROP:
             continue
         if target.fmt in EXPERT_FORMATS:
@@ -206,7 +207,7 @@ def _expert_job(
             f"layer {layer} expert {e}: recipe {recipe.name} stacks {sorted(members)} but not {missing}"
         )
     gate, down = members["expert_gate"], members["expert_down"]
-    target = recipe.assign(gate.role, gate.dtype)
+    target = recipe.assign(gate.role, gate.fmt)
     if target.part == ROOT:
         raise HetquantError(
             f"recipe {recipe.name}: stacked experts must go to a part of their own, not the root"

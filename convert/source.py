@@ -1,50 +1,76 @@
 """A source checkpoint: an HF model directory, read from headers and memory maps.
 
 ``SourceCheckpoint.open(dir)`` reads config.json, the index (or a single ``model.safetensors``)
-and every shard's header, and validates them against the DeepSeek role table before any data is
-read: shards that are missing, outside the directory or truncated; tensors the index names but no
-shard holds; shapes that disagree with the config; FP8 weights without their scale (which may live
-in another shard) or with a scale of the wrong shape. Tensor data is then read one tensor at a
-time through a private memory map.
+and every shard's header, and validates them against the model family's role table before any
+data is read: shards that are missing, outside the directory or truncated; tensors the index names
+but no shard holds; shapes that disagree with the config.
+
+A source is any registered format: a role's linear weight is the module of stored tensors under
+its prefix (``q_a_proj.weight`` + ``q_a_proj.weight_scale_inv``, which may live in another shard;
+``weight_packed`` / ``weight_scale`` / ``weight_shape`` of compressed-tensors, ...), recognised
+by ``formats.identify`` — the one whose parameters config.json fixes, for FP8 the block edge — and
+dequantized by that format's own ``source_rows`` (which also validates it). Tensors no format
+claims are plain and must have a float dtype. Data is read through a private memory map.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from hetquant.formats import HetquantError
-from hetquant.formats.fp8_block import Fp8Block
+from hetquant.formats import HetquantError, WeightFormat
+from hetquant.formats.base import float_rows
 from hetquant.formats.model_config import ModelConfig, load_json
 from hetquant.formats.safetensors_io import HeaderEntry, MappedFile, read_header
 
-from .deepseek_v3 import SCALE_SUFFIX, TensorRole, expected_tensors
+from ._source_roles import PLAIN, attach_roles
+from .deepseek_v3 import TensorRole
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "SourceCheckpoint", "SourceTensor"]
+__all__ = ["INDEX_NAME", "PLAIN", "SINGLE_NAME", "SourceCheckpoint", "SourceTensor"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-FP8_DTYPE = "F8_E4M3"
 
 
 @dataclass(frozen=True)
 class SourceTensor:
-    """A tensor of the source: where its bytes are, its role, and its scale partner (FP8 only)."""
+    """One role's tensor in the source: a module in a weight format, or one plain tensor."""
 
-    name: str
-    file: str  # shard file name, relative to the source root
-    entry: HeaderEntry
+    name: str  # the role's tensor name (``….weight`` for a linear)
     role: TensorRole
-    scale_file: str | None = None
-    scale: HeaderEntry | None = None
+    parts: dict[str, tuple[str, HeaderEntry]]  # stored key → (shard file, header entry)
+    fmt: WeightFormat | None = None  # None: plain, used as stored
 
     @property
-    def is_fp8(self) -> bool:
-        return self.entry.dtype == FP8_DTYPE
+    def prefix(self) -> str:
+        """Module prefix of a formatted weight (``parts`` keys are relative to it)."""
+        return self.name.rpartition(".")[0]
+
+    @property
+    def main(self) -> HeaderEntry:
+        """The tensor that carries the role's name (a plain tensor) or the module's weight."""
+        return self.parts.get("weight", next(iter(self.parts.values())))[1]
+
+    @property
+    def dtype(self) -> str:
+        return self.main.dtype
+
+    @property
+    def fmt_name(self) -> str:
+        return PLAIN if self.fmt is None else self.fmt.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.role.shape
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for _, e in self.parts.values())
 
 
 @dataclass
@@ -72,7 +98,10 @@ class SourceCheckpoint:
         weight_map, index_bytes = _weight_map(root)
         headers = {f: read_header(root / f) for f in sorted(set(weight_map.values()))}
         entries = _resolve_entries(weight_map, headers)
-        tensors = _attach_roles(config, entries)
+        tensors = {
+            name: SourceTensor(name, role, parts, fmt)
+            for name, (role, parts, fmt) in attach_roles(config, entries).items()
+        }
         digest = hashlib.sha256(index_bytes + b"\0" + cfg_path.read_bytes()).hexdigest()
         return cls(root, config, tensors, sorted(headers), digest, revision, repo_id)
 
@@ -83,17 +112,36 @@ class SourceCheckpoint:
             mapped = self._maps[path] = MappedFile(path)
         return mapped.view(entry)
 
-    def weight(self, name: str) -> torch.Tensor:
-        """The stored tensor ``name`` (FP8 codes for an FP8 weight), zero-copy."""
-        t = self.tensors[name]
-        return self.read(t.file, t.entry)
+    def stored(self, name: str) -> dict[str, torch.Tensor]:
+        """The stored tensors of role ``name`` by key, zero-copy."""
+        return {k: self.read(f, e) for k, (f, e) in self.tensors[name].parts.items()}
 
-    def scale(self, name: str) -> torch.Tensor:
-        """The ``weight_scale_inv`` of FP8 weight ``name``, zero-copy."""
+    def weight(self, name: str) -> torch.Tensor:
+        """The tensor carrying role ``name`` as stored (a quantized module's codes), zero-copy."""
         t = self.tensors[name]
-        if t.scale is None or t.scale_file is None:
-            raise HetquantError(f"{name}: not an FP8 weight, it has no scale")
-        return self.read(t.scale_file, t.scale)
+        return self.read(*t.parts.get("weight", next(iter(t.parts.values()))))
+
+    def rows(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, rows) of a 2-D source weight, validated, a block of rows at a time:
+        a format dequantizes exactly to BF16 (its ``source_rows``), a plain one comes as stored."""
+        t = self.tensors[name]
+        if t.fmt is None:
+            return float_rows(name, self.weight(name))
+        return t.fmt.source_rows(t.prefix, self.stored(name), t.shape)  # type: ignore[arg-type]
+
+    def absmax(self, name: str) -> float:
+        """``max |W|`` of a source weight as :meth:`rows` gives it (a format may know it cheaper)."""
+        t = self.tensors[name]
+        if t.fmt is None:
+            return max((float(r.abs().amax()) for _, r in self.rows(name)), default=0.0)
+        return t.fmt.source_absmax(t.prefix, self.stored(name), t.shape)  # type: ignore[arg-type]
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        """A whole source tensor: a format's weight exactly as BF16, a plain one as stored."""
+        if self.tensors[name].fmt is None:
+            return self.weight(name)
+        chunks = [r for _, r in self.rows(name)]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def release(self) -> None:
         """Drop mapped pages from this process (they stay in the page cache)."""
@@ -102,9 +150,7 @@ class SourceCheckpoint:
 
     @property
     def total_bytes(self) -> int:
-        return sum(
-            t.entry.nbytes + (t.scale.nbytes if t.scale else 0) for t in self.tensors.values()
-        )
+        return sum(t.nbytes for t in self.tensors.values())
 
 
 def _weight_map(root: Path) -> tuple[dict[str, str], bytes]:
@@ -168,56 +214,3 @@ def _resolve_entries(
             )
         out[name] = (file, entry)
     return out
-
-
-def _attach_roles(
-    cfg: ModelConfig, entries: dict[str, tuple[str, HeaderEntry]]
-) -> dict[str, SourceTensor]:
-    expected = expected_tensors(cfg)
-    block = Fp8Block(cfg.weight_block_size[0]) if cfg.weight_block_size else Fp8Block()
-    unknown = [n for n in entries if n not in expected and not _is_scale_of(n, entries)]
-    if unknown:
-        raise HetquantError(
-            f"tensor {unknown[0]!r} (and {len(unknown) - 1} more) matches no DeepSeek-V3 role for this "
-            "config; is config.json from the same checkpoint?"
-        )
-    out: dict[str, SourceTensor] = {}
-    for name, role in expected.items():
-        if name not in entries:
-            raise HetquantError(
-                f"checkpoint lacks tensor {name!r}, which config.json implies; incomplete?"
-            )
-        file, entry = entries[name]
-        if entry.shape != role.shape:
-            raise HetquantError(
-                f"{name}: shape {list(entry.shape)} disagrees with config.json, which implies "
-                f"{list(role.shape)}"
-            )
-        scale_file, scale = _scale_for(name, entry, entries, block) or (None, None)
-        out[name] = SourceTensor(name, file, entry, role, scale_file, scale)
-    return out
-
-
-def _is_scale_of(name: str, entries: dict[str, tuple[str, HeaderEntry]]) -> bool:
-    return name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in entries
-
-
-def _scale_for(
-    name: str, entry: HeaderEntry, entries: dict[str, tuple[str, HeaderEntry]], block: Fp8Block
-) -> tuple[str, HeaderEntry] | None:
-    scale = entries.get(name + SCALE_SUFFIX)
-    if entry.dtype != FP8_DTYPE:
-        if scale is not None:
-            raise HetquantError(
-                f"{name}: has a {SCALE_SUFFIX} partner but is {entry.dtype}, not FP8"
-            )
-        return None
-    if scale is None:
-        raise HetquantError(
-            f"{name}: FP8 weight without its {name}{SCALE_SUFFIX}; the index or shards are incomplete — "
-            "without the scale the weight cannot be dequantized"
-        )
-    if scale[1].dtype != "F32":
-        raise HetquantError(f"{name}{SCALE_SUFFIX}: dtype {scale[1].dtype}, expected F32")
-    block.check_scale(name, entry.shape, scale[1].shape)
-    return scale

@@ -16,15 +16,15 @@ from hetquant.formats import HetquantError
 from hetquant.formats.model_config import ModelConfig, load_json
 from hetquant.formats.safetensors_io import read_header
 
-from .deepseek_v3 import expected_tensors
+from .deepseek_v3 import TensorRole, expected_tensors
 from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, file_digest, module_formats
 from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
-from .source import INDEX_NAME
+from .source import INDEX_NAME, PLAIN
 
 __all__ = ["load_manifest", "replay_plan", "verify_artifact"]
 
-FP8_DTYPE = "F8_E4M3"
+_FORMAT_OF_DTYPE = {"F8_E4M3": "fp8_block", "BF16": "bf16"}  # 2-D weights, schema-1 manifests
 # Files a Hub repo adds beside the artifact (the card `publish` writes, git attributes, the
 # download cache of huggingface_hub's local_dir mode): not part of the artifact, not checked.
 HUB_FILES = {"README.md", ".gitattributes"}
@@ -45,13 +45,23 @@ def load_manifest(root: Path) -> dict[str, Any]:
     return doc
 
 
+def source_format(manifest: dict[str, Any], role: TensorRole) -> str:
+    """The source format of ``role``: recorded (``source.formats``), or for manifests written
+    before it was, what its dtype meant then (FP8 blocks, BF16 linears, plain otherwise)."""
+    src = manifest["source"]
+    if "formats" in src:
+        return src["formats"][role.role.name]
+    dtype = src["dtypes"][role.role.name]
+    return _FORMAT_OF_DTYPE.get(dtype, PLAIN) if len(role.shape) == 2 else PLAIN
+
+
 def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
     """The plan that produced the artifact, rebuilt from config.json and the manifest alone."""
     cfg = ModelConfig.load(root / "config.json")
     recipe = get_recipe(manifest["recipe"]["name"]).with_options(manifest["recipe"]["options"])
     dtypes = manifest["source"]["dtypes"]
     items = [
-        SourceItem(name, role, dtypes[role.role.name], dtypes[role.role.name] == FP8_DTYPE)
+        SourceItem(name, role, dtypes[role.role.name], source_format(manifest, role))
         for name, role in expected_tensors(cfg).items()
     ]
     return make_plan(items, recipe, manifest["max_shard_size"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -39,6 +39,7 @@ __all__ = [
     "get_expert_format",
     "get_format",
     "identify",
+    "missing_partners",
     "register",
     "register_expert_format",
     "stored_metas",
@@ -126,6 +127,41 @@ class WeightFormat(ABC):
         """
         return None
 
+    def source_rows(
+        self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """This format read as a conversion source: (first row, BF16 rows [r, in]) of the
+        weight, validated and dequantized exactly (``bf16(dequantize)``), a block of rows at a
+        time; ``name`` (the module prefix) names it in errors.
+
+        Default: where every stored tensor has the weight's rows on dim 0 or no rows at all
+        (``shard_axes``), chunks of about ``SOURCE_CHUNK_BYTES`` of BF16, each a row slice of
+        every tensor made whole by ``shard_fixup``; otherwise the whole weight at once. A chunk
+        holding NaN/Inf is refused.
+        """
+        n, k = shape
+        step, row_keys = _row_step(self, shape)
+        for r in range(0, n, step):
+            part = tensors
+            if step < n:
+                part = {
+                    key: t[r : r + step] if key in row_keys else t for key, t in tensors.items()
+                }
+                part = self.shard_fixup(part, (r, min(r + step, n)), (0, k))
+            try:
+                rows = self.dequantize(part).to(torch.bfloat16)  # (r, in)
+            except HetquantError as e:
+                raise HetquantError(f"{name}: {e}") from None
+            check_finite(name, rows, "dequantized weight")
+            yield r, rows
+
+    def source_absmax(
+        self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+    ) -> float:
+        """``max |W|`` of the source weight as :meth:`source_rows` gives it."""
+        rows = self.source_rows(name, tensors, shape)
+        return max((float(r.abs().amax()) for _, r in rows), default=0.0)
+
     def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
         """How each stored tensor follows the weight's dims, for tensor-parallel slicing.
 
@@ -194,8 +230,8 @@ class Identified:
 _NOT_THIS_FORMAT = (HetquantError, KeyError, IndexError, ArithmeticError, TypeError, ValueError)
 
 
-def _match(fmt: WeightFormat, metas: Mapping[str, TensorMeta]) -> Identified | str:
-    """``fmt``'s reading of ``metas``, or why it does not fit."""
+def _match(fmt: WeightFormat, metas: Mapping[str, TensorMeta], name: str) -> Identified | str:
+    """``fmt``'s reading of ``metas`` (the tensors of module ``name``), or why it does not fit."""
     keys = fmt.keys | (fmt.optional_keys & metas.keys())
     mine = {k: metas[k] for k in keys}
     try:
@@ -204,9 +240,17 @@ def _match(fmt: WeightFormat, metas: Mapping[str, TensorMeta]) -> Identified | s
     except _NOT_THIS_FORMAT as e:
         return f"{fmt.name}: {e}"
     if want != mine:
-        diff = [f"{k} {mine.get(k)} (expected {m})" for k, m in want.items() if mine.get(k) != m]
+        diff = [
+            f"{name}.{k} is {_show(mine.get(k))}, expected {_show(m)}"
+            for k, m in want.items()
+            if mine.get(k) != m
+        ]
         return f"{fmt.name}: {', '.join(diff) or sorted(set(mine) - set(want))}"
     return Identified(variant, tuple(int(d) for d in shape), frozenset(keys))  # type: ignore[arg-type]
+
+
+def _show(meta: TensorMeta | None) -> str:
+    return "missing" if meta is None else f"{meta.dtype}{list(meta.shape)}"
 
 
 def identify(
@@ -231,7 +275,7 @@ def identify(
     for fmt in (preferred.get(key, f) for key, f in FORMATS.items()):
         if not fmt.keys <= metas.keys():
             continue
-        got = _match(fmt, metas)
+        got = _match(fmt, metas, name)
         if isinstance(got, Identified):
             fits.append(got)
         elif len(fmt.keys) > 1:
@@ -252,6 +296,22 @@ def identify(
     return best[0]
 
 
+def missing_partners(metas: Mapping[str, TensorMeta], shape: tuple[int, int]) -> list[str]:
+    """``"fmt (needs k, …)"`` for each format that would store ``metas`` as they are for a
+    weight of ``shape``, and other tensors besides: what an incomplete module lacks."""
+    out = []
+    for fmt in FORMATS.values():
+        if not metas.keys() <= fmt.keys | fmt.optional_keys:
+            continue
+        try:
+            want = fmt.stored(shape)
+        except _NOT_THIS_FORMAT:
+            continue
+        if want.keys() != metas.keys() and all(want.get(k) == m for k, m in metas.items()):
+            out.append(f"{fmt.name} (needs {', '.join(sorted(want.keys() - metas.keys()))})")
+    return out
+
+
 def stored_metas(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
     """dtype (safetensors string) and shape of each tensor of ``tensors``."""
     from .dtypes import st_dtype
@@ -262,6 +322,44 @@ def stored_metas(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN/Inf in ``t``: one NaN-propagating absmax, ~20x cheaper than ``isfinite().all()``."""
     return t.numel() == 0 or math.isfinite(float(t.abs().amax()))
+
+
+def check_finite(name: str, t: torch.Tensor, what: str = "source") -> None:
+    """Refuse NaN/Inf in float tensor ``t`` (the count only computed to report it)."""
+    if t.is_floating_point() and t.element_size() > 1 and not all_finite(t):
+        bad = int((~torch.isfinite(t)).sum())
+        raise HetquantError(
+            f"{name}: {bad} NaN/Inf value(s) in the {what}; the checkpoint is corrupt"
+        )
+
+
+SOURCE_CHUNK_BYTES = 8 << 20  # BF16 bytes of one streamed source chunk
+
+
+def float_rows(name: str, w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """A float weight [out, in] as stored, checked, in chunks of about SOURCE_CHUNK_BYTES."""
+    out, inp = w.shape
+    step = max(1, SOURCE_CHUNK_BYTES // max(1, inp * w.element_size()))
+    for r in range(0, out, step):
+        check_finite(name, w[r : r + step])
+        yield r, w[r : r + step]
+
+
+def _row_step(fmt: WeightFormat, shape: tuple[int, int]) -> tuple[int, frozenset[str]]:
+    """(rows per source chunk, keys sliced by rows): chunks where every stored tensor holds one
+    entry per weight row on dim 0 or none per row; otherwise one chunk of all rows."""
+    whole = (shape[0], frozenset())
+    try:
+        axes = fmt.shard_axes(shape)
+    except NotImplementedError:
+        return whole
+    stored = fmt.stored(shape)
+    if fmt.shard_view(shape) != {k: m.shape for k, m in stored.items()}:
+        return whole
+    rows = frozenset(k for k, ax in axes.items() if ax[0] is not None)
+    if any(axes[k][0] != 0 or stored[k].shape[0] != shape[0] for k in rows):
+        return whole
+    return max(1, SOURCE_CHUNK_BYTES // (2 * shape[1])), rows
 
 
 FORMATS: dict[str, WeightFormat] = {}

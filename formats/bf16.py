@@ -5,13 +5,13 @@ Stored tensors for a linear weight [out, in]: ``weight`` BF16 [out, in]. Dequant
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from .base import Streaming, TensorMeta, WeightFormat, register
+from .base import Streaming, TensorMeta, WeightFormat, float_rows, register
 
 __all__ = ["Bf16"]
 
@@ -29,6 +29,11 @@ class Bf16(WeightFormat):
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         return Streaming(self, {"weight": 0})
+
+    def source_rows(
+        self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        return float_rows(name, tensors["weight"])
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return {"weight": TensorMeta("BF16", tuple(shape))}

@@ -15,7 +15,10 @@ Despite its name, ``weight_scale_inv`` is a *multiplier* (DeepSeek ``inference/k
     W[m, n] = bf16( f32(weight[m, n]) * weight_scale_inv[m // 128, n // 128] )  # RNE
 
 Edge blocks that do not fill 128×128 (``kv_a_proj_with_mqa``: 576 rows → 4.5 blocks) use the scale
-of the block that contains them. Quantization (used to build test checkpoints exactly as DeepSeek
+of the block that contains them.
+
+Read as a source (``source_rows``), a weight is refused when a code is NaN (E4M3FN has no
+infinities), or a scale is NaN, infinite, negative, or so large that ``448 · s`` overflows BF16. Quantization (used to build test checkpoints exactly as DeepSeek
 ships them): per 128×128 block, ``s = amax / 448`` (``s = 1`` for an all-zero block) and
 ``weight = e4m3(W / s)``, saturating at ±448.
 """
@@ -23,7 +26,8 @@ ships them): per 128×128 block, ``s = amax / 448`` (``s = 1`` for an all-zero b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,6 +40,8 @@ __all__ = [
     "FP8_E4M3_MAX",
     "Fp8Block",
     "absmax_dequantized",
+    "check_codes",
+    "check_scales",
     "dequantize_rows",
     "e4m3_to_f32",
     "scale_shape",
@@ -67,6 +73,33 @@ def dequantize_rows(
 
 
 _E4M3_MAGNITUDE = 0x7F  # low 7 bits; also E4M3FN's NaN magnitude (S.1111.111)
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+
+
+def check_codes(name: str, codes: torch.Tensor) -> None:
+    """Refuse NaN codes. E4M3FN's only NaNs are 0x7F and 0xFF: the largest int8 and the largest
+    uint8 values, so two max reductions find them (far cheaper than masking every byte)."""
+    if codes.numel() and (
+        int(codes.view(torch.int8).max()) == _E4M3_MAGNITUDE
+        or int(codes.view(torch.uint8).max()) == 0xFF
+    ):
+        raise HetquantError(f"{name}: NaN code(s) in the FP8 weight; the checkpoint is corrupt")
+
+
+def check_scales(name: str, scale_inv: torch.Tensor) -> None:
+    """Refuse NaN/Inf, negative scales, and scales whose largest code (448) overflows BF16."""
+    lo, hi = (float(v) for v in torch.aminmax(scale_inv)) if scale_inv.numel() else (0.0, 0.0)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        bad = int((~torch.isfinite(scale_inv)).sum())
+        raise HetquantError(f"{name}: {bad} NaN/Inf value(s) of {scale_inv.numel()}; corrupt scale")
+    if lo < 0:
+        raise HetquantError(
+            f"{name}: negative scale {lo:g}; block scales are positive, the checkpoint is corrupt"
+        )
+    if hi * FP8_E4M3_MAX > _BF16_MAX:
+        raise HetquantError(
+            f"{name}: scale {hi:g} makes 448·s overflow BF16; the checkpoint is corrupt"
+        )
 
 
 def absmax_dequantized(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> float:
@@ -123,6 +156,27 @@ class Fp8Block(WeightFormat):
             if scale_shape((n, k), block) == tuple(grid):
                 return dataclasses.replace(self, block=block), (n, k)
         raise HetquantError(f"scale grid {list(grid)} fits no square block of weight {[n, k]}")
+
+    def source_rows(
+        self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """One block row at a time, validated (see the module docstring)."""
+        w, s = tensors["weight"], tensors["weight_scale_inv"]
+        check_scales(f"{name}.weight_scale_inv", s)
+        for r in range(0, shape[0], self.block):
+            rows = w[r : r + self.block]
+            check_codes(f"{name}.weight", rows)
+            yield r, dequantize_rows(rows, s, r, self.block)
+
+    def source_absmax(
+        self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+    ) -> float:
+        """From the codes (``absmax_dequantized``), without dequantizing the weight."""
+        check_scales(f"{name}.weight_scale_inv", tensors["weight_scale_inv"])
+        try:
+            return absmax_dequantized(tensors["weight"], tensors["weight_scale_inv"], self.block)
+        except HetquantError as e:
+            raise HetquantError(f"{name}.weight: {e}") from None
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return {

@@ -1,8 +1,9 @@
 """Recipes: what becomes of each source tensor. A small registry keyed by name.
 
-A recipe looks at one source tensor (its role in the DeepSeek table and its source dtype) and
-returns a :class:`Target`: which part of the artifact it goes to and in which format. ``copy``
-keeps the source bytes as they are. Recipes are data; the engine never branches on their names.
+A recipe looks at one source tensor (its role in the model family's table and its source format:
+a registered format's name, or ``plain``) and returns a :class:`Target`: which part of the artifact
+it goes to and in which format. ``copy`` keeps the source bytes as they are; :func:`keep` is
+"at source precision". Recipes are data; the engine never branches on their names.
 """
 
 from __future__ import annotations
@@ -14,11 +15,23 @@ from hetquant.formats import HetquantError
 
 from ..deepseek_v3 import TensorRole
 
-__all__ = ["COPY", "DROP", "RECIPES", "ROOT", "Recipe", "Target", "get_recipe", "register_recipe"]
+__all__ = [
+    "AS_STORED",
+    "COPY",
+    "DROP",
+    "RECIPES",
+    "ROOT",
+    "Recipe",
+    "Target",
+    "get_recipe",
+    "keep",
+    "register_recipe",
+]
 
 COPY = "copy"  # the source bytes as they are
 DROP = "drop"  # left out of the artifact (e.g. the MTP layer with --mtp drop)
 ROOT = "root"
+AS_STORED = frozenset({"plain", "bf16"})  # source formats kept byte for byte at source precision
 
 
 @dataclass(frozen=True)
@@ -57,7 +70,7 @@ class Recipe:
         """The value of option ``key``: given, or the default (first choice)."""
         return self.options.get(key, self.choices[key][0])
 
-    def assign(self, role: TensorRole, src_dtype: str) -> Target:
+    def assign(self, role: TensorRole, source_fmt: str) -> Target:
         raise NotImplementedError
 
     def with_options(self, options: dict[str, Any]) -> Recipe:
@@ -69,6 +82,12 @@ class Recipe:
     def quantization_config(self) -> dict[str, Any] | None:
         """The ``quantization_config`` of the root part's config.json (None: unquantized)."""
         return None
+
+
+def keep(source_fmt: str) -> Target:
+    """At source precision: plain tensors and BF16 weights as they are, a weight in any other
+    source format (FP8 blocks, compressed-tensors INT4, ...) dequantized exactly to BF16."""
+    return Target(COPY) if source_fmt in AS_STORED else Target("bf16")
 
 
 RECIPES: dict[str, Recipe] = {}

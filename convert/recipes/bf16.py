@@ -1,4 +1,5 @@
-"""Recipe ``bf16``: every FP8 weight dequantized to BF16, everything else copied byte for byte.
+"""Recipe ``bf16``: every quantized source weight (FP8 blocks, compressed-tensors INT4, ...)
+dequantized exactly to BF16, everything else copied byte for byte.
 
 What DeepSeek's ``fp8_cast_bf16.py`` does, on CPU and streaming; the baseline for engines without FP8.
 """
@@ -8,15 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..deepseek_v3 import TensorRole
-from . import COPY, Recipe, Target, register_recipe
+from . import Recipe, Target, keep, register_recipe
 
 __all__ = ["Bf16Recipe"]
 
 
 @dataclass(frozen=True)
 class Bf16Recipe(Recipe):
-    def assign(self, role: TensorRole, src_dtype: str) -> Target:
-        return Target("bf16") if src_dtype == "F8_E4M3" else Target(COPY)
+    def assign(self, role: TensorRole, source_fmt: str) -> Target:
+        return keep(source_fmt)
 
 
 register_recipe(

@@ -4,7 +4,8 @@ Role classes (from the DeepSeek role table): ``attention`` (q_a/q_b/q/kv_a/o), `
 ``dense`` (dense-layer MLP), ``shared`` (shared experts), ``routed`` (routed experts), ``router``
 (gate weight + e_score_correction_bias), ``embedding`` (embed_tokens, lm_head), ``norm``, and
 ``mtp_extra`` (the MTP layer's enorm/hnorm/eh_proj/embed_tokens/shared_head). ``KEEP`` keeps a
-tensor at source precision: FP8 weights are dequantized to BF16 (exactly), others copied. The MTP
+tensor at source precision (``recipes.keep``): quantized source weights are dequantized to BF16
+(exactly), others copied. The MTP
 layer's ordinary tensors follow the same rules as any MoE layer (``--mtp keep``, the default) or
 are left out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 
@@ -25,12 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..deepseek_v3 import TensorRole
-from . import COPY, DROP, Recipe, Target, register_recipe
+from . import DROP, Recipe, Target, keep, register_recipe
 
 __all__ = ["KEEP", "RuleRecipe", "role_class"]
 
 KEEP = "keep"
-FP8 = "F8_E4M3"
 CPU_EXPERTS = "cpu_experts"
 _CLASS_OF_GROUP = {
     "dense_mlp": "dense",
@@ -60,12 +60,12 @@ class RuleRecipe(Recipe):
 
     rules: dict[str, str] = field(default_factory=dict)
 
-    def assign(self, role: TensorRole, src_dtype: str) -> Target:
+    def assign(self, role: TensorRole, source_fmt: str) -> Target:
         if role.mtp and self.option("mtp") == "drop":
             return Target(DROP)
         fmt = self.rules[role_class(role)]
         if fmt == KEEP:
-            return Target("bf16") if src_dtype == FP8 else Target(COPY)
+            return keep(source_fmt)
         return self._target(fmt, role)
 
     def _target(self, fmt: str, role: TensorRole) -> Target:

@@ -662,13 +662,7 @@ def verify_runtime(model: Model, samples: torch.Tensor) -> dict:
 def read_checkpoint(out: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The written checkpoint through hetquant's reader, dequantized (DeepSeek's formula) to f32."""
     src = SourceCheckpoint.open(out)
-    block = Fp8Block(src.config.weight_block_size[0])
-    state = {}
-    for name, t in src.tensors.items():
-        if t.is_fp8:
-            state[name] = block.dequantize_bf16(src.weight(name), src.scale(name)).float()
-        else:
-            state[name] = src.weight(name).float()
+    state = {name: src.dequantized(name).float() for name in src.tensors}
     return src.config, state
 
 

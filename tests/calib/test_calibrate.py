@@ -164,13 +164,13 @@ def test_deterministic_and_saved_result_round_trips(tiny_source, calib_tokens, t
 
 def test_experts_without_tokens_fall_back_to_all_tokens(tiny_source, calib_tokens):
     """Experts 6 and 7 are never routed (bias -100); they take statistics from all tokens."""
-    base = tiny_source.weight
+    base = tiny_source.dequantized
 
-    class Source:  # duck-typed source: config, tensors, weight, scale
-        config, tensors, scale = tiny_source.config, tiny_source.tensors, tiny_source.scale
+    class Source:  # duck-typed source: config, tensors, dequantized
+        config, tensors = tiny_source.config, tiny_source.tensors
 
         @staticmethod
-        def weight(name):
+        def dequantized(name):
             w = base(name)
             if name.endswith("e_score_correction_bias"):
                 w = w.clone()

@@ -203,6 +203,8 @@ CASES: list[tuple[str, Callable[[Path], None], tuple[str, ...]]] = [
     ("scale-wrong-dtype", _scale_dtype, (KV_A + "_scale_inv", "BF16")),
     ("scale-nan", _set(KV_A + "_scale_inv", _value((1, 1), math.nan)), (KV_A + "_scale_inv", "NaN")),
     ("scale-inf", _set(KV_A + "_scale_inv", _value((0, 1), math.inf)), (KV_A + "_scale_inv",)),
+    ("scale-negative", _set(KV_A + "_scale_inv", _value((1, 0), -0.5)), (KV_A + "_scale_inv", "negative scale")),
+    ("scale-overflows-bf16", _set(KV_A + "_scale_inv", _value((1, 1), 3e38)), (KV_A + "_scale_inv", "overflow BF16")),
     ("fp8-nan-0x7f", _set(KV_A, _fp8_code(0x7F)), (KV_A, "NaN")),
     ("fp8-nan-0xff", _set(KV_A, _fp8_code(0xFF)), (KV_A, "NaN")),
     ("bf16-nan", _set(NORM, _value((5,), math.nan)), (NORM, "NaN")),

@@ -60,10 +60,10 @@ def _load(root: Path) -> dict[str, torch.Tensor]:
 
 def _src_bf16(source: SourceCheckpoint, name: str) -> torch.Tensor:
     t = source.tensors[name]
-    w = source.weight(name)
-    if t.scale is None:
-        return w.float()
-    return get_format("fp8_block").dequantize_bf16(w, source.scale(name)).float()
+    if t.fmt_name != "fp8_block":
+        return source.weight(name).float()
+    parts = source.stored(name)  # the format's own reference dequantization, whole-tensor
+    return t.fmt.dequantize_bf16(parts["weight"], parts["weight_scale_inv"]).float()
 
 
 def _bound(fmt: str, stored: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:

@@ -145,7 +145,7 @@ def test_checkpoint_is_deepseek_layout(train: ModuleType, smoke) -> None:
         for h in headers.values()
         for name in h
     )
-    fp8 = {name for name, t in src.tensors.items() if t.is_fp8}
+    fp8 = {name for name, t in src.tensors.items() if t.fmt_name == "fp8_block"}
     linears = {name for name, t in src.tensors.items() if t.role.role.kind == "linear"}
     assert fp8 == linears - {f"model.layers.{n}.eh_proj.weight"}  # eh_proj stays BF16
     for name, d in dtype.items():
@@ -186,8 +186,8 @@ def test_stored_weights_are_the_trained_ones_rounded(smoke, float_state, dequant
     for name, w in float_state.items():
         q = deq[name]
         t = src.tensors[name]
-        if t.is_fp8:
-            s = src.scale(name).float()
+        if t.fmt_name == "fp8_block":
+            s = src.stored(name)["weight_scale_inv"].float()
             s_full = s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[
                 :, : w.shape[1]
             ]
@@ -222,7 +222,7 @@ def test_fp8_checkpoint_matches_float_module_within_fp8_tolerance(
         for name, w in float_state.items():
             if name.endswith("e_score_correction_bias"):
                 u = 0.0
-            elif src.tensors[name].is_fp8:
+            elif src.tensors[name].fmt_name == "fp8_block":
                 u = FP8_U + BF16_U
             else:
                 u = BF16_U

@@ -23,7 +23,6 @@ import torch
 
 from hetquant.convert.deepseek_v3 import expected_tensors
 from hetquant.convert.source import SourceCheckpoint
-from hetquant.formats.fp8_block import Fp8Block
 from hetquant.formats.model_config import ModelConfig
 from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
 from hetquant.runtime.moe import RouterSpec, route
@@ -50,17 +49,11 @@ def tiny() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The embedded FP8 checkpoint, dequantized to float32 (DeepSeek's formula), MTP layer left out."""
     src = SourceCheckpoint.open(TINY)
     cfg = src.config
-    fp8 = Fp8Block(cfg.weight_block_size[0])
     state = {}
     for name, t in src.tensors.items():
         if t.role.mtp:
             continue
-        if t.is_fp8:
-            state[name] = fp8.dequantize(
-                {"weight": src.weight(name), "weight_scale_inv": src.scale(name)}
-            )
-        else:
-            state[name] = src.weight(name).to(torch.float32)
+        state[name] = src.dequantized(name).to(torch.float32)  # FP8: DeepSeek's formula
     return cfg, state
 
 

@@ -20,7 +20,6 @@ from support import TINY
 from hetquant.convert.engine import convert
 from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
-from hetquant.formats import get_format
 from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
 from hetquant.runtime.run import RunSpec, run_artifact
 
@@ -44,15 +43,7 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def reference() -> np.ndarray:
     """The FP8 source, dequantized exactly, through the reference forward."""
     src = SourceCheckpoint.open(TINY)
-    fp8 = get_format("fp8_block")
-    state = {
-        n: (
-            fp8.dequantize_bf16(src.weight(n), src.scale(n))
-            if t.scale is not None
-            else src.weight(n)
-        ).float()
-        for n, t in src.tensors.items()
-    }
+    state = {n: src.dequantized(n).float() for n in src.tensors}
     return (
         DeepseekV3Reference(src.config, DenseWeights(state)).forward(torch.tensor(TOKENS)).numpy()
     )

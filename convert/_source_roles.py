@@ -1,0 +1,121 @@
+"""Which stored tensors of a source make up each role's tensor, and in which format.
+
+The source's tensors are grouped by module prefix. A role whose tensor is a 2-D ``weight`` takes
+the module's tensors that no other role names and asks ``formats.identify`` what they are: FP8
+blocks, BF16, compressed-tensors pack-quantized, … — the variant must be the one config.json
+fixes (``PREFERRED``: the FP8 block edge) and the weight shape the one the config implies. What no
+format claims is plain: one tensor of a float dtype, used as stored. Tensors no role takes are
+refused, as are modules that carry a quantized format's signature but fit none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from hetquant.formats import HetquantError, TensorMeta, WeightFormat, get_format
+from hetquant.formats.base import identify, missing_partners
+from hetquant.formats.model_config import ModelConfig
+from hetquant.formats.safetensors_io import HeaderEntry
+
+from .deepseek_v3 import TensorRole, expected_tensors
+
+__all__ = ["PLAIN", "PREFERRED", "attach_roles"]
+
+PLAIN = "plain"  # the format name of a tensor no weight format claims
+PLAIN_DTYPES = frozenset({"BF16", "F16", "F32", "F64"})
+Entries = dict[str, tuple[str, HeaderEntry]]  # tensor name → (shard file, header entry)
+Attached = tuple[TensorRole, Entries, WeightFormat | None]  # role, parts by key, format
+
+PREFERRED: tuple[Callable[[ModelConfig], WeightFormat], ...] = (
+    lambda c: get_format("fp8_block", block=c.weight_block_size[0] if c.weight_block_size else 128),
+)
+"""Format variants whose parameters config.json fixes (shapes alone may leave them open)."""
+
+
+def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
+    """Role tensor name → (role, its stored tensors by local key, format or None)."""
+    expected = expected_tensors(cfg)
+    modules: dict[str, Entries] = {}
+    for name, fe in entries.items():
+        prefix, _, key = name.rpartition(".")
+        modules.setdefault(prefix, {})[key] = fe
+    preferred = {f.name: f for f in (make(cfg) for make in PREFERRED)}
+    out: dict[str, Attached] = {}
+    for name, role in expected.items():
+        prefix, _, key = name.rpartition(".")
+        if key == "weight" and len(role.shape) == 2:
+            members = {
+                k: fe for k, fe in modules.get(prefix, {}).items()
+                if k == key or f"{prefix}.{k}" not in expected
+            }  # fmt: skip
+            out[name] = _module(name, role, members, preferred)
+        else:
+            out[name] = (role, {key: _plain(name, role, entries)}, None)
+    claimed = {f"{t.rpartition('.')[0]}.{k}" for t, (_, parts, _) in out.items() for k in parts}
+    unknown = [n for n in entries if n not in claimed]
+    if unknown:
+        raise HetquantError(
+            f"tensor {unknown[0]!r} (and {len(unknown) - 1} more) matches no DeepSeek-V3 role for this "
+            "config; is config.json from the same checkpoint?"
+        )
+    return out
+
+
+def _module(
+    name: str, role: TensorRole, members: Entries, preferred: Mapping[str, WeightFormat]
+) -> Attached:
+    prefix = name.rpartition(".")[0]
+    metas = {k: e.meta for k, (_, e) in members.items()}
+    got = identify(metas, name=prefix, prefer=preferred.values()) if metas else None
+    if got is None:
+        weight = {name: members["weight"]} if "weight" in members else {}
+        return role, {"weight": _plain(name, role, weight)}, None
+    want = preferred.get(got.fmt.name, got.fmt)
+    if got.fmt != want or got.shape != role.shape:
+        raise HetquantError(_mismatch(prefix, metas, want, role.shape))
+    return role, {k: members[k] for k in got.keys}, got.fmt
+
+
+def _plain(name: str, role: TensorRole, entries: Entries) -> tuple[str, HeaderEntry]:
+    if name not in entries:
+        raise HetquantError(
+            f"checkpoint lacks tensor {name!r}, which config.json implies; incomplete?"
+        )
+    file, entry = entries[name]
+    if entry.shape != role.shape:
+        raise HetquantError(
+            f"{name}: shape {list(entry.shape)} disagrees with config.json, which implies "
+            f"{list(role.shape)}"
+        )
+    if entry.dtype not in PLAIN_DTYPES:
+        key = name.rpartition(".")[2]
+        need = missing_partners({key: entry.meta}, role.shape) if len(role.shape) == 2 else []
+        raise HetquantError(
+            f"{name}: a {entry.dtype} tensor without the tensors its format needs"
+            + (f" ({'; '.join(need)})" if need else "")
+            + "; the index or shards are incomplete"
+        )
+    return file, entry
+
+
+def _mismatch(
+    prefix: str, metas: Mapping[str, TensorMeta], want: WeightFormat, shape: tuple[int, ...]
+) -> str:
+    """Which stored tensor differs from what ``want`` stores for the config's ``shape``."""
+    try:
+        expect = want.stored(shape)  # type: ignore[arg-type]
+    except HetquantError as e:
+        return f"{prefix}: {e}"
+    diff = [
+        f"{prefix}.{k} is {_show(metas.get(k))}, expected {_show(m)}"
+        for k, m in expect.items()
+        if metas.get(k) != m
+    ]
+    return (
+        f"{'; '.join(diff)} ({want.name} of a {list(shape)} weight, as config.json implies); "
+        "the checkpoint is corrupt or not in the format its config declares"
+    )
+
+
+def _show(meta: TensorMeta | None) -> str:
+    return "missing" if meta is None else f"{meta.dtype}{list(meta.shape)}"
