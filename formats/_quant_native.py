@@ -37,7 +37,7 @@ from ._native import DEFAULT_FLAGS, NativeLibrary
 
 __all__ = [
     "ISAS",
-    "KERNELS",
+    "QUANT_LIBRARY",
     "absmax",
     "available",
     "awq_rtn",
@@ -67,7 +67,7 @@ def _bind(lib: ctypes.CDLL) -> None:
         fn.restype = None
 
 
-KERNELS = NativeLibrary(
+QUANT_LIBRARY = NativeLibrary(
     "quant",
     _SOURCE,
     _bind,
@@ -80,12 +80,12 @@ ISAS = {"generic": 1, "avx2": 2, "avx512": 3}  # instruction paths; 0 = the best
 
 def available() -> bool:
     """Whether the kernels are built and loaded (builds them on first call)."""
-    return KERNELS.get().lib is not None
+    return QUANT_LIBRARY.get().lib is not None
 
 
 def best_isa() -> int:
     """The instruction path the kernels take on this CPU (a value of ``ISAS``; 0 if unbuilt)."""
-    lib = KERNELS.get().lib
+    lib = QUANT_LIBRARY.get().lib
     return 0 if lib is None else int(lib.hq_quant_best_isa())
 
 
@@ -98,7 +98,7 @@ def _lib_for(w: torch.Tensor) -> ctypes.CDLL | None:
         or w.numel() == 0
     ):
         return None
-    return KERNELS.get().lib
+    return QUANT_LIBRARY.get().lib
 
 
 def absmax(w: torch.Tensor, isa: int = 0) -> float | None:
@@ -147,7 +147,7 @@ def awq_rtn(w: torch.Tensor, group: int, isa: int = 0) -> dict[str, torch.Tensor
 
 
 def _encode(fn_name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    lib = KERNELS.get().lib
+    lib = QUANT_LIBRARY.get().lib
     if lib is None:
         return None
     x = x.to(torch.float32).contiguous()

@@ -63,9 +63,7 @@ __all__ = [
     "E4M3_MIN_SUBNORMAL",
     "FP8_E4M3_MAX",
     "Nvfp4",
-    "block_scales",
     "e2m1_codes",
-    "global_scale",
     "hf_quant_config",
 ]
 
@@ -110,17 +108,6 @@ def _block_scales_from_amax(amax: torch.Tensor, s2: torch.Tensor) -> torch.Tenso
     sb = amax / (E2M1_MAX * s2)
     sb = torch.where(sb == 0, torch.ones_like(sb), sb)
     return sb.clamp(E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-
-
-def global_scale(w: torch.Tensor) -> torch.Tensor:
-    """``weight_scale_2`` (0-d F32) = amax|w| / (6 * 448); 1.0 for an all-zero ``w``."""
-    return _scale_2_from_amax(w.abs().amax())
-
-
-def block_scales(w: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    """``weight_scale`` E4M3 [N, K/16] for f32 ``w`` [N, K] and global scale ``s2``."""
-    n, k = w.shape
-    return _block_scales_from_amax(w.reshape(n, k // BLOCK, BLOCK).abs().amax(dim=-1), s2)
 
 
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:

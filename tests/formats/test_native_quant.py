@@ -29,15 +29,15 @@ S2_ONE = E2M1_MAX * FP8_E4M3_MAX  # weight_amax that makes weight_scale_2 exactl
 @pytest.fixture(scope="module")
 def native() -> None:
     if not Q.available():
-        pytest.skip(f"quantize kernels unavailable: {Q.KERNELS.get().error}")
+        pytest.skip(f"quantize kernels unavailable: {Q.QUANT_LIBRARY.get().error}")
 
 
 @pytest.fixture
 def fresh_kernels():
     """Forget the process's build before and after a test that changes how it is made."""
-    Q.KERNELS.reset()
+    Q.QUANT_LIBRARY.reset()
     yield
-    Q.KERNELS.reset()
+    Q.QUANT_LIBRARY.reset()
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -312,8 +312,8 @@ def test_backend_torch_env_gives_the_same_bytes(native: None, monkeypatch, fresh
     outs = [(Nvfp4(), {"weight_amax": 0.1}), (_KMajorChunks(), {}), (AwqW4A16(group_size=64), {})]
     native_out = [fmt.quantize(w, **opts) for fmt, opts in outs]
     monkeypatch.setenv("HETQUANT_QUANT_BACKEND", "torch")
-    Q.KERNELS.reset()
-    assert not Q.available() and "HETQUANT_QUANT_BACKEND" in Q.KERNELS.get().error
+    Q.QUANT_LIBRARY.reset()
+    assert not Q.available() and "HETQUANT_QUANT_BACKEND" in Q.QUANT_LIBRARY.get().error
     assert Q.nvfp4(w, 1.0, False) is None and Q.awq_rtn(w, 64) is None
     for (fmt, opts), want in zip(outs, native_out, strict=True):
         assert_same(fmt.quantize(w, **opts), want)
@@ -329,7 +329,7 @@ def test_failed_build_falls_back(monkeypatch, tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="hetquant.native"):
         assert failing.get().lib is None and "false failed" in failing.get().error
     assert sum("native kernel unavailable" in r.message for r in caplog.records) == 1  # once
-    monkeypatch.setattr(Q, "KERNELS", failing)
+    monkeypatch.setattr(Q, "QUANT_LIBRARY", failing)
     w = _normal(8, 128, seed=12, dtype=torch.float32)
     assert_same(Nvfp4().quantize(w), Nvfp4()._quantize_torch(w, None))
     assert_same(AwqW4A16().quantize(w), AwqW4A16()._quantize_torch(w))
