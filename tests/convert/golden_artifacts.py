@@ -31,7 +31,7 @@ CASES: dict[str, list[str]] = {
     "awq-w4a16": ["--recipe", "awq-w4a16"],
     "awq-w4a16-g64": ["--recipe", "awq-w4a16", "--group-size", "64"],
     "awq-w4a16-calibrated": [
-        "--recipe", "awq-w4a16", "--calib-data", str(TINY / "calib.txt"),
+        "--recipe", "awq-w4a16", "--calib-data", "examples/tiny-deepseek-v3/calib.txt",
         "--calib-samples", "4", "--calib-seq-len", "64",
     ],
     "fp4": ["--recipe", "fp4"],
@@ -56,12 +56,17 @@ def artifact_digest(out: Path) -> dict[str, Any]:
     return {"files": files, "manifest": manifest_fields(manifest)}
 
 
+def _abs(arg: str) -> str:
+    """Repository-relative paths in CASES, made absolute (the golden list holds no checkout)."""
+    return str(REPO / arg) if arg.startswith("examples/") else arg
+
+
 def convert(case: str, out: Path) -> dict[str, Any]:
     from click.testing import CliRunner
 
     from hetquant.convert.cli import main
 
-    args = ["convert", str(TINY), str(out), *CASES[case]]
+    args = ["convert", str(TINY), str(out), *(_abs(a) for a in CASES[case])]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     if result.exit_code != 0:
         raise RuntimeError(f"{case}: exit {result.exit_code}: {result.output}")
