@@ -22,7 +22,7 @@ from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
 from .source import INDEX_NAME
 
-__all__ = ["load_manifest", "replay_plan", "verify_artifact"]
+__all__ = ["artifact_files", "count_files", "load_manifest", "replay_plan", "verify_artifact"]
 
 FP8_DTYPE = "F8_E4M3"
 # Files a Hub repo adds beside the artifact (the card `publish` writes, git attributes, the
@@ -43,6 +43,22 @@ def load_manifest(root: Path) -> dict[str, Any]:
             f"{path}: unknown manifest schema {doc.get('schema_version') if isinstance(doc, dict) else doc!r}"
         )
     return doc
+
+
+def artifact_files(root: Path, manifest: dict[str, Any]) -> dict[str, int]:
+    """The artifact's files, path → size: every file the manifest lists, and the manifest.
+
+    The one definition that convert, inspect, verify and publish count and sum. Not included:
+    what a Hub repo adds beside them (``HUB_FILES``: the card ``publish`` generates, ...).
+    """
+    files = {name: int(f["size"]) for name, f in manifest["files"].items()}
+    files[MANIFEST_NAME] = (root / MANIFEST_NAME).stat().st_size
+    return dict(sorted(files.items()))
+
+
+def count_files(files: dict[str, int]) -> str:
+    """``"11 files, 5,958,355 bytes"``."""
+    return f"{len(files)} files, {sum(files.values()):,} bytes"
 
 
 def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
