@@ -26,7 +26,7 @@ Forwards provided here (all stream one decoder layer's tensors at a time, ``forw
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from .forward import ConfigView, StreamedForward, source_tensor_fn
 
 __all__ = [
     "ArtifactTensors",
+    "eval_peak_bytes",
     "evaluate",
     "forward_from_artifact_dequantized",
     "forward_from_calibration",
@@ -79,6 +80,23 @@ def evaluate(
         "top1": agree / count,
         "positions": count,
     }
+
+
+def eval_peak_bytes(config: Mapping[str, Any], samples: int, seq_len: int) -> int:
+    """Estimated peak memory, in bytes, of ``evaluate`` over ``samples`` × ``seq_len`` tokens
+    with the forwards of this module and ``per_sequence`` (weights not counted: they are
+    memory-mapped or streamed a layer at a time). T = ``seq_len``, N = ``samples``:
+
+    - attention, one sequence at a time: the causal mask [T, T] and three [H, T, T] float32
+      temporaries (scores, masked scores, probabilities) — quadratic in T, what runs out first;
+    - both models' logits [N, T, V] float32, the artifact's twice (stacked from a list);
+    - ``evaluate``'s five float64 [T - 1, V] temporaries of one sequence.
+    """
+    t, n = int(seq_len), int(samples)
+    heads, vocab = int(config["num_attention_heads"]), int(config["vocab_size"])
+    attention = 4 * t * t * (1 + 3 * heads)
+    logits = 4 * 3 * n * t * vocab + 8 * 5 * t * vocab
+    return attention + logits
 
 
 def per_sequence(forward: Callable[[torch.Tensor], torch.Tensor]) -> Forward:

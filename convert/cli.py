@@ -7,6 +7,7 @@ traceback (``-v`` shows it).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import click
 
 from hetquant.formats import HetquantError
 
+from .cli_base import HetquantGroup, must_exist
 from .run_cli import eval_, run
 
 __all__ = ["main"]
@@ -55,18 +57,8 @@ class Progress:
             self.bar.close()
 
 
-class _Group(click.Group):
-    def invoke(self, ctx: click.Context) -> object:
-        try:
-            return super().invoke(ctx)
-        except HetquantError as e:
-            if log.isEnabledFor(logging.DEBUG):
-                log.exception("failed")
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-
-
-@click.group(cls=_Group)
+@click.group(cls=HetquantGroup, name="hetquant")
+@click.version_option(package_name="hetquant", prog_name="hetquant", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging and tracebacks.")
 def main(verbose: bool) -> None:
     """Convert DeepSeek-V3-family FP8 checkpoints for Ascend NPUs and CPU expert pools."""
@@ -156,7 +148,9 @@ def convert(
     from .plan import parse_size
     from .recipes import get_recipe
     from .source import SourceCheckpoint
+    from .verify import artifact_files, count_files
 
+    workers = _cap_workers(workers)
     given = {"mtp": mtp, "group_size": group_size, "fp4_layout": fp4_layout}
     options = {k: v for k, v in given.items() if v is not None}
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
@@ -186,8 +180,21 @@ def convert(
         )
     finally:
         progress.close()
-    click.echo(f"wrote {output} ({len(result.manifest['files'])} files)")
+    click.echo(f"wrote {output} ({count_files(artifact_files(output, result.manifest))})")
     click.echo(format_precision(result.manifest["precision"]))
+
+
+def _cap_workers(workers: int) -> int:
+    """``--workers`` at most the CPU cores this process may run on (more only add memory: each
+    worker holds its own job buffers), with a warning line when capped."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and workers > cores:
+        click.echo(
+            f"warning: --workers {workers} capped to {cores}, the CPU cores available here",
+            err=True,
+        )
+        return cores
+    return workers
 
 
 def _print_plan(plan, src, workers: int) -> None:
@@ -218,7 +225,7 @@ def recipes() -> None:
 @click.argument("path", type=click.Path(path_type=Path))
 def inspect(path: Path) -> None:
     """Summarise a source checkpoint or an artifact: model, formats by group, sizes, bits/weight."""
-    _must_exist(path)
+    must_exist(path)
     from .inspect import describe
 
     click.echo(describe(path))
@@ -228,8 +235,8 @@ def inspect(path: Path) -> None:
 @click.argument("artifact", type=click.Path(path_type=Path))
 def verify(artifact: Path) -> None:
     """Check every file of ARTIFACT against its manifest; exit 1 if anything is off."""
-    _must_exist(artifact)
-    from .verify import verify_artifact
+    must_exist(artifact)
+    from .verify import artifact_files, count_files, load_manifest, verify_artifact
 
     problems = verify_artifact(artifact)
     for p in problems:
@@ -237,7 +244,7 @@ def verify(artifact: Path) -> None:
     if problems:
         click.echo(f"{artifact}: {len(problems)} problem(s)")
         sys.exit(1)
-    click.echo(f"{artifact}: OK")
+    click.echo(f"{artifact}: OK ({count_files(artifact_files(artifact, load_manifest(artifact)))})")
 
 
 def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
@@ -251,11 +258,6 @@ def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
     tokens = token_blocks([text], tokenizer, eos, samples, seq_len)
     log.info("calibrating on %d x %d tokens of %s", samples, seq_len, text)
     return calibrate(src, tokens, AwqOptions(group_size=rec.option("group_size")), log=log.info)
-
-
-def _must_exist(path: Path) -> None:
-    if not path.exists():
-        raise HetquantError(f"{path}: no such file or directory")
 
 
 def _register_runtime() -> None:

@@ -5,7 +5,8 @@ This module is the public face; the code lives by responsibility in:
 - :mod:`.hub_source`: ``resolve_source("org/name@rev", download_dir, token)``, a ``SOURCE``
   argument → local checkpoint directory and commit sha (only the files a conversion reads).
 - :mod:`.hub_limits`: ``check_hub_limits``, the Hub's limits applied before anything is sent.
-- :mod:`.hub_upload`: ``upload_artifact``, a resumable upload that makes no commit when nothing
+- :mod:`.hub_upload`: ``check_credentials`` (the token, before anything else), and
+  ``upload_artifact``, a resumable upload that makes no commit when nothing
   changed.
 - :mod:`._hub_common`: ``HF_ENDPOINT``/``HF_HUB_OFFLINE`` read at call time, token redaction.
 
@@ -25,7 +26,7 @@ from .hub_limits import (
     check_hub_limits,
 )
 from .hub_source import SOURCE_META_PATTERNS, parse_repo_spec, resolve_source
-from .hub_upload import UploadResult, upload_artifact
+from .hub_upload import UploadResult, check_credentials, upload_artifact
 
 __all__ = [
     "FOLDER_ENTRIES_MAX",
@@ -36,6 +37,7 @@ __all__ = [
     "SOURCE_META_PATTERNS",
     "LimitReport",
     "UploadResult",
+    "check_credentials",
     "check_hub_limits",
     "hub_endpoint",
     "hub_offline",

@@ -20,7 +20,7 @@ from hetquant.formats import HetquantError
 
 from ._hub_common import _first_line, hub_endpoint, hub_offline
 
-__all__ = ["UploadResult", "upload_artifact"]
+__all__ = ["UploadResult", "check_credentials", "upload_artifact"]
 
 
 @dataclass
@@ -32,6 +32,50 @@ class UploadResult:
     pr_url: str | None
     changed: bool
     private: bool | None
+
+
+def check_credentials(token: str | None) -> str | None:
+    """The Hub user the token belongs to, checked before anything is sent or verified.
+
+    Refuses (HetquantError): HF_HUB_OFFLINE set; no token (``token``, ``$HF_TOKEN`` or the saved
+    login); a token the Hub rejects (401) or marks read-only; a Hub that cannot be reached. A
+    rate-limited ``whoami`` (429) is not a verdict on the token: the upload goes ahead.
+    """
+    from huggingface_hub import HfApi, constants, errors, get_token
+
+    if hub_offline():
+        raise HetquantError("HF_HUB_OFFLINE is set; publishing needs the network — unset it")
+    token = token or get_token()
+    if not token:
+        raise HetquantError(
+            "no Hub token: set HF_TOKEN, pass --token, or log in with `hf auth login` "
+            "(publishing needs a write token)"
+        )
+    endpoint = hub_endpoint() or constants.ENDPOINT
+    try:
+        who = HfApi(endpoint=endpoint, token=token).whoami()
+    except errors.HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status == 429:
+            return None
+        if status == 401:
+            raise HetquantError(
+                "the Hub refused the token (401); set HF_TOKEN or pass --token with a valid "
+                "write token"
+            ) from None
+        raise HetquantError(
+            f"{endpoint}: checking the token failed: {_first_line(e, token)}"
+        ) from None
+    except Exception as e:  # network errors of either HTTP stack
+        raise HetquantError(
+            f"cannot reach the Hub at {endpoint}: {type(e).__name__}: {_first_line(e, token)}"
+        ) from None
+    role = ((who.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        raise HetquantError(
+            f"the token of {who.get('name', '?')} is read-only; publishing needs a write token"
+        )
+    return who.get("name")
 
 
 def upload_artifact(

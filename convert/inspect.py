@@ -5,13 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hetquant.formats import HetquantError
+
+from .engine import PARTIAL_DIR
 from .manifest import MANIFEST_NAME, precision_table
 from .plan import SourceItem, make_plan
 from .recipes import Recipe, Target
 from .source import SourceCheckpoint
-from .verify import load_manifest
+from .verify import artifact_files, count_files, load_manifest
 
-__all__ = ["describe", "format_precision"]
+__all__ = ["describe", "format_label", "format_precision"]
 
 
 class _AsIs(Recipe):
@@ -21,31 +24,68 @@ class _AsIs(Recipe):
         return Target("copy")
 
 
+def format_label(fmt: str) -> str:
+    """A precision-table format as shown: ``+``-joined parts in one case, each named once.
+
+    The table records a copied tensor by its stored dtype (``BF16``, ``F32``) and a converted one
+    by its format name (``bf16``, ``w8a8_dynamic``); a BF16 copy and the ``bf16`` format are the
+    same bytes, so both read ``bf16``.
+    """
+    return "+".join(sorted({part.lower() for part in fmt.split("+")}))
+
+
 def format_precision(table: dict[str, Any]) -> str:
-    """The precision table as aligned text."""
-    lines = [f"{'group':<16} {'format':<26} {'params':>16} {'bytes':>16} {'bits/w':>7}"]
-    for g in table["groups"]:
+    """The precision table as aligned text; the format column is as wide as its longest entry."""
+    labels = [format_label(g["format"]) for g in table["groups"]]
+    w = max([len("format"), *map(len, labels)])
+    lines = [f"{'group':<16} {'format':<{w}} {'params':>16} {'bytes':>16} {'bits/w':>7}"]
+    for g, label in zip(table["groups"], labels, strict=True):
         lines.append(
-            f"{g['name']:<16} {g['format']:<26} {g['params']:>16,} {g['bytes']:>16,} {g['bits_per_weight']:>7.3f}"
+            f"{g['name']:<16} {label:<{w}} {g['params']:>16,} {g['bytes']:>16,} {g['bits_per_weight']:>7.3f}"
         )
     lines.append(
-        f"{'total':<16} {'':<26} {table['params']:>16,} {table['bytes']:>16,} {table['effective_bits_per_weight']:>7.3f}"
+        f"{'total':<16} {'':<{w}} {table['params']:>16,} {table['bytes']:>16,} {table['effective_bits_per_weight']:>7.3f}"
     )
     return "\n".join(lines)
 
 
 def describe(path: Path) -> str:
+    """What ``path`` holds: an artifact (it has ``hetquant.json``) or a source checkpoint."""
     if (path / MANIFEST_NAME).exists():
-        m = load_manifest(path)
-        head = [
-            f"artifact   {path}",
-            f"recipe     {m['recipe']['name']} {m['recipe']['options'] or ''}".rstrip(),
-            f"source     {m['source']['path']} (fingerprint {m['source']['fingerprint'][:12]}, revision {m['source']['revision']})",
-            f"files      {len(m['files'])}, {sum(f['size'] for f in m['files'].values()):,} bytes",
-            "parts      "
-            + ", ".join(f"{k} ({len(v['files'])} files)" for k, v in m["parts"].items()),
-        ]
-        return "\n".join(head) + "\n\n" + format_precision(m["precision"])
+        return _describe_artifact(path)
+    if (path / PARTIAL_DIR).is_dir():
+        raise HetquantError(
+            f"{path}: no {MANIFEST_NAME}, and {PARTIAL_DIR}/ is there: a hetquant convert into "
+            "it did not finish; re-run the same convert command to complete it"
+        )
+    try:
+        return _describe_source(path)
+    except HetquantError as e:
+        raise HetquantError(
+            f"{path}: no {MANIFEST_NAME}, so not a (complete) hetquant artifact; "
+            f"nor a source checkpoint: {e}"
+        ) from None
+
+
+def _describe_artifact(path: Path) -> str:
+    m = load_manifest(path)
+    src = m["source"]
+    files = artifact_files(path, m)
+    parts = [f"{k} {len(v['files'])}" for k, v in m["parts"].items()] + [MANIFEST_NAME]
+    origin = ", ".join(
+        [f"revision {src['revision']}"] * bool(src.get("revision"))
+        + [f"fingerprint {src['fingerprint'][:12]}"]
+    )
+    head = [
+        f"artifact   {path}",
+        f"recipe     {m['recipe']['name']} {m['recipe']['options'] or ''}".rstrip(),
+        f"source     {src.get('repo_id') or src['path']} ({origin})",
+        f"files      {count_files(files)} ({', '.join(parts)})",
+    ]
+    return "\n".join(head) + "\n\n" + format_precision(m["precision"])
+
+
+def _describe_source(path: Path) -> str:
     src = SourceCheckpoint.open(path)
     c = src.config
     items = [SourceItem(t.name, t.role, t.dtype, t.fmt_name) for t in src.tensors.values()]

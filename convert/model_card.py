@@ -268,9 +268,11 @@ def _precision_section(table: Mapping[str, Any] | None) -> list[str]:
         "| group | format | params | bytes | bits/weight |",
         "|---|---|---:|---:|---:|",
     ]
+    from .inspect import format_label
+
     for g in table.get("groups", []):
         out.append(
-            f"| {_md(g['name'])} | {_md(g['format'])} | {g['params']:,} | {g['bytes']:,} | "
+            f"| {_md(g['name'])} | {_md(format_label(g['format']))} | {g['params']:,} | {g['bytes']:,} | "
             f"{g['bits_per_weight']:.3f} |"
         )
     out.append(

@@ -70,12 +70,13 @@ def publish(
             artifact, repo_id, private, revision, create_pr, dry_run, license_id, base_model,
             commit_message, token,
         )  # fmt: skip
-    except HetquantError as e:
+    except (HetquantError, OSError) as e:
+        from .cli_base import error_line
         from .hub import redact
 
         if log.isEnabledFor(logging.DEBUG):
             log.debug("publish failed", exc_info=True)
-        click.echo(f"error: {redact(str(e), token)}", err=True)
+        click.echo(f"error: {redact(error_line(e), token)}", err=True)
         sys.exit(2)
 
 
@@ -91,10 +92,10 @@ def _publish(
     commit_message: str | None,
     token: str | None,
 ) -> None:
-    from .hub import check_hub_limits, parse_repo_spec, upload_artifact
+    from .hub import check_credentials, check_hub_limits, parse_repo_spec, upload_artifact
     from .manifest import MANIFEST_NAME
     from .model_card import CardInputs, base_model_from, render_card
-    from .verify import load_manifest, verify_artifact
+    from .verify import artifact_files, count_files, load_manifest, verify_artifact
 
     if parse_repo_spec(repo_id) != (repo_id, None):
         raise HetquantError(f"{repo_id}: REPO_ID must be a Hub repo id, org/name")
@@ -102,6 +103,9 @@ def _publish(
         raise HetquantError("--create-pr opens the pull request against main; drop --revision")
     if base_model is not None and parse_repo_spec(base_model) != (base_model, None):
         raise HetquantError(f"--base-model {base_model}: not a Hub repo id (org/name)")
+    if not dry_run:  # before hours of hashing and before anything is sent
+        user = check_credentials(token)
+        log.info("publishing as %s", user or "(the Hub did not say: rate-limited)")
 
     problems = verify_artifact(artifact)
     if problems:
@@ -110,8 +114,9 @@ def _publish(
         click.echo(f"{artifact}: {len(problems)} problem(s); not publishing", err=True)
         sys.exit(1)
     manifest = load_manifest(artifact)
-    files = [*sorted(f for f in manifest["files"] if f != "README.md"), MANIFEST_NAME]
-    click.echo(f"verified {artifact}: {len(files)} files OK")
+    sizes = {f: n for f, n in artifact_files(artifact, manifest).items() if f != "README.md"}
+    files = [*(f for f in sizes if f != MANIFEST_NAME), MANIFEST_NAME]  # the manifest last
+    click.echo(f"verified {artifact}: {count_files(sizes)} OK")
 
     config = _read_json(artifact / "config.json")
     note = None
@@ -135,7 +140,6 @@ def _publish(
         )
     )
 
-    sizes = {f: (artifact / f).stat().st_size for f in files}
     sizes["README.md"] = len(card.encode())
     index_path = artifact / "model.safetensors.index.json"
     report = check_hub_limits(sizes, _read_json(index_path) or None, private=private)
@@ -152,16 +156,17 @@ def _publish(
     where = f"{repo_id} ({'private' if private else 'public'}, " + (
         "pull request against main)" if create_pr else f"branch {revision or 'main'})"
     )
+    what = f"the artifact's {len(files)} files and README.md"
     if dry_run:
         click.echo(f"dry run: would publish {artifact} to {where}")
         click.echo("--- README.md ---")
         click.echo(card, nl=False)
-        click.echo(f"--- {len(sizes)} files, {sum(sizes.values()):,} bytes ---")
+        click.echo(f"--- {what}: {sum(sizes.values()):,} bytes ---")
         for name in sorted(sizes):
             click.echo(f"  {name:<52} {sizes[name]:>16,}")
         return
 
-    click.echo(f"uploading {len(sizes)} files ({sum(sizes.values()):,} bytes) to {where}")
+    click.echo(f"uploading {what} ({sum(sizes.values()):,} bytes) to {where}")
     msg = commit_message or (
         f"Upload {manifest['recipe']['name']} artifact (hetquant {manifest.get('hetquant_version', '?')})"
     )

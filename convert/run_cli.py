@@ -7,14 +7,43 @@ Standalone click commands; the ``hetquant`` group in :mod:`hetquant.convert.cli`
 
 from __future__ import annotations
 
+import bisect
+import io
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from hetquant.formats import HetquantError
 
-__all__ = ["eval_", "run"]
+from .cli_base import must_exist, writable_output, write_output
+
+__all__ = ["available_memory", "eval_", "run"]
+
+# config.json keys a conversion may rewrite (recipes/metadata.py): not compared with a reference
+_CONVERT_REWRITES = {"quantization_config", "num_nextn_predict_layers"}
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now: MemAvailable (/proc/meminfo), or less when a cgroup v2
+    limit (a container's memory.max) leaves less; None where neither can be read."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int((cgroup / "memory.current").read_text())
+            avail = left if avail is None else min(avail, left)
+    except (OSError, ValueError):
+        pass
+    return avail
 
 
 @click.command()
@@ -60,32 +89,44 @@ def run(
     save_logits: Path | None,
     generate: int,
 ) -> None:
-    """Load ARTIFACT into the given layout (ranks spawned on this host) and run a token sequence."""
+    """Load ARTIFACT into the given layout (ranks spawned on this host) and run a token sequence.
+
+    Exit 1 if any logit is NaN or Inf (damaged weights: `hetquant verify ARTIFACT` finds them).
+    """
     import numpy as np
 
     from hetquant.runtime.run import RunSpec, run_artifact
 
-    from .cli import _must_exist
-
-    _must_exist(artifact)
+    must_exist(artifact)
     try:
         ids = tuple(int(t) for t in tokens.split(",") if t.strip())
     except ValueError:
         raise HetquantError(
             f"--tokens {tokens!r}: expected comma-separated integers like 5,17,42"
         ) from None
+    if save_logits is not None:
+        writable_output(save_logits, "--save-logits")
     spec = RunSpec(
         str(artifact), ids, tp=tp, pp=pp, ep=ep, subpools=subpools, device=device, generate=generate
     )
     logits, generated = run_artifact(spec)
     if save_logits is not None:
-        np.save(save_logits, logits)
+        buf = io.BytesIO()
+        np.save(buf, logits)
+        write_output(save_logits, buf.getvalue())  # the path as given (np.save adds .npy)
     top = logits.argmax(-1).tolist()
     click.echo(
         f"ran {len(ids)} tokens on tp={tp} pp={pp} ep={ep} ({device}); logits {list(logits.shape)}; next-token argmax {top}"
     )
     if generate:
         click.echo(f"generated: {','.join(map(str, generated))}")
+    bad = int(np.count_nonzero(~np.isfinite(logits)))
+    if bad:
+        click.echo(
+            f"FAIL {bad} of {logits.size} logits are NaN or Inf: the artifact's weights may be "
+            f"damaged; run `hetquant verify {artifact}`"
+        )
+        sys.exit(1)
 
 
 @click.command(name="eval")
@@ -126,16 +167,20 @@ def eval_(
 
     from hetquant.calib.data import load_tokenizer, token_blocks
     from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
+    from hetquant.formats.model_config import load_json
     from hetquant.runtime.run import local_model
 
-    from .cli import _must_exist
     from .hub import resolve_source
     from .source import SourceCheckpoint
 
-    _must_exist(artifact)
-    _must_exist(text)
+    must_exist(artifact)
+    must_exist(text)
+    if json_out is not None:
+        writable_output(json_out, "--json")
+    _check_eval_size(load_json(artifact / "config.json"), samples, seq_len)
     root, revision = resolve_source(reference, None, None)
     src = SourceCheckpoint.open(root, revision)
+    _check_reference(artifact, src, reference)
     tokens = token_blocks([text], *load_tokenizer(src.root), samples, seq_len)
     model = local_model(artifact)
     result = evaluate(per_sequence(model.forward), reference_forward_from_source(src), tokens)
@@ -144,10 +189,61 @@ def eval_(
         f"ppl {doc['ppl']:.4f} (reference {doc['ref_ppl']:.4f}), KL {doc['kl']:.6f}, top-1 {doc['top1']:.4f} over {samples}x{seq_len} tokens"
     )
     if json_out is not None:
-        json_out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_output(json_out, (json.dumps(doc, indent=2) + "\n").encode())
     failed = (max_kl is not None and doc["kl"] > max_kl) or (
         min_top1 is not None and doc["top1"] < min_top1
     )
     if failed:
         click.echo("FAIL thresholds not met")
         sys.exit(1)
+
+
+def _check_eval_size(config: dict[str, Any], samples: int, seq_len: int) -> None:
+    """Refuse a ``--seq-len`` beyond the model's positions, or one whose forwards would not fit
+    in the memory available (``eval_peak_bytes``), before any work."""
+    from hetquant.calib.eval import eval_peak_bytes
+
+    most = config.get("max_position_embeddings")
+    if isinstance(most, int) and seq_len > most:
+        raise HetquantError(
+            f"--seq-len {seq_len} exceeds the model's max_position_embeddings {most} "
+            f"(config.json); use --seq-len {most} or less"
+        )
+    need, avail = eval_peak_bytes(config, samples, seq_len), available_memory()
+    if avail is None or need <= avail:
+        return
+    lengths = range(2, seq_len)  # the peak grows with the length: the longest that fits
+    fits = bisect.bisect_right(lengths, avail, key=lambda t: eval_peak_bytes(config, samples, t))
+    fix = f"use --seq-len {lengths[fits - 1]} or less" if fits else "use fewer --samples"
+    raise HetquantError(
+        f"--samples {samples} x --seq-len {seq_len}: the forwards need about {need / 1e9:.1f} GB "
+        f"(attention scores [heads, T, T] and logits [N, T, vocab], float32) but "
+        f"{avail / 1e9:.1f} GB of memory is available; {fix}"
+    )
+
+
+def _check_reference(artifact: Path, src: Any, reference: str) -> None:
+    """Refuse a ``--reference`` that is not the checkpoint ARTIFACT was converted from: the
+    manifest's source fingerprint (index + config) or, failing that, config.json must agree."""
+    from hetquant.formats.model_config import load_json
+
+    from .verify import load_manifest
+
+    if load_manifest(artifact)["source"].get("fingerprint") == src.fingerprint:
+        return
+    ours = load_json(artifact / "config.json")
+    theirs = src.config.raw
+    keys = sorted((ours.keys() | theirs.keys()) - _CONVERT_REWRITES)
+    differ = [k for k in keys if ours.get(k) != theirs.get(k)]
+    if differ:
+        shown = ", ".join(f"{k} ({ours.get(k)!r} vs {theirs.get(k)!r})" for k in differ[:4])
+        more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+        raise HetquantError(
+            f"--reference {reference} is not the checkpoint {artifact} was converted from: "
+            f"config.json differs in {shown}{more} (artifact vs reference)"
+        )
+    click.echo(
+        f"warning: --reference {reference} has the config of {artifact}'s source but another "
+        "index (fingerprint differs): its weights may differ from those converted",
+        err=True,
+    )

@@ -22,7 +22,7 @@ from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
 from .source import INDEX_NAME, PLAIN
 
-__all__ = ["load_manifest", "replay_plan", "verify_artifact"]
+__all__ = ["artifact_files", "count_files", "load_manifest", "replay_plan", "verify_artifact"]
 
 _FORMAT_OF_DTYPE = {"F8_E4M3": "fp8_block", "BF16": "bf16"}  # 2-D weights, schema-1 manifests
 # Files a Hub repo adds beside the artifact (the card `publish` writes, git attributes, the
@@ -53,6 +53,22 @@ def source_format(manifest: dict[str, Any], role: TensorRole) -> str:
         return src["formats"][role.role.name]
     dtype = src["dtypes"][role.role.name]
     return _FORMAT_OF_DTYPE.get(dtype, PLAIN) if len(role.shape) == 2 else PLAIN
+
+
+def artifact_files(root: Path, manifest: dict[str, Any]) -> dict[str, int]:
+    """The artifact's files, path → size: every file the manifest lists, and the manifest.
+
+    The one definition that convert, inspect, verify and publish count and sum. Not included:
+    what a Hub repo adds beside them (``HUB_FILES``: the card ``publish`` generates, ...).
+    """
+    files = {name: int(f["size"]) for name, f in manifest["files"].items()}
+    files[MANIFEST_NAME] = (root / MANIFEST_NAME).stat().st_size
+    return dict(sorted(files.items()))
+
+
+def count_files(files: dict[str, int]) -> str:
+    """``"11 files, 5,958,355 bytes"``."""
+    return f"{len(files)} files, {sum(files.values()):,} bytes"
 
 
 def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:

@@ -11,9 +11,12 @@ is broadcast to every rank. A hybrid artifact's routed experts come from the CPU
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ from hetquant.formats import HetquantError
 from hetquant.formats.model_config import ModelConfig
 
 __all__ = ["RunSpec", "local_model", "run_artifact"]
+
+log = logging.getLogger("hetquant.run")
 
 
 @dataclass(frozen=True)
@@ -53,26 +58,85 @@ class RunSpec:
 
 
 def run_artifact(spec: RunSpec) -> tuple[np.ndarray, list[int]]:
-    """(float32 logits [T, vocab] of ``spec.tokens``, generated token ids) — spawning the ranks."""
-    world = spec.pp * spec.group
-    if not spec.tokens:
-        raise HetquantError("run: give at least one token id (--tokens 5,17,42)")
-    from .loader import open_artifact
+    """(float32 logits [T, vocab] of ``spec.tokens``, generated token ids) — spawning the ranks.
 
-    art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
-    for rank in range(world):
-        _layout(spec, rank).validate(art.config, art.modules)
+    Everything a rank would refuse is checked here first (layout, token ids, every file's
+    header); a rank that fails anyway re-raises its HetquantError or OSError in this process.
+    """
+    world = spec.pp * spec.group
+    _check_inputs(spec, world)
+    log.info(
+        "starting %d rank(s) (tp=%d pp=%d ep=%d) on this host", world, spec.tp, spec.pp, spec.ep
+    )
+    level = logging.getLogger("hetquant").getEffectiveLevel()
     with tempfile.TemporaryDirectory(prefix="hetquant-run-") as tmp:
         out = Path(tmp)
         if world == 1:
-            _rank_main(0, spec, 1, _free_port(), out)
+            _rank_main(0, spec, 1, _free_port(), out, time.time())
         else:
-            import torch.multiprocessing as mp
-
-            mp.spawn(_rank_main, args=(spec, world, _free_port(), out), nprocs=world, join=True)
+            _spawn(spec, world, out, level)
         logits = np.load(out / "logits.npy")
         generated = [int(x) for x in np.load(out / "generated.npy")]
     return logits, generated
+
+
+def _check_inputs(spec: RunSpec, world: int) -> None:
+    """Refuse what a rank would: no tokens, ids outside the vocab, a layout the shapes do not
+    allow, a missing or truncated file (every header is read, cpu_experts/ included)."""
+    if not spec.tokens:
+        raise HetquantError("run: give at least one token id (--tokens 5,17,42)")
+    from ._expert_files import _select_layers
+    from ._subpool import _check_split
+    from .loader import open_artifact
+
+    art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
+    vocab = int(art.config.get("vocab_size", 0))
+    bad = [t for t in spec.tokens if not 0 <= t < vocab]
+    if bad:
+        raise HetquantError(
+            f"token ids must lie in [0, {vocab}) (vocab_size of {spec.artifact}); got {bad[:5]}"
+        )
+    for rank in range(world):
+        _layout(spec, rank).validate(art.config, art.modules)
+    experts = art.cpu_expert_files
+    if experts:  # every layer file's header, as CpuExpertPool.open reads them in each rank
+        _check_split(_select_layers(art.root, None), spec.subpools, "inter")
+    log.info(
+        "checked %s: %d root shard(s), %d cpu_experts file(s)",
+        spec.artifact,
+        len({f for m in art.modules.values() for f, _ in m.entries.values()}),
+        len(experts),
+    )
+
+
+def _spawn(spec: RunSpec, world: int, out: Path, level: int) -> None:
+    """``world`` ranks via torch.multiprocessing; a failed rank's error is raised here."""
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+
+    try:
+        args = (spec, world, _free_port(), out, level, time.time())
+        mp.spawn(_rank_entry, args=args, nprocs=world)
+    except ProcessException as e:
+        failed = sorted(out.glob("error-*.pkl"), key=lambda p: int(p.stem.split("-")[1]))
+        if failed:
+            raise pickle.loads(failed[0].read_bytes()) from None
+        if isinstance(e, ProcessExitedException):  # killed (OOM killer, a signal)
+            how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
+            raise HetquantError(f"run: rank {e.error_index} of {world} died ({how})") from None
+        raise
+
+
+def _rank_entry(
+    rank: int, spec: RunSpec, world: int, port: int, out: Path, level: int, t0: float
+) -> None:
+    """A spawned rank: logs like the parent; a HetquantError / OSError goes back to it."""
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        _rank_main(rank, spec, world, port, out, t0)
+    except (HetquantError, OSError) as e:
+        (out / f"error-{rank}.pkl").write_bytes(pickle.dumps(e))
+        raise SystemExit(2) from None
 
 
 def _free_port() -> int:
@@ -81,7 +145,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path) -> None:
+def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: float) -> None:
+    """Rank ``rank`` of ``world``: load its shards, run the stages; ``t0``: when the ranks were
+    started (time.time()), for the progress log."""
     import torch.distributed as dist
 
     from .loader import open_artifact
@@ -116,8 +182,17 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path) -> No
     model = DeepseekV3Reference(cfg, weights, dtype=spec.act_dtype)
     layers = layout.stage_layers(cfg.num_hidden_layers)
     first, last = stage == 0, stage == spec.pp - 1
+    nbytes = sum(t.nbytes for t in tensors.values())
+    log.info(
+        "rank %d of %d: loaded %d tensors (%.1f MB)%s, %.1f s after start",
+        rank, world, len(tensors), nbytes / 1e6, " and the CPU expert pool" if pool else "",
+        time.time() - t0,
+    )  # fmt: skip
     seq = torch.tensor(spec.tokens, dtype=torch.long)
     logits = None
+    if rank == 0:
+        more = f", then generating {spec.generate}" if spec.generate else ""
+        log.info("running %d tokens%s", len(seq), more)
     for step in range(spec.generate + 1):
         y = _pipeline(run_stage, model, layers, seq, stage, grank, g, first, last, world)
         if step == 0 and y is not None:

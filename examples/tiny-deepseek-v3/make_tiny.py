@@ -26,142 +26,24 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import math
 import re
+import runpy
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-from safetensors.torch import save_file
 
 from hetquant.formats.fp8_block import Fp8Block
 
 HERE = Path(__file__).resolve().parent
+common = SimpleNamespace(**runpy.run_path(str(HERE / "common.py")))  # shared with train.py
 SEED = 20241226  # DeepSeek-V3's release date
 FP8 = Fp8Block()
-
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-PAD = "<｜▁pad▁｜>"
-CHAT_TOKENS = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]  # added, not special
-VOCAB_SIZE = 640  # 5 x 128; keeps the four [V, H] BF16 matrices (embed, head, MTP copies) ~1.3 MB
-
-# The real DeepSeek-V3 HF config.json, every key, in its (alphabetical) order, with tiny dims.
-CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "auto_map": {
-        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
-        "AutoModel": "modeling_deepseek.DeepseekV3Model",
-        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
-    },
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "ep_size": 1,
-    "first_k_dense_replace": 1,
-    "hidden_act": "silu",
-    "hidden_size": 256,
-    "initializer_range": 0.02,
-    "intermediate_size": 512,
-    "kv_lora_rank": 128,
-    "max_position_embeddings": 4096,
-    "model_type": "deepseek_v3",
-    "moe_intermediate_size": 256,
-    "moe_layer_freq": 1,
-    "n_group": 2,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_attention_heads": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 3,
-    "num_key_value_heads": 4,
-    "num_nextn_predict_layers": 1,
-    "q_lora_rank": 128,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 32,
-    "quantization_config": {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": [128, 128],
-    },
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 4,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 1024,
-        "type": "yarn",
-    },
-    "rope_theta": 10000,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.46.3",
-    "use_cache": True,
-    "v_head_dim": 32,
-    "vocab_size": VOCAB_SIZE,
-}
-
-GENERATION_CONFIG = {  # DeepSeek-R1's sampling defaults
-    "_from_model_config": True,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "do_sample": True,
-    "temperature": 0.6,
-    "top_p": 0.95,
-    "transformers_version": "4.46.3",
-}
-
-# A shortened R1-style template: system prompt after BOS, <｜User｜>/<｜Assistant｜> turns, and
-# the generation prompt opening a <think> block (no tool-call handling).
-CHAT_TEMPLATE = (
-    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}"
-    "{% endif %}{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}"
-    "{% elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}"
-    "{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
-)
-
-
-def _added_token(content: str) -> dict:
-    return {
-        "__type": "AddedToken",
-        "content": content,
-        "lstrip": False,
-        "normalized": True,
-        "rstrip": False,
-        "single_word": False,
-    }
-
-
-TOKENIZER_CONFIG = {  # DeepSeek-R1's keys and order
-    "add_bos_token": True,
-    "add_eos_token": False,
-    "bos_token": _added_token(BOS),
-    "clean_up_tokenization_spaces": False,
-    "eos_token": _added_token(EOS),
-    "legacy": True,
-    "model_max_length": CONFIG["max_position_embeddings"],
-    "pad_token": _added_token(EOS),
-    "sp_model_kwargs": {},
-    "unk_token": None,
-    "tokenizer_class": "LlamaTokenizerFast",
-    "chat_template": CHAT_TEMPLATE,
-}
+CONFIG = common.CONFIG  # every key of DeepSeek-V3's config.json, tiny dims
+VOCAB_SIZE = CONFIG["vocab_size"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,15 +51,7 @@ TOKENIZER_CONFIG = {  # DeepSeek-R1's keys and order
 
 
 def _noise(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Zero-mean, unit-variance float64 noise for tensor ``name``, identical on every platform.
-
-    Sum of four uniform integers in [0, 2**24) (Irwin-Hall, range ±2·sqrt(3)); only integer draws
-    and correctly rounded float64 arithmetic, so no vectorized transcendental can change a bit.
-    """
-    digest = hashlib.sha256(f"{SEED}:{name}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    draws = torch.randint(0, 1 << 24, (4, *shape), generator=gen, dtype=torch.int64)
-    return (draws.sum(0).to(torch.float64) / (1 << 24) - 2.0) * math.sqrt(3.0)
+    return common.noise(SEED, name, shape)
 
 
 def _bf16(name: str, shape: tuple[int, ...], std: float, mean: float = 0.0) -> torch.Tensor:
@@ -272,8 +146,6 @@ def build_tensors(c: dict) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------
 # shards
 
-MTP_EXTRAS = ("enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head")
-
 
 def shard_of(name: str, c: dict) -> int:
     """1-based shard of tensor ``name``: roughly one decoder layer per shard, in order.
@@ -296,14 +168,10 @@ def shard_of(name: str, c: dict) -> int:
         return 2
     if layer == 2:
         return 4 if sub == f"mlp.experts.{c['n_routed_experts'] - 1}.down_proj.weight" else 3
-    return 5 if sub.split(".")[0] in MTP_EXTRAS else 4
+    return 5 if sub.split(".")[0] in common.MTP_EXTRAS else 4
 
 
 N_SHARDS = 5
-
-
-def shard_name(i: int, n: int) -> str:
-    return f"model-{i:05d}-of-{n:06d}.safetensors"  # DeepSeek's six-digit total
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,56 +186,12 @@ def _corpus() -> Iterator[str]:
 
 
 def train_tokenizer(vocab_size: int) -> str:
-    """Byte-level BPE (DeepSeek-style pieces) trained on ``pydoc_data.topics``; JSON text."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(CHAT_TOKENS),
-        min_frequency=2,
-        special_tokens=[BOS, EOS, PAD],  # ids 0, 1, 2 as in DeepSeek's vocabulary
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_TOKENS])
-    tok.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, 0)]
-            ),
-        ]
-    )
-    if tok.token_to_id(BOS) != 0 or tok.token_to_id(EOS) != 1:
-        raise RuntimeError("tokenizer: BOS/EOS did not get ids 0/1")
-    if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
-        raise RuntimeError(f"tokenizer: vocab {tok.get_vocab_size()} != {vocab_size}")
-    return tok.to_str(pretty=True) + "\n"
+    """The tokenizer trained on ``pydoc_data.topics``, one document per topic (JSON text)."""
+    return common.train_tokenizer(_corpus(), vocab_size)
 
 
 # ----------------------------------------------------------------------------------------------
 # writing
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def write_checkpoint(out: Path, retrain_tokenizer: bool = False) -> dict[str, int]:
@@ -384,24 +208,10 @@ def write_checkpoint(out: Path, retrain_tokenizer: bool = False) -> dict[str, in
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     config = {**CONFIG, "vocab_size": vocab}  # = the tokenizer's size
     tensors = build_tensors(config)
-    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(N_SHARDS)]
-    for name, t in tensors.items():
-        shards[shard_of(name, config) - 1][name] = t
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        fname = shard_name(i, N_SHARDS)
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(out / "model.safetensors.index.json", index)
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", GENERATION_CONFIG)
-    _write_json(out / "tokenizer_config.json", TOKENIZER_CONFIG)
-    files = [shard_name(i, N_SHARDS) for i in range(1, N_SHARDS + 1)]
-    files += ["model.safetensors.index.json", "config.json", "generation_config.json"]
-    files += ["tokenizer.json", "tokenizer_config.json"]
-    return {f: (out / f).stat().st_size for f in files}
+    return common.write_checkpoint_files(
+        out, tensors, lambda name: shard_of(name, config), N_SHARDS, config,
+        common.TOKENIZER_CONFIG,
+    )  # fmt: skip
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """A loopback fake of the Hugging Face Hub: the routes huggingface_hub's client uses, no more.
 
 Standard library only; listens on 127.0.0.1, port 0, in a daemon thread. It implements what
-``create_repo``, ``create_branch``, ``repo_info``, ``list_repo_tree``, ``upload_folder`` on the
+``whoami``, ``create_repo``, ``create_branch``, ``repo_info``, ``list_repo_tree``, ``upload_folder`` on the
 legacy (non-xet) path — README validation, preupload, LFS batch + basic PUT, NDJSON commit, pull
 requests — and ``snapshot_download`` / ``hf_hub_download`` need, with the Hub's wire formats as
 huggingface_hub 2.4.0 (and 0.36 / 1.x) read them. Run the client with ``HF_HUB_DISABLE_XET=1``:
@@ -73,6 +73,7 @@ class FakeHub:
         self.lfs: dict[str, bytes] = {}  # sha256 → content uploaded, not yet committed
         self.requests: list[Request] = []
         self.fail_commits = 0  # the next N commits fail (an interrupted upload)
+        self.user, self.token_role = "hetquant-test", "write"  # whoami's answer ("read", ...)
         self.lock = threading.RLock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self.server.daemon_threads = True
@@ -232,6 +233,8 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             seg = [unquote(s) for s in path.strip("/").split("/")]
             if path == "/api/agent-harnesses":
                 return self._send(200, {"standardEnvVars": [], "harnesses": {}})
+            if method == "GET" and path == "/api/whoami-v2":
+                return self._whoami(auth)
             if method == "POST" and path == "/api/validate-yaml":
                 return self._validate_yaml(json.loads(body))
             if method == "POST" and path == "/api/repos/create":
@@ -283,6 +286,22 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if errors:
                 raise _Error(400, "; ".join(errors))
             self._send(200, {"errors": [], "warnings": []})
+
+        def _whoami(self, auth: str | None) -> None:
+            """The token's owner and role, as the Hub answers ``/api/whoami-v2``; 401 without a
+            valid token (the Hub answers 401 to a missing or unknown one)."""
+            if auth is None or (hub.token is not None and auth != f"Bearer {hub.token}"):
+                raise _Error(401, "Invalid credentials in Authorization header")
+            role = {"displayName": "fake", "role": hub.token_role}
+            self._send(
+                200,
+                {
+                    "type": "user",
+                    "name": hub.user,
+                    "orgs": [],
+                    "auth": {"type": "access_token", "accessToken": role},
+                },
+            )
 
         def _create_repo(self, doc: dict[str, Any]) -> None:
             repo_id = f"{doc.get('organization')}/{doc['name']}"

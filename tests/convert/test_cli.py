@@ -32,8 +32,8 @@ def test_inspect_source_prints_groups(tiny_ro: Path, cli) -> None:
     rows = _group_rows(res.stdout)
     for g in GROUPS:
         assert g in rows, g
-    assert rows["attention"][0] == "F8_E4M3"  # as stored: FP8 ...
-    assert rows["norms"][0] == "BF16"
+    assert rows["attention"][0] == "f8_e4m3"  # as stored: FP8 ...
+    assert rows["norms"][0] == "bf16"
     assert re.search(rf"^shards\s+{tiny_counts(tiny_ro)[1]}, ", res.stdout, re.M)
     assert rows["total"][0].replace(",", "").isdigit()
 
@@ -47,7 +47,11 @@ def test_inspect_artifact_prints_groups(tiny_ro: Path, cli, tiny_artifact: Path)
     assert rows["attention"][0] == "bf16" and rows["attention"][-1] == "16.000"
     assert rows["recipe"] == ["bf16"]
     manifest = read_json(tiny_artifact / MANIFEST)
-    assert f"{sum(f['size'] for f in manifest['files'].values()):,} bytes" in res.stdout
+    size = (
+        sum(f["size"] for f in manifest["files"].values())
+        + (tiny_artifact / MANIFEST).stat().st_size
+    )
+    assert f"{len(manifest['files']) + 1} files, {size:,} bytes" in res.stdout
     # the parameter counts agree with the source's
     src_rows = _group_rows(cli("inspect", tiny_ro).stdout)
     for g in GROUPS:
@@ -97,7 +101,7 @@ def test_verify_passes_on_a_fresh_artifact(cli, tiny_artifact: Path, tiny_artifa
     for art in (tiny_artifact, tiny_artifact_1mb):
         res = cli("verify", art)
         assert res.exit_code == 0, res.stdout
-        assert res.stdout.strip().endswith("OK")
+        assert re.fullmatch(rf"{re.escape(str(art))}: OK \(\d+ files, [\d,]+ bytes\)\n", res.stdout)
 
 
 def _flip(path: Path, offset: int, mask: int = 0x01) -> None:

@@ -203,9 +203,45 @@ def test_public_by_default_pr_and_branch(hub: FakeHub, artifact: Path) -> None:
     assert res.exit_code == 0 and "already existed and is public" in res.output
     assert hub.repos["acme/pub"].private is False
 
-    # no token at all: the Hub's 401 becomes one line with the fix
-    res = _run(str(artifact), "acme/other", "--license", "mit")
-    assert res.exit_code == 2 and "401" in res.output and "HF_TOKEN" in res.output
+
+WHOAMI = "/api/whoami-v2"
+
+
+def test_publish_checks_credentials_before_verifying_or_sending(
+    hub: FakeHub, artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import constants
+
+    def refused(res, *words: str) -> None:
+        lines = res.output.splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+        assert all(w in lines[0] for w in words), lines
+        assert TOKEN not in res.output
+
+    # no token at all: one line with the fix, before verifying, and nothing reaches the Hub
+    refused(_run(str(artifact), "acme/other", "--license", "mit"), "no Hub token", "HF_TOKEN")
+    assert hub.requests == []
+
+    # a token the Hub rejects, or a read-only one: whoami answers, nothing else is sent
+    refused(_run(str(artifact), "acme/other", "--token", TOKEN[::-1]), "401", "HF_TOKEN")
+    hub.token_role = "read"
+    refused(_run(str(artifact), "acme/other", "--token", TOKEN), "read-only", "write token")
+    assert {r.path for r in hub.requests} == {WHOAMI} and hub.repos == {}
+
+    # a Hub that cannot be reached: named, no upload attempted
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with monkeypatch.context() as m:
+        m.setenv("HF_ENDPOINT", closed)
+        refused(_run(str(artifact), "acme/other", "--token", TOKEN), "cannot reach", closed)
+
+    # the saved login counts as a token
+    hub.token_role = "write"
+    Path(constants.HF_TOKEN_PATH).parent.mkdir(parents=True, exist_ok=True)
+    Path(constants.HF_TOKEN_PATH).write_text(TOKEN)
+    res = _run(str(artifact), "acme/saved", "--license", "mit")
+    assert res.exit_code == 0 and "committed" in res.output, res.output
 
 
 def test_interrupted_publish_resumes_without_resending(hub: FakeHub, artifact: Path) -> None:
@@ -265,7 +301,7 @@ def test_refuses_unverified_artifact_and_missing_license(
     assert res.exit_code == 2 and "--license" in res.output
     res = _run(str(artifact), "not a repo", "--license", "mit")
     assert res.exit_code == 2 and "org/name" in res.output
-    assert hub.requests == []
+    assert {r.path for r in hub.requests} == {"/api/whoami-v2"}  # the token check; no upload
 
 
 def test_publish_offline_is_exit_2(
