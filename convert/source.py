@@ -18,11 +18,15 @@ from pathlib import Path
 import torch
 
 from hetquant.formats import HetquantError
+from hetquant.formats.families import (
+    SCALE_SUFFIX,
+    ModelConfig,
+    TensorRole,
+    expected_tensors,
+    load_json,
+)
 from hetquant.formats.fp8_block import Fp8Block
-from hetquant.formats.model_config import ModelConfig, load_json
 from hetquant.formats.safetensors_io import HeaderEntry, MappedFile, read_header
-
-from .deepseek_v3 import SCALE_SUFFIX, TensorRole, expected_tensors
 
 __all__ = ["INDEX_NAME", "SINGLE_NAME", "SourceCheckpoint", "SourceTensor"]
 

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from hetquant.formats import HetquantError
-from hetquant.formats.model_config import ModelConfig, load_json
+from hetquant.formats.families import expected_tensors, load_config, load_json
 from hetquant.formats.safetensors_io import read_header
 
-from .deepseek_v3 import expected_tensors
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, file_digest
 from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
@@ -47,7 +46,7 @@ def load_manifest(root: Path) -> dict[str, Any]:
 
 def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
     """The plan that produced the artifact, rebuilt from config.json and the manifest alone."""
-    cfg = ModelConfig.load(root / "config.json")
+    cfg = load_config(root / "config.json")
     recipe = get_recipe(manifest["recipe"]["name"]).with_options(manifest["recipe"]["options"])
     dtypes = manifest["source"]["dtypes"]
     items = [

@@ -46,7 +46,7 @@ from hetquant.formats.errors import HetquantError
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 from ._reader import LoadStats, Span, read_spans
-from .layout import ParallelLayout
+from .layout import ParallelLayout, split_of
 from .shard_rules import (
     ModelFacts,
     ModuleInfo,
@@ -54,7 +54,6 @@ from .shard_rules import (
     Placement,
     place,
     shard_pieces,
-    split_of,
     split_range,
 )
 

@@ -79,10 +79,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from hetquant.convert.deepseek_v3 import expected_tensors
 from hetquant.convert.source import SourceCheckpoint
+from hetquant.formats.families import ModelConfig, expected_tensors
 from hetquant.formats.fp8_block import Fp8Block
-from hetquant.formats.model_config import ModelConfig
 from hetquant.runtime.model import DeepseekV3Reference, DenseWeights, rms_norm
 from hetquant.runtime.rope import RopeSpec, cos_sin
 
@@ -604,13 +603,13 @@ def module_nll(
 @torch.no_grad()
 def runtime_logits(cfg: ModelConfig, state: dict, samples: torch.Tensor) -> list[torch.Tensor]:
     """``hetquant.runtime.model.DeepseekV3Reference`` logits [T, V] for each sample's input."""
-    ref = DeepseekV3Reference(cfg, DenseWeights(state))
+    ref = DeepseekV3Reference(cfg, DenseWeights(state, cfg.family))
     return [ref(s[:-1]) for s in samples]
 
 
 def runtime_nll(cfg: ModelConfig, state: dict, samples: torch.Tensor) -> float:
     total, count = 0.0, 0
-    ref = DeepseekV3Reference(cfg, DenseWeights(state))
+    ref = DeepseekV3Reference(cfg, DenseWeights(state, cfg.family))
     for s in samples:
         logits = ref(s[:-1])
         total += float(F.cross_entropy(logits, s[1:], reduction="sum"))

@@ -54,7 +54,9 @@ def reference() -> np.ndarray:
         for n, t in src.tensors.items()
     }
     return (
-        DeepseekV3Reference(src.config, DenseWeights(state)).forward(torch.tensor(TOKENS)).numpy()
+        DeepseekV3Reference(src.config, DenseWeights(state, src.config.family))
+        .forward(torch.tensor(TOKENS))
+        .numpy()
     )
 
 
