@@ -89,13 +89,14 @@ class Placement:
 def place(prefix: str, family: ModelFamily | None = None) -> Placement:
     """The placement of module ``prefix`` (HF name without the local key) in ``family``'s role
     table; without a family, in every registered family's (which must agree)."""
-    found = {}
-    for fam in (family,) if family is not None else tuple(FAMILIES.values()):
-        if (loc := fam.locate(prefix)) is not None:
-            found[fam.name] = Placement(rule_of(loc.role, fam), loc.layer, loc.expert)
-    if len(set(found.values())) == 1:
-        return next(iter(found.values()))
-    names = ", ".join(sorted(found) if found else [family.name] if family else sorted(FAMILIES))
+    found = {
+        Placement(rule_of(loc.role, fam), loc.layer, loc.expert)
+        for fam in ((family,) if family is not None else FAMILIES.values())
+        if (loc := fam.locate(prefix)) is not None
+    }
+    if len(found) == 1:
+        return found.pop()
+    names = family.name if family is not None else ", ".join(sorted(FAMILIES))
     if not found:
         raise HetquantError(
             f"{prefix}: not a module of model family {names} (no row of its role table in "

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetquant.formats.families import TensorRole
-from hetquant.formats.families.base import MTP
+from hetquant.formats.families.roles import MTP
 
 from . import COPY, DROP, Recipe, Target, register_recipe
 

@@ -4,13 +4,8 @@
 from . import deepseek_v3  # noqa: F401  (registration)
 from .base import (
     FAMILIES,
-    SCALE_SUFFIX,
-    GatedMlp,
-    Located,
     ModelConfig,
     ModelFamily,
-    Role,
-    TensorRole,
     expected_tensors,
     family_for_config,
     get_family,
@@ -20,6 +15,7 @@ from .base import (
     register_family,
 )
 from .mappings import AwqMappings, Balance
+from .roles import SCALE_SUFFIX, GatedMlp, Located, Role, TensorRole
 
 __all__ = [
     "FAMILIES",

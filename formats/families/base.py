@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -38,21 +38,23 @@ from typing import Any, ClassVar
 
 from ..errors import HetquantError
 from .mappings import AwqMappings
+from .roles import (
+    EXPERT_KINDS,
+    GLOBAL,
+    GLOBAL_LAST,
+    KINDS,
+    MTP,
+    TP_SPLITS,
+    GatedMlp,
+    Located,
+    Role,
+    TensorRole,
+)
 
 __all__ = [
     "FAMILIES",
-    "GLOBAL",
-    "GLOBAL_LAST",
-    "KINDS",
-    "MTP",
-    "SCALE_SUFFIX",
-    "TP_SPLITS",
-    "GatedMlp",
-    "Located",
     "ModelConfig",
     "ModelFamily",
-    "Role",
-    "TensorRole",
     "expected_tensors",
     "family_for_config",
     "get_family",
@@ -61,17 +63,6 @@ __all__ = [
     "parse_config",
     "register_family",
 ]
-
-GLOBAL, GLOBAL_LAST, MTP = "global", "global_last", "mtp"  # scopes every family shares
-TP_SPLITS = (
-    "column",
-    "row",
-    "replicate",
-    "vocab",
-)  # dim 0 of [out, in] | dim 1 | — | dim 0, padded
-KINDS = ("linear", "norm", "embedding", "head", "router", "bias")
-EXPERT_KINDS = (None, "shared", "routed")
-SCALE_SUFFIX = "_scale_inv"  # an FP8 block weight's scale partner: ``<weight name>_scale_inv``
 
 
 def load_json(path: Path) -> Any:
@@ -82,67 +73,6 @@ def load_json(path: Path) -> Any:
         raise HetquantError(f"{path}: not found") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HetquantError(f"{path}: invalid JSON ({e}); fix or re-download the file") from None
-
-
-@dataclass(frozen=True)
-class Role:
-    """One row of a role table (module docstring).
-
-    ``pattern``: the tensor name, global or relative to the family's ``layer_prefix``; ``{e}``
-    stands for the routed expert index. ``scope``: which layers hold it — ``global`` (before the
-    decoder layers), ``global_last`` (after them), ``mtp`` (multi-token-prediction layers only) or
-    a scope of the family's own (``ModelConfig.layer_scopes``). ``mlp``: its part of a gated MLP
-    ``down(silu(gate(x)) · up(x))``. ``absorbed``: a linear that engines fold into attention
-    (MLA's ``kv_b_proj``: vllm-ascend keeps it unquantized).
-    """
-
-    name: str
-    pattern: str
-    scope: str
-    group: str  # precision-table group
-    kind: str  # KINDS
-    tp: str  # TP_SPLITS
-    expert: str | None  # EXPERT_KINDS
-    shape: Callable[[Any], tuple[int, ...]]  # of the family's config
-    mlp: str | None = None  # gate | up | down
-    absorbed: bool = False
-
-    @property
-    def module(self) -> str:
-        """The pattern without its local key (``self_attn.q_a_proj``)."""
-        return self.pattern.rpartition(".")[0]
-
-
-@dataclass(frozen=True)
-class TensorRole:
-    """A concrete tensor: its role, layer (None: global), routed expert index and shape."""
-
-    role: Role
-    layer: int | None
-    expert: int | None
-    shape: tuple[int, ...]
-    mtp: bool = False  # belongs to a multi-token-prediction layer
-    stack: str | None = None  # routed experts: the module their stacked tensors take
-
-
-@dataclass(frozen=True)
-class GatedMlp:
-    """The three roles of one gated MLP (``expert``: None dense, or its expert kind)."""
-
-    expert: str | None
-    gate: str
-    up: str
-    down: str
-
-
-@dataclass(frozen=True)
-class Located:
-    """What a module name is: its role (None: the stacked routed experts of a layer), layer and
-    routed expert index."""
-
-    role: Role | None
-    layer: int | None
-    expert: int | None
 
 
 class ModelConfig:
@@ -163,6 +93,8 @@ class ModelConfig:
     num_hidden_layers: int
     num_attention_heads: int
     weight_block_size: tuple[int, int] | None
+    num_experts: int  # a field or a property of the subclass
+    num_mtp_layers: int
 
     @classmethod
     def parse(cls, raw: dict[str, Any], origin: str) -> ModelConfig:
@@ -178,14 +110,6 @@ class ModelConfig:
     def load(cls, path: Path) -> ModelConfig:
         """``load_config(path)``."""
         return load_config(path)
-
-    @property
-    def num_experts(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def num_mtp_layers(self) -> int:
-        raise NotImplementedError
 
     def is_moe_layer(self, layer: int) -> bool:
         raise NotImplementedError
@@ -275,10 +199,9 @@ class ModelFamily:
     def stacked_experts(self, layer: int) -> str | None:
         """The module under which an expert-layer format stacks ``layer``'s routed experts
         (the routed experts' module up to the expert index); None without routed experts."""
-        m = self.mlp("routed")
-        if m is None:
-            return None
-        return self.layer_prefix.format(layer=layer) + self.role(m.gate).module.split(".{e}")[0]
+        return (
+            None if self._stacked is None else self.layer_prefix.format(layer=layer) + self._stacked
+        )
 
     def layer_roles(self, cfg: ModelConfig, layer: int) -> tuple[Role, ...]:
         """The roles decoder layer ``layer`` holds, in table order."""
@@ -306,30 +229,39 @@ class ModelFamily:
 
     @cached_property
     def _matchers(self) -> tuple[re.Pattern[str], dict[str, Role], list[tuple[re.Pattern, Role]]]:
+        """(layer prefix regex, module → role without an expert index (global ones under their
+        full name, layer ones relative to the prefix), [(regex, role)] of the expert roles)."""
         layer = re.compile(re.escape(self.layer_prefix).replace(r"\{layer\}", r"(\d+)") + "(.+)")
-        glob = {}
+        exact: dict[str, Role] = {}
+        experts = []
         for r in self.roles:
-            if r.scope in (GLOBAL, GLOBAL_LAST):
-                glob.setdefault(r.module, r)
-        local = [
-            (re.compile(r"(\d+)".join(map(re.escape, r.module.split("{e}")))), r)
-            for r in self.roles
-            if r.scope not in (GLOBAL, GLOBAL_LAST)
-        ]
-        return layer, glob, local
+            if "{e}" in r.module:
+                pattern = r"(\d+)".join(map(re.escape, r.module.split("{e}")))
+                experts.append((re.compile(pattern), r))
+            else:
+                key = r.module if r.scope in (GLOBAL, GLOBAL_LAST) else "." + r.module
+                exact.setdefault(key, r)  # the first row of a module (router before its bias)
+        return layer, exact, experts
+
+    @cached_property
+    def _stacked(self) -> str | None:
+        m = self.mlp("routed")
+        return None if m is None else self.role(m.gate).module.split(".{e}")[0]
 
     def locate(self, module: str) -> Located | None:
         """What module ``module`` (a tensor name without its local key) is; None: not ours."""
-        layer_re, glob, local = self._matchers
+        layer_re, exact, experts = self._matchers
         if (m := layer_re.fullmatch(module)) is None:
-            r = glob.get(module)
+            r = exact.get(module)
             return None if r is None else Located(r, None, None)
         layer, rest = int(m.group(1)), m.group(2)
-        if module == self.stacked_experts(layer):
+        if (r := exact.get("." + rest)) is not None:
+            return Located(r, layer, None)
+        if rest == self._stacked:
             return Located(None, layer, None)
-        for pattern, r in local:
+        for pattern, r in experts:
             if hit := pattern.fullmatch(rest):
-                return Located(r, layer, int(hit.group(1)) if hit.groups() else None)
+                return Located(r, layer, int(hit.group(1)))
         return None
 
 

@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from ..errors import HetquantError
-from .base import GLOBAL, GLOBAL_LAST, MTP, ModelConfig, ModelFamily, Role, register_family
+from .base import ModelConfig, ModelFamily, register_family
 from .mappings import AwqMappings, Balance
+from .roles import GLOBAL, GLOBAL_LAST, MTP, Role
 
 __all__ = ["AWQ", "FAMILY", "ROLES", "DeepseekV3Config", "RouterSpec"]
 
