@@ -89,7 +89,7 @@ class _LayerCalibration:
             self._expert_inputs(cap, stats)
         if self.opts.method == "awq":
             self._attention(cap)
-            self._mlps(cap, moe)
+            self._mlps(cap)
         out_q = self.ctx.runner.run(self.layer, h, _QuantizedWeights(self))
         delta = (out_q - out_f).to(torch.float32)
         stats["mse"] = float(delta.pow(2).mean())
@@ -124,7 +124,7 @@ class _LayerCalibration:
             if role in self.has:
                 self._clip(self._m(role), cap.input(self._m(role)))
 
-    def _mlps(self, cap: Capture, moe: bool) -> None:
+    def _mlps(self, cap: Capture) -> None:
         """The MLP input balance, then each gated MLP's up → down balance and clips."""
         if self.fam.awq.mlp_input is not None:
             self._mapping(self.fam.awq.mlp_input, cap)

@@ -6,13 +6,8 @@
 # Usage: bash benchmarks/probes/families_ab.sh [OLD_COMMIT]   (default 377fcd4, before the registry)
 set -euo pipefail
 old=${1:-377fcd4}
-repo=$(git rev-parse --show-toplevel)
-tmp=$(mktemp -d)
-mkdir -p "$tmp/old/tree" "$tmp/oldpkg/hetquant" "$tmp/newpkg/hetquant"
-git -C "$repo" archive "$old" | tar -x -C "$tmp/old/tree"
-for d in formats convert calib runtime; do
-  ln -sfn "$tmp/old/tree/$d" "$tmp/oldpkg/hetquant/$d"; ln -sfn "$repo/$d" "$tmp/newpkg/hetquant/$d"
-done
+source "$(dirname "$0")/_ab_trees.sh"
+ab_trees "$old"
 python "$repo/examples/deepseek-v3-layout/make_layout.py" "$tmp/r1"
 probe='
 import sys, time
