@@ -31,6 +31,7 @@ baseline the recipe produces without calibration data.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +43,6 @@ from .forward import check_tokens, default_device, layer_names, source_tensor_fn
 from .layer import _Context, _LayerCalibration, _QuantizedWeights, _RowsOf
 from .transforms import (
     _DTYPES,
-    _LINEARS,
     RESULT_FORMAT,
     RESULT_JSON,
     RESULT_VERSION,
@@ -65,7 +65,7 @@ __all__ = [
 # Names defined here before the split into ``transforms`` and ``layer``, still importable from
 # this module (benchmarks/bench_calibration.py wraps ``_LayerCalibration`` methods through it).
 _MOVED = (
-    RESULT_FORMAT, RESULT_JSON, RESULT_VERSION, _DTYPES, _LINEARS, _StoredTransforms,
+    RESULT_FORMAT, RESULT_JSON, RESULT_VERSION, _DTYPES, _StoredTransforms,
     apply_transform, _QuantizedWeights, _RowsOf,
 )  # fmt: skip
 
@@ -85,30 +85,35 @@ def calibrate(
 ) -> CalibrationResult:
     """Calibrate ``source`` on ``tokens`` [N, T] (see module docstring).
 
-    ``source``: anything with ``.config`` (a ``ModelConfig``) and ``.tensors`` (names), and —
-    unless ``weights_fn(name) -> tensor`` is given — ``.dequantized(name)`` (BF16 weights).
-    ``names`` overrides the tensor names. Deterministic: same inputs, same device type → same
+    ``source``: anything with ``.config`` (a ``formats.families.ModelConfig``) and ``.tensors``
+    (names), and — unless ``weights_fn(name) -> tensor`` is given — ``.dequantized(name)`` (BF16
+    weights). ``names`` overrides the tensor names. Options left to the family (``clip_skip``)
+    are filled in from it. Deterministic: same inputs, same device type → same
     transforms (bit-identical on the CPU).
     """
     opts = options or AwqOptions()
     cfg = source.config
+    fam = cfg.family
+    if opts.clip_skip is None:
+        opts = dataclasses.replace(opts, clip_skip=fam.awq.clip_skip)
     names = list(names if names is not None else source.tensors)
     fn = weights_fn or source_tensor_fn(source)
     dev = torch.device(device) if device is not None else default_device()
     tokens = check_tokens(tokens, cfg.vocab_size)
-    quantized = tuple(n for n in names if is_quantized_linear(n, cfg.num_hidden_layers))
+    roles = fam.expected_tensors(cfg)
+    quantized = tuple(n for n in names if n in roles and is_quantized_linear(roles[n]))
     ctx = _Context(cfg, opts, dev, opts.compute_dtype(dev), tokens.shape[1])
     start = time.perf_counter()
     transforms: dict[str, Transform] = {}
     layer_stats = []
     with torch.inference_mode():
-        h = ctx.runner.embed(fn("model.embed_tokens.weight"), tokens)  # [N, T, D]
+        h = ctx.runner.embed(fn(fam.tensor("embed")), tokens)  # [N, T, D]
         for layer in range(cfg.num_hidden_layers):
             rss_reset = _reset_peak_rss()
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
-            state = {n: fn(n).to(dev) for n in layer_names(names, layer)}
+            state = {n: fn(n).to(dev) for n in layer_names(names, layer, fam)}
             h, tf, st = _LayerCalibration(ctx, layer, state, set(quantized)).run(h)
             transforms.update({n: t.to("cpu") for n, t in tf.items()})
             del state

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError, get_format
+from hetquant.formats.families import parse_config
 
 from .calibrate import CalibrationResult
-from .forward import ConfigView, StreamedForward, source_tensor_fn
+from .forward import StreamedForward, source_tensor_fn
 
 __all__ = [
     "ArtifactTensors",
@@ -147,8 +148,8 @@ def forward_from_calibration(
 class ArtifactTensors:
     """``name → float tensor`` over an artifact: each module dequantized with its format.
 
-    Names are the source's (``…q_a_proj.weight``); routed experts stored stacked in
-    ``cpu_experts/`` answer to their per-expert names. Reads are memory-mapped, per tensor.
+    Names are the source's; routed experts stored stacked in ``cpu_experts/`` answer to their
+    per-expert names (the model family's). Reads are memory-mapped, per tensor.
     """
 
     def __init__(self, root: str | Path) -> None:
@@ -157,6 +158,7 @@ class ArtifactTensors:
         self.root = Path(root)
         art = open_artifact(self.root)
         self.config = art.config
+        self.family = parse_config(art.config).family
         self._where: dict[str, tuple] = {}
         for info in art.modules.values():
             if info.fmt is not None:
@@ -167,7 +169,7 @@ class ArtifactTensors:
         for layer, path in sorted(art.cpu_expert_files.items()):
             self._add_cpu_experts(layer, path)
         self._files: dict[str, Any] = {}
-        self._expert: tuple[tuple[Path, int], dict[str, torch.Tensor]] | None = None
+        self._expert: tuple[tuple[Path, int], tuple[torch.Tensor, ...]] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -180,9 +182,14 @@ class ArtifactTensors:
         packed = [n for n in entries if n.endswith(".gate_up_packed")]
         for name in packed:
             prefix = name.removesuffix(".gate_up_packed")
+            loc = self.family.locate(prefix)
+            if loc is None or loc.role is not None or loc.layer is None:
+                raise HetquantError(f"{path}: {prefix} is not a layer's stacked routed experts")
+            mlp = self.family.mlp("routed")
             for e in range(entries[name].shape[0]):
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    self._where[f"{prefix}.{e}.{proj}.weight"] = ("cpu", path, prefix, e, proj)
+                for i, role in enumerate((mlp.gate, mlp.up, mlp.down)):  # type: ignore[union-attr]
+                    where = ("cpu", path, prefix, e, i)
+                    self._where[self.family.tensor(role, loc.layer, e)] = where
 
     def _open(self, file: str | Path) -> Any:
         from safetensors import safe_open
@@ -208,15 +215,15 @@ class ArtifactTensors:
             return info.fmt.dequantize(local)
         return self._cpu_expert(*where[1:])
 
-    def _cpu_expert(self, path: Path, prefix: str, e: int, proj: str) -> torch.Tensor:
+    def _cpu_expert(self, path: Path, prefix: str, e: int, part: int) -> torch.Tensor:
+        """Part ``part`` (0 gate, 1 up, 2 down) of expert ``e`` of the stacked ``prefix``."""
         from hetquant.formats.int4_cpu import LAYER_KEYS, dequantize_expert
 
         if self._expert is None or self._expert[0] != (path, e):
             f = self._open(path)  # expert e's slice of each stacked tensor only
             layer = {k: f.get_slice(f"{prefix}.{k}")[e : e + 1] for k in LAYER_KEYS}
-            gate, up, down = dequantize_expert(layer, 0)
-            self._expert = ((path, e), {"gate_proj": gate, "up_proj": up, "down_proj": down})
-        return self._expert[1][proj]
+            self._expert = ((path, e), dequantize_expert(layer, 0))
+        return self._expert[1][part]
 
 
 def forward_from_artifact_dequantized(
@@ -227,8 +234,8 @@ def forward_from_artifact_dequantized(
     config: Any = None,
 ) -> StreamedForward:
     """An artifact as a forward, every stored tensor dequantized (module docstring: no
-    activation quantization). ``config``: a ``ModelConfig`` of the artifact's config.json
-    (default: a ``ConfigView`` of it)."""
+    activation quantization). ``config``: the parsed config.json (default: the artifact's,
+    parsed by its family)."""
     tensors = ArtifactTensors(artifact_dir)
-    cfg = config if config is not None else ConfigView.from_dict(tensors.config)
+    cfg = config if config is not None else parse_config(tensors.config)
     return StreamedForward(cfg, tensors.names, tensors, device=device, dtype=dtype)

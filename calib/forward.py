@@ -20,27 +20,26 @@ which each routed expert's own tokens are recovered (``Capture.expert_tokens``).
 
 ``StreamedForward(cfg, names, tensor_fn)`` is the whole model this way: tokens [N, T] → logits
 float32 [N, T, V], reading each tensor through ``tensor_fn(name)`` when its layer comes up.
-``ConfigView`` reads the config.json fields the forward needs (calib does not import
-``convert``; a ``formats.model_config.ModelConfig`` works the same wherever a config is taken).
+``cfg`` is the model's config (``formats.families``); every tensor name comes from its family's
+role table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
+from hetquant.formats.families import ModelFamily
 from hetquant.runtime.model import DeepseekV3Reference, rms_norm
 from hetquant.runtime.moe import gated_mlp, route
 from hetquant.runtime.rope import cos_sin
 
 __all__ = [
     "Capture",
-    "ConfigView",
     "LayerRunner",
     "LayerWeights",
     "StreamedForward",
@@ -51,58 +50,6 @@ __all__ = [
 ]
 
 TensorFn = Callable[[str], torch.Tensor]
-EXPERTS = ".mlp.experts."
-
-
-@dataclass(frozen=True)
-class ConfigView:
-    """The DeepSeek-V3 config.json fields the forward reads (a duck-typed ``ModelConfig``)."""
-
-    raw: dict[str, Any]
-    hidden_size: int
-    vocab_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    n_routed_experts: int
-    n_shared_experts: int
-    first_k_dense_replace: int
-    moe_layer_freq: int
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> ConfigView:
-        need = [
-            "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
-            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-        ]  # fmt: skip
-        missing = [k for k in need if raw.get(k) is None]
-        if missing:
-            raise HetquantError(f"config.json: missing {', '.join(missing)}")
-        q = raw.get("q_lora_rank")
-        return cls(
-            raw=dict(raw),
-            **{k: int(raw[k]) for k in need},
-            q_lora_rank=None if q is None else int(q),
-            n_routed_experts=int(raw.get("n_routed_experts") or 0),
-            n_shared_experts=int(raw.get("n_shared_experts") or 0),
-            first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
-            moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
-        )
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return (
-            self.n_routed_experts > 0
-            and layer >= self.first_k_dense_replace
-            and layer % self.moe_layer_freq == 0
-        )
 
 
 def default_device() -> torch.device:
@@ -122,9 +69,9 @@ def source_tensor_fn(source: Any) -> TensorFn:
     return source.dequantized
 
 
-def layer_names(names: Iterable[str], layer: int) -> list[str]:
-    """The tensor names of decoder layer ``layer`` (``model.layers.{layer}.*``), in order."""
-    prefix = f"model.layers.{layer}."
+def layer_names(names: Iterable[str], layer: int, family: ModelFamily) -> list[str]:
+    """The tensor names of decoder layer ``layer`` (under ``family.layer_prefix``), in order."""
+    prefix = family.layer_prefix.format(layer=layer)
     return [n for n in names if n.startswith(prefix)]
 
 
@@ -138,8 +85,7 @@ class Capture:
         self.topk_ids: torch.Tensor | None = None  # [M, k]
 
     def linear(self, name: str, x: torch.Tensor) -> None:
-        if EXPERTS not in name:  # routed experts: recovered from the routing instead
-            self._inputs.setdefault(name, []).append(x)
+        self._inputs.setdefault(name, []).append(x)
 
     def routing(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
         self.moe_input, self.topk_ids = x, topk_ids
@@ -165,10 +111,18 @@ class Capture:
 
 
 class LayerWeights:
-    """``runtime.model.Weights`` over ``state`` (HF names → tensors on the compute device)."""
+    """``runtime.model.Weights`` over ``state`` (HF names → tensors on the compute device) of a
+    model of ``family``. Routed experts run through ``experts`` only: their inputs are not
+    captured (the routing is) and their weights not kept in the compute dtype."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor], capture: Capture | None = None):
-        self.state, self.capture = dict(state), capture
+    def __init__(
+        self,
+        state: Mapping[str, torch.Tensor],
+        capture: Capture | None = None,
+        *,
+        family: ModelFamily,
+    ):
+        self.state, self.capture, self.family = dict(state), capture, family
         self._cast: dict[str, torch.Tensor] = {}  # non-expert weights in the compute dtype
 
     def get(self, name: str) -> torch.Tensor:
@@ -185,8 +139,6 @@ class LayerWeights:
     def weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """``get(name)`` in ``dtype``; kept for the non-expert linears, which attention calls
         once per sequence (a routed expert runs once per forward)."""
-        if EXPERTS in name:
-            return self.get(name).to(dtype)
         w = self._cast.get(name)
         if w is None or w.dtype != dtype:
             w = self._cast[name] = self.get(name).to(dtype)
@@ -198,21 +150,24 @@ class LayerWeights:
         """``runtime.moe.routed_experts`` with a deterministic accumulation (module docstring)."""
         if self.capture is not None:
             self.capture.routing(x, topk_ids)
-        prefix = f"model.layers.{layer}.mlp.experts"
         out = torch.zeros_like(x)  # [M, D]
         for e in torch.unique(topk_ids).tolist():
             tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)  # [n], [n]
-            y = gated_mlp(self.linear, f"{prefix}.{e}", x[tok])  # [n, D]
+            modules = self.family.mlp_modules("routed", layer, e)
+            y = gated_mlp(self._expert_linear, modules, x[tok])  # [n, D]
             out[tok] += y * topk_weights[tok, slot, None].to(x.dtype)
         return out
+
+    def _expert_linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.get(f"{name}.weight").to(x.dtype))
 
 
 class LayerRunner:
     """Decoder layers over hidden states [N, T, D] (see module docstring)."""
 
     def __init__(self, cfg: Any, seq_len: int, device: torch.device, dtype: torch.dtype):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        probe = DeepseekV3Reference(cfg, LayerWeights({}), dtype=dtype)
+        self.cfg, self.device, self.dtype, self.fam = cfg, torch.device(device), dtype, cfg.family
+        probe = DeepseekV3Reference(cfg, LayerWeights({}, family=self.fam), dtype=dtype)
         self.eps, self.router = probe.eps, probe.router
         cos, sin = cos_sin(probe.rope, torch.arange(seq_len))  # [T, dr/2] each
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
@@ -221,30 +176,31 @@ class LayerRunner:
     def run(self, layer: int, h: torch.Tensor, weights: LayerWeights) -> torch.Tensor:
         """Layer ``layer`` on ``h`` [N, T, D] → [N, T, D] with ``weights``."""
         model = DeepseekV3Reference(self.cfg, weights, dtype=self.dtype)
-        p = f"model.layers.{layer}"
-        ln = weights.get(f"{p}.input_layernorm.weight")
+        f = self.fam
+        ln = weights.get(f.tensor("attn_norm", layer))
         rows = []
         for hn in h:  # attention: one sequence at a time
             x = rms_norm(hn, ln, self.eps)  # [T, D]
             rows.append(hn + model.attention(layer, x, self.cos, self.sin, self.mask))
         flat = torch.stack(rows).reshape(-1, h.shape[-1])  # [N·T, D]
-        x = rms_norm(flat, weights.get(f"{p}.post_attention_layernorm.weight"), self.eps)
+        x = rms_norm(flat, weights.get(f.tensor("ffn_norm", layer)), self.eps)
         if self.cfg.is_moe_layer(layer):
             y = self._moe(weights, layer, x)
         else:
-            y = gated_mlp(weights.linear, f"{p}.mlp", x)
+            y = gated_mlp(weights.linear, f.mlp_modules(None, layer), x)
         return (flat + y).reshape(h.shape)
 
     def _moe(self, w: LayerWeights, layer: int, x: torch.Tensor) -> torch.Tensor:
         """``DeepseekV3Reference.moe`` with routing on the CPU."""
         assert self.router is not None
-        p = f"model.layers.{layer}.mlp"
-        logits = F.linear(x.to(torch.float32), w.get(f"{p}.gate.weight").to(torch.float32))
-        bias = w.get(f"{p}.gate.e_score_correction_bias").cpu() if self.router.use_bias else None
+        f = self.fam
+        logits = F.linear(x.to(torch.float32), w.get(f.tensor("router", layer)).to(torch.float32))
+        bias = w.get(f.tensor("router_bias", layer)).cpu() if self.router.use_bias else None
         ids, weights = route(logits.cpu(), bias, self.router)  # [M, k] each
         y = w.experts(layer, x, ids.to(x.device), weights.to(x.device))
-        if self.cfg.n_shared_experts:
-            y = y + gated_mlp(w.linear, f"{p}.shared_experts", x)
+        shared = f.mlp("shared")
+        if shared is not None and f.role(shared.gate) in f.layer_roles(self.cfg, layer):
+            y = y + gated_mlp(w.linear, f.mlp_modules("shared", layer), x)
         return y
 
     def embed(self, embed_weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -292,12 +248,13 @@ class StreamedForward:
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         t = check_tokens(tokens, self.cfg.vocab_size)
-        runner = LayerRunner(self.cfg, t.shape[1], self.device, self.dtype)
-        h = runner.embed(self.tensor_fn("model.embed_tokens.weight"), t)  # [N, T, D]
+        runner, f = LayerRunner(self.cfg, t.shape[1], self.device, self.dtype), self.cfg.family
+        h = runner.embed(self.tensor_fn(f.tensor("embed")), t)  # [N, T, D]
         for layer in range(self.cfg.num_hidden_layers):
-            state = {n: self.tensor_fn(n).to(self.device) for n in layer_names(self.names, layer)}
-            h = runner.run(layer, h, LayerWeights(state))
+            names = layer_names(self.names, layer, f)
+            state = {n: self.tensor_fn(n).to(self.device) for n in names}
+            h = runner.run(layer, h, LayerWeights(state, family=f))
             del state
         return runner.head(
-            h, self.tensor_fn("model.norm.weight"), self.tensor_fn("lm_head.weight")
+            h, self.tensor_fn(f.tensor("final_norm")), self.tensor_fn(f.tensor("lm_head"))
         ).cpu()

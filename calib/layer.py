@@ -1,32 +1,21 @@
 """One decoder layer's AWQ calibration: steps 2-5 of ``calibrate``'s lifecycle.
 
-Mappings of layer ``p = model.layers.L`` (prev op → linears sharing one scale; the prev op
-absorbs ``diag(s)⁻¹``, the linears ``diag(s)``):
+What is balanced with what is the model family's data (``formats/families/mappings.py`` says
+how a mapping runs; ``deepseek_v3.py`` lists DeepSeek-V3's): ``_attention`` runs the family's
+``balances`` and the clips of its ``clips`` linears, ``_mlps`` the ``mlp_input`` balance and then,
+for every gated MLP of the role table, its up → down balance and the clips of its three linears.
+A prev op absorbs ``diag(s)⁻¹`` (a norm its elements, a linear its rows), the linears ``diag(s)``.
 
-=================================  ======================================================  =====
-prev op                            balanced linears                                        fold
-=================================  ======================================================  =====
-input_layernorm                    q_a_proj (or q_proj) + kv_a_proj_with_mqa               norm
-q_a_layernorm                      q_b_proj                                                norm
-kv_a_layernorm                     kv_b_proj                                               norm
-kv_b_proj, v rows of every head    o_proj (``fold_o_proj``)                                rows
-post_attention_layernorm           dense gate/up, or shared gate/up + EVERY routed         norm
-                                   expert's gate/up; router columns × s (compensation)
-up_proj (dense, shared, expert e)  down_proj of the same MLP                               rows
-=================================  ======================================================  =====
-
-- o_proj: MLA has no v_proj, but ``v = kv_b_proj_v · latent`` per head and the attention output
-  ``o[h, d] = Σ_t p[h, t] · v[t, h, d]`` is linear in v, so o_proj's input channel ``h·dv + d``
-  divided by s is exactly kv_b_proj's row ``h·(dn + dv) + dn + d`` divided by s. The fold is
-  exact, and kv_b_proj's quantization is unchanged by it (RTN per (row, group) is equivariant
-  to a row scale, exactly so for powers of two). AutoAWQ has no o_proj mapping.
-- Router: ``mlp.gate`` reads the same normed hidden state as the experts. Folding s into
-  post_attention_layernorm would change its logits (AutoAWQ's bug, fixed in llm-compressor PR
-  #2451), so its columns are multiplied by s: ``(x/s)·(W·s)ᵀ = x·Wᵀ``. The logits are then equal up
-  to float rounding: the folded norm and router are stored in BF16 (relative error ≤ 2⁻⁹ per
-  element, the order of BF16 activations' own rounding). With ``pow2_scales=True`` both stay
-  exact and the logits bit-identical; the default keeps AutoAWQ's continuous scales, which
-  measured better on the tiny model with injected outliers (final KL 0.0060 vs 0.0097).
+- Router compensation: the router reads the same normed hidden state as the experts. Folding s
+  into the norm would change its logits (AutoAWQ's bug, fixed in llm-compressor PR #2451), so its
+  columns are multiplied by s: ``(x/s)·(W·s)ᵀ = x·Wᵀ``. The logits are then equal up to float
+  rounding: the folded norm and router are stored in BF16 (relative error ≤ 2⁻⁹ per element, the
+  order of BF16 activations' own rounding). With ``pow2_scales=True`` both stay exact and the
+  logits bit-identical; the default keeps AutoAWQ's continuous scales, which measured better on
+  the tiny model with injected outliers (final KL 0.0060 vs 0.0097).
+- A rows fold (DeepSeek's o_proj into kv_b_proj's v rows) is exact, and the folded linear's
+  quantization is unchanged by it (RTN per (row, group) is equivariant to a row scale, exactly so
+  for powers of two). AutoAWQ has no o_proj mapping.
 - Experts share one gate/up scale (one norm). The objective sums each expert's error over the
   tokens routed to it (an expert that saw none adds nothing). Per-expert decisions — its
   up→down scale, its clips — need the expert's own inputs; an expert routed fewer than
@@ -46,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
+from hetquant.formats.families import Balance
 
 from . import awq
 from .forward import Capture, LayerRunner, LayerWeights
@@ -76,7 +66,9 @@ class _LayerCalibration:
         self, ctx: _Context, layer: int, state: dict[str, torch.Tensor], quantized: set[str]
     ) -> None:
         self.ctx, self.opts, self.layer, self.state = ctx, ctx.opts, layer, state
-        self.p = f"model.layers.{layer}"
+        self.fam = ctx.cfg.family
+        self.p = self.fam.layer_prefix.format(layer=layer)
+        self.has = {r.name for r in self.fam.layer_roles(ctx.cfg, layer)}  # roles of this layer
         self.quantized = {n for n in state if n in quantized}
         self.tf: dict[str, Transform] = {}
         self.searches: dict[str, dict[str, Any]] = {}
@@ -90,14 +82,14 @@ class _LayerCalibration:
     # orchestration -------------------------------------------------------------------------
     def run(self, h: torch.Tensor) -> tuple[torch.Tensor, dict[str, Transform], dict[str, Any]]:
         cap = Capture()
-        out_f = self.ctx.runner.run(self.layer, h, LayerWeights(self.state, cap))
+        out_f = self.ctx.runner.run(self.layer, h, LayerWeights(self.state, cap, family=self.fam))
         stats: dict[str, Any] = {"layer": self.layer}
         moe = self.ctx.cfg.is_moe_layer(self.layer)
         if moe:
             self._expert_inputs(cap, stats)
         if self.opts.method == "awq":
             self._attention(cap)
-            self._mlps(cap, moe)
+            self._mlps(cap)
         out_q = self.ctx.runner.run(self.layer, h, _QuantizedWeights(self))
         delta = (out_q - out_f).to(torch.float32)
         stats["mse"] = float(delta.pow(2).mean())
@@ -106,9 +98,8 @@ class _LayerCalibration:
         return (out_q if self.opts.propagate == "quantized" else out_f), self.tf, stats
 
     def _expert_inputs(self, cap: Capture, stats: dict[str, Any]) -> None:
-        n_exp = self.ctx.cfg.n_routed_experts
         self.moe_x = cap.moe_input  # [M, D]
-        self.routed = cap.expert_tokens(n_exp)
+        self.routed = cap.expert_tokens(self.ctx.cfg.num_experts)
         counts = [int(t.numel()) for t in self.routed]
         self.fallback = [e for e, c in enumerate(counts) if c < self.opts.expert_threshold]
         stats["expert_tokens"] = counts
@@ -118,74 +109,70 @@ class _LayerCalibration:
         """Expert ``e``'s inputs for per-expert decisions: routed tokens, or all (fallback)."""
         return self.moe_x if e in self.fallback else self.moe_x[self.routed[e]]
 
-    # attention ---------------------------------------------------------------------------------
+    def _m(self, role: str, e: int | None = None) -> str:
+        """The module of ``role`` in this layer (routed expert ``e``)."""
+        return self.fam.module(role, self.layer, e)
+
+    # the family's mappings -----------------------------------------------------------------
     def _attention(self, cap: Capture) -> None:
-        a, cfg = f"{self.p}.self_attn", self.ctx.cfg
-        q_in = [f"{a}.q_a_proj"] if cfg.q_lora_rank else [f"{a}.q_proj"]
-        self._balance("attn_in", f"{self.p}.input_layernorm", [*q_in, f"{a}.kv_a_proj_with_mqa"],
-                      cap.input(q_in[0]))  # fmt: skip
-        if cfg.q_lora_rank:
-            self._balance(
-                "q_b", f"{a}.q_a_layernorm", [f"{a}.q_b_proj"], cap.input(f"{a}.q_b_proj")
-            )
-        self._balance(
-            "kv_b", f"{a}.kv_a_layernorm", [f"{a}.kv_b_proj"], cap.input(f"{a}.kv_b_proj")
-        )
-        if self.opts.fold_o_proj:
-            self._balance("o", f"{a}.kv_b_proj", [f"{a}.o_proj"], cap.input(f"{a}.o_proj"),
-                          rows=self._v_rows())  # fmt: skip
-        linears = [*q_in, f"{a}.kv_a_proj_with_mqa", f"{a}.kv_b_proj", f"{a}.o_proj"]
-        if cfg.q_lora_rank:
-            linears.append(f"{a}.q_b_proj")
-        for m in linears:
-            self._clip(m, cap.input(m))
+        """The family's ``balances`` (those whose option is on), then its ``clips``."""
+        mappings = self.fam.awq
+        for b in mappings.balances:
+            if b.option is None or getattr(self.opts, b.option):
+                self._mapping(b, cap)
+        for role in mappings.clips:
+            if role in self.has:
+                self._clip(self._m(role), cap.input(self._m(role)))
 
-    def _v_rows(self) -> torch.Tensor:
-        """kv_b_proj's v rows in o_proj input order: head h, channel d → h·(dn+dv) + dn + d."""
-        c = self.ctx.cfg
-        dn, dv = c.qk_nope_head_dim, c.v_head_dim
-        heads = torch.arange(c.num_attention_heads)[:, None] * (dn + dv)
-        return (heads + dn + torch.arange(dv)[None, :]).reshape(-1).to(self.ctx.device)
+    def _mlps(self, cap: Capture) -> None:
+        """The MLP input balance, then each gated MLP's up → down balance and clips."""
+        if self.fam.awq.mlp_input is not None:
+            self._mapping(self.fam.awq.mlp_input, cap)
+        for mlp in self.fam.mlps:
+            if mlp.gate not in self.has:
+                continue
+            roles = (mlp.gate, mlp.up, mlp.down)
+            if mlp.expert != "routed":
+                mods = [self._m(r) for r in roles]
+                self._mlp_unit(_parent(mods[0]), mods, cap.input(mods[0]), cap.input(mods[2]))
+                continue
+            for e in range(self.ctx.cfg.num_experts):
+                mods = [self._m(r, e) for r in roles]
+                self._mlp_unit(_parent(mods[0]), mods, self._expert_x(e), None)
 
-    # MLPs ------------------------------------------------------------------------------------
-    def _mlps(self, cap: Capture, moe: bool) -> None:
-        p = f"{self.p}.mlp"
-        norm = f"{self.p}.post_attention_layernorm"
-        if not moe:
-            x = cap.input(f"{p}.gate_proj")
-            self._balance("mlp_in", norm, [f"{p}.gate_proj", f"{p}.up_proj"], x)
-            self._mlp_unit(p, x, cap.input(f"{p}.down_proj"))
+    def _mapping(self, b: Balance, cap: Capture) -> None:
+        """One balance of the family (``formats/families/mappings.py`` says how it runs)."""
+        present = [r for r in b.linears if r in self.has]
+        if not present or b.prev not in self.has:
             return
-        n_exp, shared = self.ctx.cfg.n_routed_experts, f"{p}.shared_experts"
-        mods: list[str] = []
-        rows: list[torch.Tensor | None] = []  # None: all tokens (shared experts)
-        if self.ctx.cfg.n_shared_experts:
-            mods += [f"{shared}.gate_proj", f"{shared}.up_proj"]
-            rows += [None, None]
-        for e in range(n_exp):  # the objective: each expert on its routed tokens only
-            mods += [f"{p}.experts.{e}.gate_proj", f"{p}.experts.{e}.up_proj"]
-            rows += [self.routed[e], self.routed[e]]
-        self._balance("mlp_in", norm, mods, _RowsOf(self.moe_x, rows),
-                      x_mean=awq.activation_mean(self.moe_x), compensate=f"{p}.gate")  # fmt: skip
-        if self.ctx.cfg.n_shared_experts:
-            self._mlp_unit(shared, self.moe_x, cap.input(f"{shared}.down_proj"))
-        for e in range(n_exp):
-            self._mlp_unit(f"{p}.experts.{e}", self._expert_x(e), None)
+        routed = [r for r in present if self.fam.role(r).expert == "routed"]
+        mods = [self._m(r) for r in present if r not in routed]
+        rows: list[torch.Tensor | None] = [None] * len(mods)  # None: all tokens
+        for e in range(self.ctx.cfg.num_experts) if routed else ():
+            mods += [self._m(r, e) for r in routed]  # the objective: each expert on its tokens
+            rows += [self.routed[e]] * len(routed)
+        if routed:
+            x: torch.Tensor | Sequence[torch.Tensor] = _RowsOf(self.moe_x, rows)
+            x_mean = awq.activation_mean(self.moe_x)
+        else:
+            x, x_mean = cap.input(mods[0]), None
+        fold_rows = None if b.rows is None else b.rows(self.ctx.cfg).to(self.ctx.device)
+        compensate = self._m(b.compensate) if b.compensate in self.has else None
+        self._balance(b.label, self._m(b.prev), mods, x, x_mean=x_mean, rows=fold_rows,
+                      compensate=compensate)  # fmt: skip
 
-    def _mlp_unit(self, prefix: str, x: torch.Tensor, x_down: torch.Tensor | None) -> None:
-        """up → down balance of one MLP, then the clips of its three linears."""
+    def _mlp_unit(
+        self, prefix: str, mods: Sequence[str], x: torch.Tensor, x_down: torch.Tensor | None
+    ) -> None:
+        """up → down balance of one MLP (``mods``: gate, up, down), then its three clips."""
+        gate, up, down = mods
         if x_down is None:  # a routed expert: its down input from the float weights
-            w = LayerWeights(self.state)
-            x_down = F.silu(w.linear(f"{prefix}.gate_proj", x)) * w.linear(f"{prefix}.up_proj", x)
-        self._balance(
-            f"down:{prefix.removeprefix(self.p + '.')}",
-            f"{prefix}.up_proj",
-            [f"{prefix}.down_proj"],
-            x_down,
-        )
-        for m in ("gate_proj", "up_proj"):
-            self._clip(f"{prefix}.{m}", x)
-        self._clip(f"{prefix}.down_proj", x_down)
+            w = LayerWeights(self.state, family=self.fam)
+            x_down = F.silu(w.linear(gate, x)) * w.linear(up, x)
+        self._balance(f"down:{prefix.removeprefix(self.p)}", up, [down], x_down)
+        for m in (gate, up):
+            self._clip(m, x)
+        self._clip(down, x_down)
 
     # the two searches --------------------------------------------------------------------------
     def _balance(
@@ -193,7 +180,7 @@ class _LayerCalibration:
         label: str,
         prev: str,
         modules: list[str],
-        x: torch.Tensor | list[torch.Tensor],
+        x: torch.Tensor | Sequence[torch.Tensor],
         *,
         x_mean: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
@@ -243,6 +230,10 @@ class _LayerCalibration:
         return self.tf.setdefault(name, Transform())
 
 
+def _parent(module: str) -> str:
+    return module.rpartition(".")[0]
+
+
 class _RowsOf(Sequence[torch.Tensor]):
     """``x[rows[i]]`` (all of ``x`` where ``rows[i]`` is None), made on demand; neighbours with
     the same index tensor (an expert's gate and up) get the same tensor object."""
@@ -268,7 +259,7 @@ class _QuantizedWeights(LayerWeights):
     time), folded norms and the compensated router cast back to their source dtype."""
 
     def __init__(self, lc: _LayerCalibration) -> None:
-        super().__init__(lc.state)
+        super().__init__(lc.state, family=lc.fam)
         self.lc = lc
 
     def get(self, name: str) -> torch.Tensor:

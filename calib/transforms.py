@@ -3,7 +3,7 @@
 - ``AwqOptions``: calibration options (``calibrate`` and ``layer`` document the decisions).
 - ``Transform`` / ``apply_transform``: what calibration does to one source tensor — column
   scales, row (norm element) divisors, per-(row, group) clip shrinks.
-- ``is_quantized_linear``: the awq-w4a16 recipe's quantized set of source tensor names.
+- ``is_quantized_linear``: the awq-w4a16 recipe's quantized set, by tensor role.
 - ``CalibrationResult``: the transforms of a whole checkpoint plus statistics; ``save`` writes
   ``calibration.json`` + one ``layer_XXX.safetensors`` per layer, ``load`` opens them lazily.
 """
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError
+from hetquant.formats.families import TensorRole
 
 from . import awq
 
@@ -37,9 +38,6 @@ RESULT_JSON = "calibration.json"
 RESULT_FORMAT = "hetquant-awq-calibration"
 RESULT_VERSION = 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_LINEARS = frozenset(
-    "q_proj q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj gate_proj up_proj down_proj".split()
-)
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,8 @@ class AwqOptions:
     clip_grid: int = 20
     clip_max_shrink: float = 0.5
     clip_tokens: int = 512
-    clip_skip: tuple[str, ...] = ("q_a_proj", "q_b_proj", "q_proj")
+    # module leaves never clipped; None: the model family's (``AwqMappings.clip_skip``)
+    clip_skip: tuple[str, ...] | None = None
     # Off by default: the fold is exact, but it rescales kv_b_proj's v rows, which are quantized
     # too; on the trained tiny model it cost more than the o_proj search gained (ΔPPL +1.47% vs
     # +0.92% without, KL 0.0324 vs 0.0320; benchmarks/awq_sweep.py).
@@ -84,12 +83,13 @@ class AwqOptions:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["clip_skip"] = list(self.clip_skip)
+        d["clip_skip"] = None if self.clip_skip is None else list(self.clip_skip)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> AwqOptions:
-        return cls(**{**d, "clip_skip": tuple(d.get("clip_skip", ()))})
+        skip = d.get("clip_skip", ())
+        return cls(**{**d, "clip_skip": None if skip is None else tuple(skip)})
 
 
 @dataclass
@@ -134,14 +134,11 @@ def apply_transform(
     return out
 
 
-def is_quantized_linear(name: str, num_hidden_layers: int) -> bool:
-    """Whether source tensor ``name`` is a decoder-layer linear that AWQ quantizes: the MLA
-    projections and every MLP / expert projection of layers ``0 .. num_hidden_layers - 1`` (not
-    the router ``mlp.gate``, not the MTP layers) — the awq-w4a16 recipe's quantized set."""
-    parts = name.split(".")
-    if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
-        return False
-    return int(parts[2]) < num_hidden_layers and parts[-1] == "weight" and parts[-2] in _LINEARS
+def is_quantized_linear(role: TensorRole) -> bool:
+    """Whether a tensor of ``role`` is a decoder-layer linear that AWQ quantizes: every linear of
+    the main layers (attention and MLP / expert projections; not the router, not the MTP
+    layers) — the awq-w4a16 recipe's quantized set."""
+    return role.layer is not None and role.role.kind == "linear" and not role.mtp
 
 
 @dataclass

@@ -14,10 +14,8 @@ from collections.abc import Callable, Mapping
 
 from hetquant.formats import HetquantError, TensorMeta, WeightFormat, get_format
 from hetquant.formats.base import identify, missing_partners
-from hetquant.formats.model_config import ModelConfig
+from hetquant.formats.families import ModelConfig, TensorRole, expected_tensors
 from hetquant.formats.safetensors_io import HeaderEntry
-
-from .deepseek_v3 import TensorRole, expected_tensors
 
 __all__ = ["PLAIN", "PREFERRED", "attach_roles"]
 
@@ -55,8 +53,8 @@ def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
     unknown = [n for n in entries if n not in claimed]
     if unknown:
         raise HetquantError(
-            f"tensor {unknown[0]!r} (and {len(unknown) - 1} more) matches no DeepSeek-V3 role for this "
-            "config; is config.json from the same checkpoint?"
+            f"tensor {unknown[0]!r} (and {len(unknown) - 1} more) matches no {cfg.family.name} role "
+            "for this config; is config.json from the same checkpoint?"
         )
     return out
 

@@ -91,10 +91,11 @@ def _describe_source(path: Path) -> str:
     items = [SourceItem(t.name, t.role, t.dtype, t.fmt_name) for t in src.tensors.values()]
     table = precision_table(make_plan(items, _AsIs("as-is", ""), 1 << 62))
     scales = sum(t.nbytes - t.main.nbytes for t in src.tensors.values())  # partner tensors
+    dense = sum(not c.is_moe_layer(layer) for layer in range(c.num_hidden_layers))
     head = [
         f"checkpoint {path}",
-        f"model      {c.raw.get('model_type', '?')}: {c.num_hidden_layers} layers ({c.first_k_dense_replace} dense) "
-        f"+ {c.num_nextn_predict_layers} MTP, hidden {c.hidden_size}, {c.n_routed_experts} routed experts",
+        f"model      {c.raw.get('model_type', '?')}: {c.num_hidden_layers} layers ({dense} dense) "
+        f"+ {c.num_mtp_layers} MTP, hidden {c.hidden_size}, {c.num_experts} routed experts",
         f"shards     {len(src.shard_files)}, {src.total_bytes:,} bytes ({scales:,} in scales of quantized weights)",
     ]
     return "\n".join(head) + "\n\n" + format_precision(table)

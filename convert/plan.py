@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta, get_format
+from hetquant.formats.families import TensorRole
 from hetquant.formats.safetensors_io import build_header
 
-from .deepseek_v3 import TensorRole
 from .recipes import COPY, DROP, ROOT, Recipe, Target
 
 __all__ = [
@@ -35,7 +35,7 @@ __all__ = [
 
 WEIGHT_SUFFIX = ".weight"
 HEADER_METADATA = {"format": "pt"}
-EXPERT_ROLES = ("expert_gate", "expert_up", "expert_down")  # the order quantize_expert takes
+EXPERT_PARTS = ("gate", "up", "down")  # a routed expert's gated MLP, as quantize_expert takes it
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
             continue
         if target.fmt in EXPERT_FORMATS:
             key = (target.file or "", item.role.layer or 0, item.role.expert or 0)
-            experts.setdefault(key, {})[item.role.role.name] = item
+            experts.setdefault(key, {})[item.role.role.mlp or item.role.role.name] = item
             continue
         jobs.append(_job(len(jobs), item, target))
     n_experts: dict[tuple[str, int], int] = {}
@@ -201,12 +201,12 @@ def _expert_job(
     idx: int, file: str, layer: int, e: int, n_experts: int, members: dict[str, SourceItem], recipe: Recipe,
     stacked: dict[str, OutFile],
 ) -> Job:  # fmt: skip
-    missing = [r for r in EXPERT_ROLES if r not in members]
+    missing = [r for r in EXPERT_PARTS if r not in members]
     if missing or not file:
         raise HetquantError(
             f"layer {layer} expert {e}: recipe {recipe.name} stacks {sorted(members)} but not {missing}"
         )
-    gate, down = members["expert_gate"], members["expert_down"]
+    gate, down = members["gate"], members["down"]
     target = recipe.assign(gate.role, gate.fmt)
     if target.part == ROOT:
         raise HetquantError(
@@ -215,7 +215,9 @@ def _expert_job(
     fmt = EXPERT_FORMATS[target.fmt]
     inter, hidden = gate.role.shape
     layer_metas = fmt.stored(n_experts, hidden, inter)
-    prefix = down.name.split(".experts.")[0] + ".experts"
+    prefix = down.role.stack
+    if prefix is None:
+        raise HetquantError(f"{down.name}: not a routed expert; only routed experts are stacked")
     out = stacked.get(file)
     if out is None:
         out = stacked[file] = OutFile(file, target.part)
@@ -225,7 +227,7 @@ def _expert_job(
     for k, m in layer_metas.items():
         per = TensorMeta(m.dtype, m.shape[1:])
         pieces.append(OutPiece(f"{prefix}.{k}", k, e * per.nbytes, per))
-    sources = tuple(members[r].name for r in EXPERT_ROLES)
+    sources = tuple(members[r].name for r in EXPERT_PARTS)
     return Job(idx, "experts", sources, target, tuple(pieces))
 
 

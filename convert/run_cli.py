@@ -167,7 +167,7 @@ def eval_(
 
     from hetquant.calib.data import load_tokenizer, token_blocks
     from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
-    from hetquant.formats.model_config import load_json
+    from hetquant.formats.families import load_json
     from hetquant.runtime.run import local_model
 
     from .hub import resolve_source
@@ -225,7 +225,7 @@ def _check_eval_size(config: dict[str, Any], samples: int, seq_len: int) -> None
 def _check_reference(artifact: Path, src: Any, reference: str) -> None:
     """Refuse a ``--reference`` that is not the checkpoint ARTIFACT was converted from: the
     manifest's source fingerprint (index + config) or, failing that, config.json must agree."""
-    from hetquant.formats.model_config import load_json
+    from hetquant.formats.families import load_json
 
     from .verify import load_manifest
 

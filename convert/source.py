@@ -25,11 +25,10 @@ import torch
 
 from hetquant.formats import HetquantError, WeightFormat
 from hetquant.formats.base import float_rows
-from hetquant.formats.model_config import ModelConfig, load_json
+from hetquant.formats.families import ModelConfig, TensorRole, load_json
 from hetquant.formats.safetensors_io import HeaderEntry, MappedFile, read_header
 
 from ._source_roles import PLAIN, attach_roles
-from .deepseek_v3 import TensorRole
 
 __all__ = ["INDEX_NAME", "PLAIN", "SINGLE_NAME", "SourceCheckpoint", "SourceTensor"]
 

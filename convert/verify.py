@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from hetquant.formats import HetquantError
-from hetquant.formats.model_config import ModelConfig, load_json
+from hetquant.formats.families import TensorRole, expected_tensors, load_config, load_json
 from hetquant.formats.safetensors_io import read_header
 
-from .deepseek_v3 import TensorRole, expected_tensors
 from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, file_digest, module_formats
 from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
@@ -73,7 +72,7 @@ def count_files(files: dict[str, int]) -> str:
 
 def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
     """The plan that produced the artifact, rebuilt from config.json and the manifest alone."""
-    cfg = ModelConfig.load(root / "config.json")
+    cfg = load_config(root / "config.json")
     recipe = get_recipe(manifest["recipe"]["name"]).with_options(manifest["recipe"]["options"])
     dtypes = manifest["source"]["dtypes"]
     items = [

@@ -2,7 +2,8 @@
 
 ``_cpu_expert_files`` lists the files from the manifest (``hetquant.json`` →
 ``parts.cpu_experts.files``), ``_layers_of`` reads one file's safetensors header into an
-:class:`ExpertLayerInfo` per MoE layer (``int4_cpu`` layout, ``formats/int4_cpu.py``),
+:class:`ExpertLayerInfo` per MoE layer (``int4_cpu`` layout, ``formats/int4_cpu.py``; the layer
+of a stacked prefix from the model family's role table),
 ``_select_layers`` collects the layers of all files (or the requested ones), and ``_Mapping``
 maps one file for :class:`~hetquant.runtime.expert_pool.CpuExpertPool`.
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +25,12 @@ import torch
 
 from hetquant.formats import HetquantError
 from hetquant.formats.dtypes import itemsize, torch_dtype
+from hetquant.formats.families import ModelFamily, load_config
 from hetquant.formats.int4_cpu import LAYER_KEYS, layer_stored
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 __all__ = [
     "MANIFEST",
-    "_PREFIX",
     "ExpertLayerInfo",
     "_Mapping",
     "_cpu_expert_files",
@@ -39,7 +39,6 @@ __all__ = [
 ]
 
 MANIFEST = "hetquant.json"
-_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class ExpertLayerInfo:
 
     layer: int
     path: Path
-    prefix: str  # tensor-name prefix, e.g. "model.layers.3.mlp.experts"
+    prefix: str  # tensor-name prefix: the family's stacked experts module of the layer
     num_experts: int
     hidden: int
     inter: int
@@ -94,7 +93,7 @@ def _cpu_expert_files(artifact: Path) -> list[Path]:
     return out
 
 
-def _layers_of(path: Path) -> list[ExpertLayerInfo]:
+def _layers_of(path: Path, family: ModelFamily) -> list[ExpertLayerInfo]:
     header = read_header(path)
     groups: dict[str, dict[str, HeaderEntry]] = {}
     for name, entry in header.entries.items():
@@ -105,9 +104,12 @@ def _layers_of(path: Path) -> list[ExpertLayerInfo]:
         raise HetquantError(f"{path}: no int4_cpu expert tensors ({', '.join(LAYER_KEYS)})")
     out = []
     for prefix, entries in groups.items():
-        m = _PREFIX.search(prefix)
-        if m is None:
-            raise HetquantError(f"{path}: cannot read a layer number from tensor prefix {prefix!r}")
+        loc = family.locate(prefix)
+        if loc is None or loc.role is not None or loc.layer is None:
+            raise HetquantError(
+                f"{path}: tensor prefix {prefix!r} is not a layer's stacked routed experts of "
+                f"model family {family.name}"
+            )
         missing = [k for k in LAYER_KEYS if k not in entries]
         if missing:
             raise HetquantError(f"{path}: {prefix} lacks {', '.join(missing)}")
@@ -122,7 +124,7 @@ def _layers_of(path: Path) -> list[ExpertLayerInfo]:
                 raise HetquantError(
                     f"{path}: {prefix}.{key} is {entries[key].meta}, expected {meta}"
                 )
-        out.append(ExpertLayerInfo(int(m.group(1)), path, prefix, *dims, entries))
+        out.append(ExpertLayerInfo(loc.layer, path, prefix, *dims, entries))
     return out
 
 
@@ -130,8 +132,10 @@ def _select_layers(artifact: Path, layers: Iterable[int] | None) -> dict[int, Ex
     """The layers of ``artifact``'s cpu_experts files, keyed by layer number; only ``layers``
     (all if None)."""
     infos: dict[int, ExpertLayerInfo] = {}
-    for path in _cpu_expert_files(artifact):
-        for info in _layers_of(path):
+    files = _cpu_expert_files(artifact)
+    family = load_config(artifact / "config.json").family
+    for path in files:
+        for info in _layers_of(path, family):
             if info.layer in infos:
                 raise HetquantError(
                     f"{artifact}: layer {info.layer} appears in {infos[info.layer].path.name} "

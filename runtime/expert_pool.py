@@ -53,7 +53,6 @@ from hetquant.formats import HetquantError
 from hetquant.formats.int4_cpu import LAYER_KEYS
 
 # ``X as X``: names defined here before the split into _expert_files.py and _subpool.py
-from ._expert_files import _PREFIX as _PREFIX
 from ._expert_files import MANIFEST as MANIFEST
 from ._expert_files import ExpertLayerInfo, _Mapping, _select_layers
 from ._expert_files import _cpu_expert_files as _cpu_expert_files

@@ -3,7 +3,8 @@
 A rank has a coordinate in each parallel dimension, given explicitly (no globals):
 
 - **TP** ``tp_size``/``tp_rank``: column-parallel weights split their ``out`` rows, row-parallel
-  ones their ``in`` columns, embeddings/heads their vocab rows (shard_rules.py has the table).
+  ones their ``in`` columns, embeddings/heads their vocab rows (``split_of``; the family's role
+  table says which is which, ``shard_rules.py`` how each format's stored tensors follow).
 - **PP** ``pp_size``/``pp_rank``: contiguous stages of decoder layers; the embedding lives on the
   first stage, the final norm and ``lm_head`` (and MTP layers, when loaded) on the last. Layer
   counts follow vLLM's ``get_pp_indices``: ``L // pp`` each, and the ``L % pp`` left over go one
@@ -29,13 +30,25 @@ Model-dependent checks (heads, expert counts, quantization groups) are in :meth:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hetquant.formats.errors import HetquantError
 
-__all__ = ["ParallelLayout", "pp_partition"]
+from .shard_rules import (
+    DIM_NAMES,
+    ModelFacts,
+    ModuleInfo,
+    Placement,
+    place,
+    shard_pieces,
+    split_range,
+)
+
+__all__ = ["ParallelLayout", "check_layout", "pp_partition", "split_of"]
 
 AccelExperts = int | Mapping[int, Sequence[int]] | tuple[tuple[int, tuple[int, ...]], ...] | None
 
@@ -180,8 +193,6 @@ class ParallelLayout:
         HetquantError naming the reason and the valid alternatives: heads or experts that do
         not divide, a split that would cut a quantization group, block, pack or tile.
         """
-        from .shard_rules import check_layout  # shard_rules imports this module
-
         check_layout(self, cfg, modules)
 
 
@@ -204,3 +215,111 @@ def _normalize_accel(accel: AccelExperts) -> AccelExperts:
             raise HetquantError(f"accel_experts[{layer}] has negative expert ids: {list(ids)}")
         out.append((int(layer), ids))
     return tuple(sorted(out))
+
+
+# -- what a layout does to a module, and whether a model fits it ------------------------------
+
+
+def split_of(pl: Placement, layout: ParallelLayout) -> int | None:
+    """The weight dim this layout splits the module along over TP (None: kept whole)."""
+    g = pl.rule.group
+    if pl.rule.dim is None or layout.tp_size == 1:
+        return None
+    if layout.attn_dp and (g == "attention" or (g == "embed")):
+        return None
+    if g == "routed" and layout.ep_size > 1:
+        return None
+    return pl.rule.dim
+
+
+def _tp_split_ok(info: ModuleInfo, pl: Placement, dim: int, world: int) -> str | None:
+    """None if every TP rank's piece is legal, else the reason."""
+    size = info.shape[dim]
+    if pl.rule.group not in ("embed", "head") and size % world:
+        return f"{info.prefix}: {DIM_NAMES[dim]} = {size} does not split evenly {world} ways"
+    try:
+        for rank in range(world):
+            shard_pieces(info, dim, *split_range(pl, size, world, rank))
+    except HetquantError as e:
+        return str(e)
+    return None
+
+
+def _tp_reason(layout: ParallelLayout, facts: ModelFacts, modules: Iterable[ModuleInfo]) -> Any:
+    """``reason(world)``: why ``world`` TP ranks cannot hold ``modules`` (None: they can); and
+    the gcd that every valid world divides."""
+    split = [
+        (m, pl, d)
+        for m in modules
+        if (d := split_of(pl := place(m.prefix, facts.family), layout)) is not None
+    ]
+
+    def reason(world: int) -> str | None:
+        if world > 1 and not layout.attn_dp and facts.heads % world:
+            return f"tp_size {world} does not divide {facts.heads} heads"
+        seen: set[tuple] = set()
+        for info, pl, dim in split:
+            key = (info.fmt, info.shape, dim, pl.rule.group in ("embed", "head"))
+            if key not in seen and (why := _tp_split_ok(info, pl, dim, world)):
+                return f"tp_size {world}: {why}"
+            seen.add(key)
+        return None
+
+    sizes = [info.shape[d] for info, pl, d in split if pl.rule.group not in ("embed", "head")]
+    return reason, math.gcd(*sizes, *(() if layout.attn_dp else (facts.heads,)))
+
+
+def check_layout(
+    layout: ParallelLayout, cfg: Mapping[str, Any], modules: Mapping[str, ModuleInfo]
+) -> None:
+    """See ``ParallelLayout.validate``."""
+    facts = ModelFacts.from_config(cfg)
+    layout.stage_layers(facts.num_layers)  # pp size / pp_layers against the layer count
+    _check_experts(layout, facts)
+    if layout.tp_size == 1:
+        return
+    reason, bound = _tp_reason(layout, facts, modules.values())
+    if not (why := reason(layout.tp_size)):
+        return
+    valid = [d for d in range(1, bound + 1) if bound % d == 0 and reason(d) is None]
+    msg = f"{why}; valid tp sizes: {', '.join(map(str, valid))}"
+    if not layout.attn_dp:
+        dp_layout = dataclasses.replace(layout, attn_dp=True)
+        dp_reason, dp_bound = _tp_reason(dp_layout, facts, modules.values())
+        dp = [d for d in range(1, dp_bound + 1) if dp_bound % d == 0 and dp_reason(d) is None]
+        msg += f" (with attn_dp=True: {', '.join(map(str, dp))})" if dp != valid else ""
+    raise HetquantError(msg)
+
+
+def _check_experts(layout: ParallelLayout, facts: ModelFacts) -> None:
+    e, rows = facts.n_routed, layout.physical_to_logical
+    if rows is not None:
+        n_main = sum(i < facts.num_layers for i in facts.moe_layers)
+        if len(rows) not in (1, n_main, len(facts.moe_layers)):
+            raise HetquantError(
+                f"physical_to_logical has {len(rows)} rows; give 1 (every MoE layer), {n_main} "
+                f"(MoE layers {facts.moe_layers[:n_main]}) or {len(facts.moe_layers)} (with MTP)"
+            )
+        for i, row in enumerate(rows):
+            missing = sorted(set(range(e)) - set(row))
+            if max(row) >= e or missing:
+                raise HetquantError(
+                    f"physical_to_logical row {i}: every slot must name a logical expert in "
+                    f"0..{e - 1} and every expert needs a slot; bad: "
+                    f"{sorted(x for x in row if x >= e)}, without a slot: {missing}"
+                )
+            if len(row) < layout.ep_size:
+                raise HetquantError(
+                    f"physical_to_logical row {i} has {len(row)} slots for ep_size "
+                    f"{layout.ep_size}; every EP rank needs at least one slot"
+                )
+    elif layout.ep_size > 1 and facts.moe_layers:
+        layout.expert_slots(0, e)  # raises with the valid ep sizes
+    for layer, ids in _accel_items(layout):
+        if ids and max(ids) >= e:
+            raise HetquantError(f"accel_experts[{layer}] names experts >= {e}: {list(ids)}")
+
+
+def _accel_items(layout: ParallelLayout) -> Iterable[tuple[int, tuple[int, ...]]]:
+    accel = layout.accel_experts
+    return () if accel is None or isinstance(accel, int) else accel  # type: ignore[return-value]

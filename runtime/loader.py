@@ -35,7 +35,7 @@ from hetquant.formats.errors import HetquantError
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 from ._reader import LoadStats, Span, read_spans
-from .layout import ParallelLayout
+from .layout import ParallelLayout, split_of
 from .shard_rules import (
     ModelFacts,
     ModuleInfo,
@@ -43,7 +43,6 @@ from .shard_rules import (
     Placement,
     place,
     shard_pieces,
-    split_of,
     split_range,
 )
 
@@ -138,7 +137,8 @@ class Artifact:
 
     def __post_init__(self) -> None:
         self.facts = ModelFacts.from_config(self.config)
-        self.placements = {mid: place(info.prefix) for mid, info in self.modules.items()}
+        fam = self.facts.family
+        self.placements = {mid: place(info.prefix, fam) for mid, info in self.modules.items()}
 
     @property
     def cpu_expert_files(self) -> dict[int, Path]:

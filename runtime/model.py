@@ -3,51 +3,52 @@
 The forward never touches a weight tensor itself. It asks a *weights provider* (``Weights``):
 
 - ``linear(prefix, x)`` — ``x @ Wᵀ`` for the linear module ``prefix`` (HF name without
-  ``.weight``, e.g. ``model.layers.0.self_attn.q_a_proj``); a quantized backend or a TP rank
-  substitutes its own kernel here;
+  ``.weight``, e.g. ``family.module("q_a", 0)``); a quantized backend or a TP rank substitutes
+  its own kernel here;
 - ``get(name)`` — a full tensor by HF name, for norms and the router;
 - ``embed(tokens)`` — embedding rows of ``tokens`` (a vocab-parallel rank gathers them);
 - ``experts(layer, x, topk_ids, topk_weights)`` — the routed-expert sum of one MoE layer, so a
   CPU expert pool (or an EP rank) can take it over.
 
-``DenseWeights`` is the plain provider: float tensors under their HF names.
+Every name comes from the config's family role table, by role (``ModelFamily.tensor`` /
+``module``); ``DenseWeights(state, family)`` is the plain provider: float tensors under their
+HF names. Below, roles stand for their tensors.
 
 Per decoder layer ``l < num_hidden_layers`` (pre-norm, residual)::
 
-    h = h + MLA(rmsnorm(h, input_layernorm))
-    h = h + FFN(rmsnorm(h, post_attention_layernorm))     # dense MLP if l is not a MoE layer
+    h = h + MLA(rmsnorm(h, attn_norm))
+    h = h + FFN(rmsnorm(h, ffn_norm))     # the dense MLP if l is not a MoE layer
 
 MLA (multi-head latent attention; H heads, dn = qk_nope, dr = qk_rope, dv = v_head dims)::
 
-    q        = q_b(rmsnorm(q_a(x)))  or  q_proj(x)          -> per head [dn | dr]
-    [c | kr] = kv_a_proj_with_mqa(x)                        c: kv_lora_rank latent, kr: [dr]
-    [kn | v] = kv_b(rmsnorm(c, kv_a_layernorm))             -> per head [dn | dv]
+    q        = q_b(rmsnorm(q_a(x), q_a_norm))  or  q(x)    -> per head [dn | dr]
+    [c | kr] = kv_a(x)                                      c: the latent, kr: [dr]
+    [kn | v] = kv_b(rmsnorm(c, kv_a_norm))                  -> per head [dn | dv]
     k        = [kn | rope(kr)]  (kr shared by all heads),   q = [qn | rope(qr)]
     o        = softmax(q·kᵀ · s + causal) · v,   s = qk_head_dim^-0.5 · YaRN mscale²
-    out      = o_proj(o)
+    out      = o(o)
 
-Then ``rmsnorm(h, model.norm)`` and ``lm_head``. RoPE and YaRN are in ``rope.py``, routing in
+Then ``rmsnorm(h, final_norm)`` and ``lm_head``. RoPE and YaRN are in ``rope.py``, routing in
 ``moe.py``. RMSNorm is computed in float32 with ``rms_norm_eps`` from the config for every norm
 (DeepSeek's own code fixes 1e-6 for all of them, HF for the two latent norms; every released
-config has ``rms_norm_eps = 1e-6``). The multi-token-prediction layers (``model.layers.{L}`` for
+config has ``rms_norm_eps = 1e-6``). The multi-token-prediction layers (layers
 ``L >= num_hidden_layers``) are not part of the main forward and are never read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
+from hetquant.formats.families import ModelFamily
+from hetquant.formats.families.deepseek_v3 import DeepseekV3Config
 
-from .moe import RouterSpec, gated_mlp, route, routed_experts
+from .moe import gated_mlp, route, routed_experts
 from .rope import RopeSpec, apply_rope, cos_sin
-
-if TYPE_CHECKING:  # runtime does not import convert at run time (DESIGN.md data flow)
-    from hetquant.formats.model_config import ModelConfig
 
 __all__ = ["DeepseekV3Reference", "DenseWeights", "Weights", "rms_norm"]
 
@@ -67,14 +68,15 @@ class Weights(Protocol):
 
 
 class DenseWeights:
-    """Unquantized weights: ``state`` maps HF tensor names to float tensors (bf16 / f32 / …).
+    """Unquantized weights: ``state`` maps HF tensor names to float tensors (bf16 / f32 / …) of
+    a model of ``family`` (it names the embedding and the routed experts).
 
     ``linear`` casts a weight to the activation dtype when they differ (a no-op in the common case
     where both are the same). Override ``experts`` to move the routed experts elsewhere.
     """
 
-    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.state = dict(state)
+    def __init__(self, state: Mapping[str, torch.Tensor], family: ModelFamily) -> None:
+        self.state, self.family = dict(state), family
 
     def get(self, name: str) -> torch.Tensor:
         try:
@@ -83,7 +85,7 @@ class DenseWeights:
             raise HetquantError(f"weights: no tensor {name!r}") from None
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.get("model.embed_tokens.weight")[tokens]  # [T, D]
+        return self.get(self.family.tensor("embed"))[tokens]  # [T, D]
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         w = self.get(f"{name}.weight")  # [out, in]
@@ -92,9 +94,10 @@ class DenseWeights:
     def experts(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        return routed_experts(
-            self.linear, f"model.layers.{layer}.mlp.experts", x, topk_ids, topk_weights
-        )
+        def modules(e: int) -> tuple[str, ...]:
+            return self.family.mlp_modules("routed", layer, e)
+
+        return routed_experts(self.linear, modules, x, topk_ids, topk_weights)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -107,11 +110,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DeepseekV3Reference:
     """DeepSeek-V3 causal prefill over one token sequence (no KV cache).
 
-    ``cfg`` is a ``hetquant.formats.model_config.ModelConfig`` (its fields and ``raw`` dict are
-    read); ``weights`` a ``Weights`` provider; ``dtype`` the activation dtype. Logits are float32.
+    ``cfg`` is a ``DeepseekV3Config`` (a config of the DeepSeek-V3 family, or of one sharing its
+    roles); ``weights`` a ``Weights`` provider; ``dtype`` the activation dtype. Logits are float32.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, *, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, cfg: DeepseekV3Config, weights: Weights, *, dtype: torch.dtype = torch.float32
+    ):
         raw = cfg.raw
         if raw.get("hidden_act", "silu") != "silu":
             raise HetquantError(f"config.json: hidden_act {raw['hidden_act']!r}; expected silu")
@@ -119,12 +124,12 @@ class DeepseekV3Reference:
             raise HetquantError(
                 "config.json: attention_bias / tie_word_embeddings are not DeepSeek-V3 features"
             )
-        self.cfg, self.weights, self.dtype = cfg, weights, dtype
-        self.eps = float(raw.get("rms_norm_eps", 1e-6))
+        self.cfg, self.weights, self.dtype, self.fam = cfg, weights, dtype, cfg.family
+        self.eps = cfg.rms_norm_eps
         self.rope = RopeSpec.from_config(raw, cfg.qk_rope_head_dim)
         self.softmax_scale = cfg.qk_head_dim**-0.5 * self.rope.softmax_mscale
         moe = any(cfg.is_moe_layer(layer) for layer in range(cfg.num_hidden_layers))
-        self.router = RouterSpec.from_config(raw, cfg.n_routed_experts) if moe else None
+        self.router = cfg.router() if moe else None
 
     # public API ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -141,8 +146,8 @@ class DeepseekV3Reference:
         cos, sin, mask = self.positions(h)
         for layer in range(self.cfg.num_hidden_layers):  # MTP layers excluded
             h = self.decoder_layer(layer, h, cos, sin, mask)
-        h = rms_norm(h, self.weights.get("model.norm.weight"), self.eps)  # [T, D]
-        return self.weights.linear("lm_head", h).to(torch.float32)  # [T, V]
+        h = rms_norm(h, self.weights.get(self.fam.tensor("final_norm")), self.eps)  # [T, D]
+        return self.weights.linear(self.fam.module("lm_head"), h).to(torch.float32)  # [T, V]
 
     __call__ = forward
 
@@ -172,13 +177,13 @@ class DeepseekV3Reference:
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """Decoder layer ``layer`` on hidden states ``h`` [T, D]; returns [T, D]."""
-        p, w = f"model.layers.{layer}", self.weights
-        x = rms_norm(h, w.get(f"{p}.input_layernorm.weight"), self.eps)  # [T, D]
+        f, w = self.fam, self.weights
+        x = rms_norm(h, w.get(f.tensor("attn_norm", layer)), self.eps)  # [T, D]
         h = h + self.attention(layer, x, cos, sin, mask)
-        x = rms_norm(h, w.get(f"{p}.post_attention_layernorm.weight"), self.eps)  # [T, D]
+        x = rms_norm(h, w.get(f.tensor("ffn_norm", layer)), self.eps)  # [T, D]
         if self.cfg.is_moe_layer(layer):
             return h + self.moe(layer, x)
-        return h + gated_mlp(w.linear, f"{p}.mlp", x)
+        return h + gated_mlp(w.linear, f.mlp_modules(None, layer), x)
 
     def attention(
         self,
@@ -189,24 +194,27 @@ class DeepseekV3Reference:
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """MLA of layer ``layer`` on normed ``x`` [T, D] with rope angles ``cos``/``sin`` [T, dr/2]."""
-        c, w, p = self.cfg, self.weights, f"model.layers.{layer}.self_attn"
-        t = x.shape[0]
+        c, w, t = self.cfg, self.weights, x.shape[0]
+
+        def m(role: str) -> str:
+            return self.fam.module(role, layer)
+
         dn, dr, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         if c.q_lora_rank:
             q_lat = rms_norm(
-                w.linear(f"{p}.q_a_proj", x), w.get(f"{p}.q_a_layernorm.weight"), self.eps
+                w.linear(m("q_a"), x), w.get(self.fam.tensor("q_a_norm", layer)), self.eps
             )
-            q = w.linear(f"{p}.q_b_proj", q_lat)  # [T, H·(dn+dr)]
+            q = w.linear(m("q_b"), q_lat)  # [T, H·(dn+dr)]
         else:
-            q = w.linear(f"{p}.q_proj", x)  # [T, H·(dn+dr)]
+            q = w.linear(m("q"), x)  # [T, H·(dn+dr)]
         nh = q.shape[-1] // (dn + dr)  # this rank's heads (all of them without TP)
         q = q.view(t, nh, dn + dr)  # [T, H, dn+dr]
         q_nope, q_rope = q.split([dn, dr], dim=-1)  # [T, H, dn], [T, H, dr]
 
-        kv_a = w.linear(f"{p}.kv_a_proj_with_mqa", x)  # [T, r+dr]
+        kv_a = w.linear(m("kv_a"), x)  # [T, r+dr]
         latent, k_rope = kv_a.split([r, dr], dim=-1)  # [T, r], [T, dr]
-        latent = rms_norm(latent, w.get(f"{p}.kv_a_layernorm.weight"), self.eps)  # [T, r]
-        kv = w.linear(f"{p}.kv_b_proj", latent).view(t, nh, dn + dv)  # [T, H, dn+dv]
+        latent = rms_norm(latent, w.get(self.fam.tensor("kv_a_norm", layer)), self.eps)  # [T, r]
+        kv = w.linear(m("kv_b"), latent).view(t, nh, dn + dv)  # [T, H, dn+dv]
         k_nope, v = kv.split([dn, dv], dim=-1)  # [T, H, dn], [T, H, dv]
 
         q_rope = apply_rope(q_rope, cos, sin)  # [T, H, dr]
@@ -217,18 +225,18 @@ class DeepseekV3Reference:
         scores = torch.einsum("thd,shd->hts", q, k) * self.softmax_scale  # [H, T(q), T(k)]
         probs = (scores + mask.to(scores.dtype)).softmax(-1, dtype=torch.float32).to(x.dtype)
         o = torch.einsum("hts,shd->thd", probs, v)  # [T, H, dv]
-        return w.linear(f"{p}.o_proj", o.reshape(t, nh * dv))  # [T, D]
+        return w.linear(m("o"), o.reshape(t, nh * dv))  # [T, D]
 
     def moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Routed experts (through ``weights.experts``) plus shared experts, [T, D] → [T, D]."""
         assert self.router is not None
-        w, p = self.weights, f"model.layers.{layer}.mlp"
+        w, f = self.weights, self.fam
         logits = F.linear(
-            x.to(torch.float32), w.get(f"{p}.gate.weight").to(torch.float32)
+            x.to(torch.float32), w.get(f.tensor("router", layer)).to(torch.float32)
         )  # [T, E]
-        bias = w.get(f"{p}.gate.e_score_correction_bias") if self.router.use_bias else None
+        bias = w.get(f.tensor("router_bias", layer)) if self.router.use_bias else None
         topk_ids, topk_weights = route(logits, bias, self.router)  # [T, k], [T, k]
         y = w.experts(layer, x, topk_ids, topk_weights)  # [T, D]
         if self.cfg.n_shared_experts:
-            y = y + gated_mlp(w.linear, f"{p}.shared_experts", x)
+            y = y + gated_mlp(w.linear, f.mlp_modules("shared", layer), x)
         return y

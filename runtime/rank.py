@@ -3,10 +3,11 @@
 ``RankWeights`` implements ``runtime.model.Weights`` for one rank of a ``ParallelLayout``:
 
 - ``linear(prefix, x)`` runs the module's ``QuantLinear`` (built once, on the backend, from this
-  rank's stored tensors). A module split along its IN dim (row-parallel: o_proj, down) returns a
+  rank's stored tensors). A module split along its IN dim (row-parallel: o, down) returns a
   partial sum, all-reduced over the group; one split along OUT (column-parallel: q_b, kv_b,
   gate/up) returns this rank's slice — the forward derives its local head count from the shape;
-  the vocab-split lm_head's slices are all-gathered into full logits.
+  the vocab-split lm_head's slices are all-gathered into full logits. Which is which: the
+  family's role table (``shard_rules.place``).
 - ``embed(tokens)``: a vocab-parallel lookup (rows this rank does not hold give 0), all-reduced.
 - ``experts(layer, x, ids, weights)``: one partial sum per rank, all-reduced once per layer:
   under TP every expert's slices; under EP the experts this rank owns (a logical expert held in
@@ -29,10 +30,10 @@ import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
 
-from .layout import ParallelLayout
+from .layout import ParallelLayout, split_of
 from .model import DeepseekV3Reference, rms_norm
 from .ops import QuantLinear
-from .shard_rules import IN, OUT, ModuleInfo, place, split_of, split_range
+from .shard_rules import IN, OUT, ModuleInfo, place, split_range
 
 __all__ = ["Comm", "RankWeights", "run_stage"]
 
@@ -89,14 +90,12 @@ class RankWeights:
         npu_ops: Any = None,
     ) -> None:
         self.t, self.modules, self.layout, self.cfg = dict(tensors), modules, layout, cfg
+        self.fam = cfg.family
         self.backend, self.comm, self.pool, self.npu_ops = backend, comm or Comm(), pool, npu_ops
         first = next(iter(self.t.values()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._linears: dict[str, QuantLinear] = {}
-        self._moe_index = {
-            layer: i
-            for i, layer in enumerate(x for x in range(cfg.total_layers) if cfg.is_moe_layer(x))
-        }
+        self._moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
 
     def get(self, name: str) -> torch.Tensor:
         try:
@@ -106,20 +105,20 @@ class RankWeights:
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(name)(x)  # [..., out (this rank's part)]
-        dim = split_of(place(name), self.layout)
+        pl = place(name, self.fam)
+        dim = split_of(pl, self.layout)
         if dim == IN:
             return self.comm.all_reduce(y)
-        if dim == OUT and place(name).rule.group == "head":
+        if dim == OUT and pl.rule.group == "head":
             return self._gather_vocab(y)
         return y
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        table = self.get("model.embed_tokens.weight")  # [V_r, D]
-        if split_of(place("model.embed_tokens"), self.layout) is None:
+        table = self.get(self.fam.tensor("embed"))  # [V_r, D]
+        pl = place(self.fam.module("embed"), self.fam)
+        if split_of(pl, self.layout) is None:
             return table[tokens]
-        lo, hi = split_range(
-            place("model.embed_tokens"), self.cfg.vocab_size, self.comm.size, self.comm.rank
-        )
+        lo, hi = split_range(pl, self.cfg.vocab_size, self.comm.size, self.comm.rank)
         tokens = tokens.to(table.device)
         mine = (tokens >= lo) & (tokens < hi)  # [T]
         out = table.new_zeros(tokens.shape[0], table.shape[1])  # [T, D]
@@ -137,18 +136,16 @@ class RankWeights:
             )
             return self.comm.all_reduce(y)
         y = torch.zeros_like(x)  # [T, D]
-        prefix = f"model.layers.{layer}.mlp.experts"
         for e in self._computed_experts(layer):
             hit = topk_ids == e  # [T, k]
             rows = hit.any(-1).nonzero().squeeze(-1)  # [n]
             if rows.numel() == 0:
                 continue
             xe = x[rows]  # [n, D]
-            act = F.silu(self._linear(f"{prefix}.{e}.gate_proj")(xe)) * self._linear(
-                f"{prefix}.{e}.up_proj"
-            )(xe)
+            gate, up, down = self.fam.mlp_modules("routed", layer, e)
+            act = F.silu(self._linear(gate)(xe)) * self._linear(up)(xe)  # [n, I_r]
             weight = (topk_weights * hit).sum(-1)[rows]  # [n]
-            y[rows] += self._linear(f"{prefix}.{e}.down_proj")(act) * weight[:, None].to(x.dtype)
+            y[rows] += self._linear(down)(act) * weight[:, None].to(x.dtype)
         return self.comm.all_reduce(y)
 
     # helpers ------------------------------------------------------------------------------
@@ -185,7 +182,7 @@ class RankWeights:
 
     def _computed_experts(self, layer: int) -> list[int]:
         """Logical experts whose contribution this rank adds (each counted once overall)."""
-        n = self.cfg.n_routed_experts
+        n = self.cfg.num_experts
         if self.layout.ep_size == 1:
             return list(range(n))
         idx = self._moe_index[layer]
@@ -200,7 +197,7 @@ def run_stage(
 ) -> torch.Tensor:
     """This stage's part of the forward: token ids [T] (first stage) or hidden [T, D] in; hidden
     [T, D] out, or float32 logits [T, V] on the last stage."""
-    w, eps = model.weights, model.eps
+    w, eps, fam = model.weights, model.eps, model.fam
     h_or_tokens = h_or_tokens.to(w.device)
     h = w.embed(h_or_tokens).to(model.dtype) if first else h_or_tokens  # [T, D]
     cos, sin, mask = model.positions(h)
@@ -209,5 +206,5 @@ def run_stage(
             h = model.decoder_layer(layer, h, cos, sin, mask)
         if not last:
             return h
-        h = rms_norm(h, w.get("model.norm.weight"), eps)  # [T, D]
-        return w.linear("lm_head", h).to(torch.float32)  # [T, V]
+        h = rms_norm(h, w.get(fam.tensor("final_norm")), eps)  # [T, D]
+        return w.linear(fam.module("lm_head"), h).to(torch.float32)  # [T, V]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hetquant.formats import HetquantError
-from hetquant.formats.model_config import ModelConfig
+from hetquant.formats.families import parse_config
 
 __all__ = ["RunSpec", "local_model", "run_artifact"]
 
@@ -166,7 +166,7 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: f
         comm = Comm(groups[stage], g, grank)
     layout = _layout(spec, rank)
     art = open_artifact(spec.artifact)
-    cfg = ModelConfig.from_dict(art.config)
+    cfg = parse_config(art.config)
     tensors = art.load(layout, device=_torch_device(spec.device, grank))
     pool = art.cpu_expert_pool(subpools=spec.subpools) if art.cpu_expert_files else None
     weights = RankWeights(
@@ -287,7 +287,7 @@ def local_model(
     art = open_artifact(artifact)
     layout = ParallelLayout()
     layout.validate(art.config, art.modules)
-    cfg = ModelConfig.from_dict(art.config)
+    cfg = parse_config(art.config)
     tensors = art.load(layout, device=_torch_device(device, 0))
     pool = art.cpu_expert_pool(subpools=subpools) if art.cpu_expert_files else None
     weights = RankWeights(

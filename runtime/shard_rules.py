@@ -1,26 +1,22 @@
 """Shard rules: tensor role × format axes → which slice of every stored tensor a rank keeps.
 
-Roles come from HF names through the regex table ``RULES`` below (runtime may not import
-``convert``, so this repeats the minimum of its role table: split dim and group). A rule gives
-the weight dim that tensor parallelism splits; the format (``WeightFormat.shard_axes``) says
-which dim of each stored tensor follows it, and in what unit:
+A module's role comes from its model family's role table (``formats/families``): ``place`` looks
+the module name up there, and the role's ``tp`` column gives the weight dim tensor parallelism
+splits — ``column`` and ``vocab``: out (dim 0), ``row``: in (dim 1), ``replicate``: none. The
+placement's ``Rule.group`` is what the layout (``layout.py`` ``split_of``) and the loader treat
+apart:
 
-========================================  =========  ==========================================
-module (relative to model.layers.{L}.)     split      under
-========================================  =========  ==========================================
-self_attn.q_b_proj / q_proj / kv_b_proj    out (col)  TP, by heads (H·d rows, heads whole);
-                                                      replicated with attn_dp
-self_attn.o_proj                           in (row)   TP; replicated with attn_dp
-self_attn.q_a_proj / kv_a_proj_with_mqa    —          replicated
-mlp.{gate,up}_proj, shared_experts.*       out (col)  TP  (dense MLP, shared experts)
-mlp.down_proj, shared_experts.down_proj    in (row)   TP
-mlp.experts.{e}.{gate,up}_proj / down      out / in   EP > 1: whole experts, owned; else TP
-mlp.gate (+ e_score_correction_bias),      —          replicated
-norms, eh_proj (MTP)
-model.embed_tokens, embed_tokens (MTP)     vocab      TP rows, padded split; attn_dp: replicated
-lm_head, shared_head.head (MTP)            vocab      TP rows, padded split (⌈V/tp⌉ per rank)
-mlp.experts.<stacked> (cpu_experts/)       —          never loaded (the CPU expert pool's)
-========================================  =========  ==========================================
+==========  ====================================================================================
+group       what happens to it
+==========  ====================================================================================
+embed       an input embedding (kind ``embedding``): vocab rows, padded split (⌈V/tp⌉ per rank,
+            vLLM's); replicated with attn_dp; the global one lives on the first PP stage
+head        an output head (kind ``head``): vocab rows, padded split; on the last PP stage
+routed      a routed expert: with EP > 1 owned whole by one rank, else split by TP
+cpu         a layer's stacked routed experts (``cpu_experts/``): never loaded (the CPU pool's)
+attention   the family's ``attention_group``: split by TP, replicated with attn_dp
+(other)     the role's precision group (``norms``, ``dense_mlp``, ...): split by TP as ``tp`` says
+==========  ====================================================================================
 
 An even split needs ``size % world == 0`` and whole units of every stored key (an AWQ group, an
 8-pack, an NVFP4 block or Ascend tile, an FP8 block); anything else is refused with the valid
@@ -29,71 +25,56 @@ degrees. A plain tensor (norm, embedding, BF16 copy) is its own unit-1 format.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hetquant.formats.base import WeightFormat
 from hetquant.formats.errors import HetquantError
+from hetquant.formats.families import FAMILIES, ModelFamily, Role, parse_config
 from hetquant.formats.safetensors_io import HeaderEntry
 
-if TYPE_CHECKING:
-    from .layout import ParallelLayout
-
 __all__ = [
-    "RULES",
+    "DIM_NAMES",
+    "IN",
+    "OUT",
     "ModelFacts",
     "ModuleInfo",
     "Piece",
     "Placement",
     "Rule",
-    "check_layout",
     "place",
+    "rule_of",
     "shard_pieces",
-    "split_of",
     "split_range",
 ]
 
 OUT, IN = 0, 1
-_DIM_NAME = ("out", "in")
+DIM_NAMES = ("out", "in")
+_TP_DIM = {"column": OUT, "vocab": OUT, "row": IN, "replicate": None}
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One row of the table: name pattern, group, and the weight dim TP splits."""
+    """How a module shards: its group (module docstring) and the weight dim TP splits."""
 
-    pattern: str  # over the module prefix, relative to model.layers.{L}. when ``layer``
-    group: str  # attention | mlp | shared | routed | router | norm | embed | head | mtp | cpu
+    group: str
     dim: int | None  # OUT (column, vocab), IN (row) or None (replicate)
-    layer: bool = True
 
 
-RULES: tuple[Rule, ...] = (
-    Rule(r"model\.embed_tokens", "embed", OUT, layer=False),
-    Rule(r"model\.norm", "norm", None, layer=False),
-    Rule(r"lm_head", "head", OUT, layer=False),
-    Rule(r"self_attn\.(q_a_proj|kv_a_proj_with_mqa)", "attention", None),
-    Rule(r"self_attn\.(q_b_proj|q_proj|kv_b_proj)", "attention", OUT),
-    Rule(r"self_attn\.o_proj", "attention", IN),
-    Rule(r"(input_layernorm|post_attention_layernorm|self_attn\.(q_a|kv_a)_layernorm"
-         r"|enorm|hnorm|shared_head\.norm)", "norm", None),
-    Rule(r"mlp\.(gate|up)_proj", "mlp", OUT),
-    Rule(r"mlp\.down_proj", "mlp", IN),
-    Rule(r"mlp\.shared_experts\.(gate|up)_proj", "shared", OUT),
-    Rule(r"mlp\.shared_experts\.down_proj", "shared", IN),
-    Rule(r"mlp\.gate", "router", None),
-    Rule(r"mlp\.experts\.(?P<e>\d+)\.(gate|up)_proj", "routed", OUT),
-    Rule(r"mlp\.experts\.(?P<e>\d+)\.down_proj", "routed", IN),
-    Rule(r"mlp\.experts", "cpu", None),
-    Rule(r"eh_proj", "mtp", None),
-    Rule(r"embed_tokens", "embed", OUT),
-    Rule(r"shared_head\.head", "head", OUT),
-)  # fmt: skip
-_COMPILED = tuple((re.compile(r.pattern), r) for r in RULES)
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+def rule_of(role: Role | None, family: ModelFamily) -> Rule:
+    """The rule of a role of ``family``'s table (None: a layer's stacked routed experts)."""
+    if role is None:
+        return Rule("cpu", None)
+    if role.expert == "routed":
+        group = "routed"
+    elif role.kind in ("embedding", "head"):
+        group = "embed" if role.kind == "embedding" else "head"
+    elif role.group == family.attention_group:
+        group = "attention"
+    else:
+        group = role.group
+    return Rule(group, _TP_DIM[role.tp])
 
 
 @dataclass(frozen=True)
@@ -105,44 +86,47 @@ class Placement:
     expert: int | None
 
 
-def place(prefix: str) -> Placement:
-    """The rule of module ``prefix`` (HF name without the local key)."""
-    m = _LAYER.fullmatch(prefix)
-    rest, layer = (m.group(2), int(m.group(1))) if m else (prefix, None)
-    for pattern, rule in _COMPILED:
-        if rule.layer == (layer is not None) and (hit := pattern.fullmatch(rest)):
-            e = hit.groupdict().get("e")
-            return Placement(rule, layer, None if e is None else int(e))
-    raise HetquantError(
-        f"{prefix}: not a DeepSeek-V3-family module the loader knows (runtime/shard_rules.py "
-        "RULES); the artifact was made for another model"
-    )
+def place(prefix: str, family: ModelFamily | None = None) -> Placement:
+    """The placement of module ``prefix`` (HF name without the local key) in ``family``'s role
+    table; without a family, in every registered family's (which must agree)."""
+    found = {
+        Placement(rule_of(loc.role, fam), loc.layer, loc.expert)
+        for fam in ((family,) if family is not None else FAMILIES.values())
+        if (loc := fam.locate(prefix)) is not None
+    }
+    if len(found) == 1:
+        return found.pop()
+    names = family.name if family is not None else ", ".join(sorted(FAMILIES))
+    if not found:
+        raise HetquantError(
+            f"{prefix}: not a module of model family {names} (no row of its role table in "
+            "formats/families/ names it); the artifact was made for another model"
+        )
+    raise HetquantError(f"{prefix}: model families {names} shard it differently; name the family")
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What sharding needs from config.json."""
+    """What sharding reads of the model: a view of config.json parsed by its family."""
 
     num_layers: int
     heads: int
     n_routed: int
     moe_layers: tuple[int, ...]  # main-model MoE layers, then MTP ones
     mtp_layers: tuple[int, ...]
+    family: ModelFamily
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> ModelFacts:
-        try:
-            n, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
-        except (KeyError, TypeError, ValueError):
-            raise HetquantError(
-                "config.json lacks num_hidden_layers / num_attention_heads; not a DeepSeek-V3 "
-                "config"
-            ) from None
-        e = int(cfg.get("n_routed_experts") or 0)
-        first, freq = int(cfg.get("first_k_dense_replace", 0)), int(cfg.get("moe_layer_freq", 1))
-        mtp = tuple(range(n, n + int(cfg.get("num_nextn_predict_layers") or 0)))
-        moe = tuple(i for i in (*range(n), *mtp) if e and i >= first and i % freq == 0)  # HF
-        return cls(n, heads, e, moe, mtp)
+    def from_config(cls, raw: Mapping[str, Any]) -> ModelFacts:
+        cfg = parse_config(raw)
+        return cls(
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.num_experts,
+            cfg.moe_layers,
+            tuple(cfg.mtp_layer_ids),
+            cfg.family,
+        )
 
 
 @dataclass(frozen=True)
@@ -166,18 +150,6 @@ class Piece:
     start: int
     stop: int
     shape: tuple[int, ...]
-
-
-def split_of(pl: Placement, layout: ParallelLayout) -> int | None:
-    """The weight dim this layout splits the module along over TP (None: kept whole)."""
-    g = pl.rule.group
-    if pl.rule.dim is None or layout.tp_size == 1:
-        return None
-    if layout.attn_dp and (g == "attention" or (g == "embed")):
-        return None
-    if g == "routed" and layout.ep_size > 1:
-        return None
-    return pl.rule.dim
 
 
 def split_range(pl: Placement, size: int, world: int, rank: int) -> tuple[int, int]:
@@ -213,7 +185,7 @@ def shard_pieces(info: ModuleInfo, dim: int | None, start: int, stop: int) -> di
             if start % unit or stop % unit:
                 name, what = info.fmt.name if info.fmt else "plain", ("rows", "columns")[dim]
                 raise HetquantError(
-                    f"{info.prefix} ({name}, [out, in] = {list(info.shape)}): {_DIM_NAME[dim]} = "
+                    f"{info.prefix} ({name}, [out, in] = {list(info.shape)}): {DIM_NAMES[dim]} = "
                     f"{info.shape[dim]} leaves {stop - start} per rank, not a multiple of {unit} "
                     f"({key}: one entry per {unit} {what}); the split would cut a quantization unit"
                 )
@@ -232,97 +204,6 @@ def _unit(info: ModuleInfo, key: str, entries: int, dim: int) -> int:
     if entries == 0 or size % entries:
         raise HetquantError(
             f"{info.prefix}: stored {key} has {entries} entries along the weight's "
-            f"{_DIM_NAME[dim]} ({size}); padded blocks cannot be split — keep it whole"
+            f"{DIM_NAMES[dim]} ({size}); padded blocks cannot be split — keep it whole"
         )
     return size // entries
-
-
-def _tp_split_ok(info: ModuleInfo, pl: Placement, dim: int, world: int) -> str | None:
-    """None if every TP rank's piece is legal, else the reason."""
-    size = info.shape[dim]
-    if pl.rule.group not in ("embed", "head") and size % world:
-        return f"{info.prefix}: {_DIM_NAME[dim]} = {size} does not split evenly {world} ways"
-    try:
-        for rank in range(world):
-            shard_pieces(info, dim, *split_range(pl, size, world, rank))
-    except HetquantError as e:
-        return str(e)
-    return None
-
-
-def _tp_reason(layout: ParallelLayout, facts: ModelFacts, modules: Iterable[ModuleInfo]) -> Any:
-    """``reason(world)``: why ``world`` TP ranks cannot hold ``modules`` (None: they can); and
-    the gcd that every valid world divides."""
-    split = [
-        (m, pl, d) for m in modules if (d := split_of(pl := place(m.prefix), layout)) is not None
-    ]
-
-    def reason(world: int) -> str | None:
-        if world > 1 and not layout.attn_dp and facts.heads % world:
-            return f"tp_size {world} does not divide {facts.heads} heads"
-        seen: set[tuple] = set()
-        for info, pl, dim in split:
-            key = (info.fmt, info.shape, dim, pl.rule.group in ("embed", "head"))
-            if key not in seen and (why := _tp_split_ok(info, pl, dim, world)):
-                return f"tp_size {world}: {why}"
-            seen.add(key)
-        return None
-
-    sizes = [info.shape[d] for info, pl, d in split if pl.rule.group not in ("embed", "head")]
-    return reason, math.gcd(*sizes, *(() if layout.attn_dp else (facts.heads,)))
-
-
-def check_layout(
-    layout: ParallelLayout, cfg: Mapping[str, Any], modules: Mapping[str, ModuleInfo]
-) -> None:
-    """See ``ParallelLayout.validate``."""
-    facts = ModelFacts.from_config(cfg)
-    layout.stage_layers(facts.num_layers)  # pp size / pp_layers against the layer count
-    _check_experts(layout, facts)
-    if layout.tp_size == 1:
-        return
-    reason, bound = _tp_reason(layout, facts, modules.values())
-    if not (why := reason(layout.tp_size)):
-        return
-    valid = [d for d in range(1, bound + 1) if bound % d == 0 and reason(d) is None]
-    msg = f"{why}; valid tp sizes: {', '.join(map(str, valid))}"
-    if not layout.attn_dp:
-        dp_layout = dataclasses.replace(layout, attn_dp=True)
-        dp_reason, dp_bound = _tp_reason(dp_layout, facts, modules.values())
-        dp = [d for d in range(1, dp_bound + 1) if dp_bound % d == 0 and dp_reason(d) is None]
-        msg += f" (with attn_dp=True: {', '.join(map(str, dp))})" if dp != valid else ""
-    raise HetquantError(msg)
-
-
-def _check_experts(layout: ParallelLayout, facts: ModelFacts) -> None:
-    e, rows = facts.n_routed, layout.physical_to_logical
-    if rows is not None:
-        n_main = sum(i < facts.num_layers for i in facts.moe_layers)
-        if len(rows) not in (1, n_main, len(facts.moe_layers)):
-            raise HetquantError(
-                f"physical_to_logical has {len(rows)} rows; give 1 (every MoE layer), {n_main} "
-                f"(MoE layers {facts.moe_layers[:n_main]}) or {len(facts.moe_layers)} (with MTP)"
-            )
-        for i, row in enumerate(rows):
-            missing = sorted(set(range(e)) - set(row))
-            if max(row) >= e or missing:
-                raise HetquantError(
-                    f"physical_to_logical row {i}: every slot must name a logical expert in "
-                    f"0..{e - 1} and every expert needs a slot; bad: "
-                    f"{sorted(x for x in row if x >= e)}, without a slot: {missing}"
-                )
-            if len(row) < layout.ep_size:
-                raise HetquantError(
-                    f"physical_to_logical row {i} has {len(row)} slots for ep_size "
-                    f"{layout.ep_size}; every EP rank needs at least one slot"
-                )
-    elif layout.ep_size > 1 and facts.moe_layers:
-        layout.expert_slots(0, e)  # raises with the valid ep sizes
-    for layer, ids in _accel_items(layout):
-        if ids and max(ids) >= e:
-            raise HetquantError(f"accel_experts[{layer}] names experts >= {e}: {list(ids)}")
-
-
-def _accel_items(layout: ParallelLayout) -> Iterable[tuple[int, tuple[int, ...]]]:
-    accel = layout.accel_experts
-    return () if accel is None or isinstance(accel, int) else accel  # type: ignore[return-value]

@@ -4,13 +4,8 @@
 # Usage: bash benchmarks/probes/bf16_ab.sh SOURCE_DIR [OLD_COMMIT]   (default cc05db9)
 set -euo pipefail
 src=$1; old=${2:-cc05db9}
-repo=$(git rev-parse --show-toplevel)
-tmp=$(mktemp -d)
-mkdir -p "$tmp/old/tree" "$tmp/oldpkg/hetquant" "$tmp/newpkg/hetquant"
-git -C "$repo" archive "$old" | tar -x -C "$tmp/old/tree"
-for d in formats convert calib runtime; do
-  ln -sfn "$tmp/old/tree/$d" "$tmp/oldpkg/hetquant/$d"; ln -sfn "$repo/$d" "$tmp/newpkg/hetquant/$d"
-done
+source "$(dirname "$0")/_ab_trees.sh"
+ab_trees "$old"
 for i in 1 2; do
   for pp in "$tmp/oldpkg" "$tmp/newpkg"; do
     rm -rf "$tmp/out"

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetquant.formats import HetquantError
-
-from ..deepseek_v3 import TensorRole
+from hetquant.formats.families import TensorRole
 
 __all__ = [
     "AS_STORED",

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..deepseek_v3 import TensorRole
+from hetquant.formats.families import TensorRole
+
 from . import Recipe, Target, keep, register_recipe
 
 __all__ = ["Bf16Recipe"]

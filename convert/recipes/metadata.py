@@ -16,7 +16,7 @@ files, from the formats the plan uses (a table, format → writer):
 - NVFP4 Ascend tiled (``nvfp4_ascend``): a ``quantization_config`` with ``quant_method:
   hetquant`` naming the layout, and no ``hf_quant_config.json`` — NVIDIA-side tools must not
   mistake tiled bytes for canonical NVFP4.
-A dropped MTP layer sets ``num_nextn_predict_layers`` to 0.
+A dropped MTP layer sets the config's MTP layer count to 0 (``ModelConfig.without_mtp``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hetquant.formats import get_format
+from hetquant.formats.families import parse_config
 from hetquant.formats.nvfp4 import BLOCK, hf_quant_config
 from hetquant.formats.w8a8_npu import QUANT_TYPE_FLOAT, description_entries, description_header
 
@@ -35,8 +36,7 @@ __all__ = ["DESCRIPTION_NAME", "HF_QUANT_CONFIG_NAME", "artifact_metadata", "unc
 
 DESCRIPTION_NAME = "quant_model_description.json"
 HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
-_LINEAR_KINDS = {"linear", "router"}
-_HEADS = {"lm_head", "mtp_head"}
+_LINEAR_KINDS = {"linear", "router", "head"}
 
 
 def unconverted_modules(plan: Any) -> list[str]:
@@ -44,7 +44,7 @@ def unconverted_modules(plan: Any) -> list[str]:
     kept = []
     for job in plan.jobs:
         item = plan.item(job.source)
-        linear_like = item.role.role.kind in _LINEAR_KINDS or item.role.role.name in _HEADS
+        linear_like = item.role.role.kind in _LINEAR_KINDS
         if (
             linear_like
             and item.name.endswith(".weight")
@@ -110,7 +110,7 @@ def artifact_metadata(
     if any(i.role.mtp for i in plan.items) and not any(
         plan.item(j.source).role.mtp for j in plan.jobs
     ):
-        cfg["num_nextn_predict_layers"] = 0
+        cfg = parse_config(source_config).without_mtp(cfg)
     files: dict[str, Any] = {}
     writers = {
         _WRITERS[j.target.fmt]

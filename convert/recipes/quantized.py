@@ -1,15 +1,16 @@
 """The quantizing recipes, each a rule table: role class → format.
 
-Role classes (from the DeepSeek role table): ``attention`` (q_a/q_b/q/kv_a/o), ``kv_b``,
-``dense`` (dense-layer MLP), ``shared`` (shared experts), ``routed`` (routed experts), ``router``
-(gate weight + e_score_correction_bias), ``embedding`` (embed_tokens, lm_head), ``norm``, and
-``mtp_extra`` (the MTP layer's enorm/hnorm/eh_proj/embed_tokens/shared_head). ``KEEP`` keeps a
-tensor at source precision (``recipes.keep``): quantized source weights are dequantized to BF16
-(exactly), others copied. The MTP
-layer's ordinary tensors follow the same rules as any MoE layer (``--mtp keep``, the default) or
-are left out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
+Role classes, from the attributes of a tensor's role in its family's table (``role_class``):
+``mtp_extra`` (a role only MTP layers hold: DeepSeek's enorm/hnorm/eh_proj/embed_tokens/
+shared_head), ``routed`` / ``shared`` (routed / shared expert MLPs), ``router`` (router weight and
+bias), ``embedding`` (embeddings and heads), ``norm``, ``dense`` (a dense-layer MLP),
+``absorbed`` (a linear engines fold into attention: DeepSeek's kv_b_proj) and ``attention`` (every
+other linear: q_a/q_b/q/kv_a/o). ``KEEP`` keeps a tensor at source precision (``recipes.keep``):
+quantized source weights are dequantized to BF16 (exactly), others copied. The MTP layer's
+ordinary tensors follow the same rules as any MoE layer (``--mtp keep``, the default) or are left
+out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 
-| recipe | attention | kv_b | dense, shared | routed | router, embeddings, norms, MTP extras |
+| recipe | attention | absorbed | dense, shared | routed | router, embeddings, norms, MTP extras |
 |---|---|---|---|---|---|
 | ascend-hybrid | w8a8_dynamic | KEEP | w8a8_dynamic | int4_cpu_experts in ``cpu_experts/`` | KEEP |
 | ascend-w8a8 | w8a8_dynamic | KEEP | w8a8_dynamic | w8a8_dynamic | KEEP |
@@ -25,33 +26,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..deepseek_v3 import TensorRole
+from hetquant.formats.families import TensorRole
+from hetquant.formats.families.roles import MTP
+
 from . import DROP, Recipe, Target, keep, register_recipe
 
 __all__ = ["KEEP", "RuleRecipe", "role_class"]
 
 KEEP = "keep"
 CPU_EXPERTS = "cpu_experts"
-_CLASS_OF_GROUP = {
-    "dense_mlp": "dense",
-    "shared_experts": "shared",
-    "routed_experts": "routed",
-    "router": "router",
-    "embeddings": "embedding",
-    "norms": "norm",
-}
+_CLASS_OF_KIND = {"router": "router", "bias": "router", "embedding": "embedding",
+                  "head": "embedding", "norm": "norm"}  # fmt: skip
 
 
 def role_class(role: TensorRole) -> str:
     """The recipe-facing class of a tensor role (see module docstring)."""
     r = role.role
-    if r.scope == "mtp":
+    if r.scope == MTP:
         return "mtp_extra"
-    if r.name == "kv_b":
-        return "kv_b"
-    if r.group == "attention":
-        return "attention"
-    return _CLASS_OF_GROUP[r.group]
+    if r.expert is not None:
+        return r.expert
+    if r.kind in _CLASS_OF_KIND:
+        return _CLASS_OF_KIND[r.kind]
+    if r.mlp is not None:
+        return "dense"
+    return "absorbed" if r.absorbed else "attention"
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ register_recipe(
         "2×910B4 + Kunpeng: NPU W8A8_DYNAMIC (MLA, dense, shared) + routed experts in CPU INT4 per-channel",
         rules={
             "attention": "w8a8_dynamic",
-            "kv_b": KEEP,
+            "absorbed": KEEP,
             "dense": "w8a8_dynamic",
             "shared": "w8a8_dynamic",
             "routed": "int4_cpu_experts",
@@ -102,7 +101,7 @@ register_recipe(
         "8×910B int8: W8A8_DYNAMIC everywhere the hybrid uses it, routed experts included",
         rules={
             "attention": "w8a8_dynamic",
-            "kv_b": KEEP,
+            "absorbed": KEEP,
             "dense": "w8a8_dynamic",
             "shared": "w8a8_dynamic",
             "routed": "w8a8_dynamic",
@@ -117,7 +116,7 @@ register_recipe(
         "AutoAWQ GEMM w4a16 (group 128 or 64) for every linear but router and lm_head; AWQ-calibrated with --calib-data, else round-to-nearest",
         rules={
             "attention": "awq_w4a16",
-            "kv_b": "awq_w4a16",
+            "absorbed": "awq_w4a16",
             "dense": "awq_w4a16",
             "shared": "awq_w4a16",
             "routed": "awq_w4a16",
@@ -129,6 +128,6 @@ register_recipe(
 )
 register_recipe(RuleRecipe(
     "fp4", "NVFP4 (E2M1 + E4M3 per 16 + F32 global) for dense MLP and experts, Ascend 8×8 tiled layout by default",
-    rules={"attention": KEEP, "kv_b": KEEP, "dense": "nvfp4*", "shared": "nvfp4*", "routed": "nvfp4*", **_KEEPS},
+    rules={"attention": KEEP, "absorbed": KEEP, "dense": "nvfp4*", "shared": "nvfp4*", "routed": "nvfp4*", **_KEEPS},
     choices={**_MTP, "fp4_layout": ("ascend", "nvfp4")},
 ))  # fmt: skip

@@ -17,10 +17,9 @@ import json
 import shutil
 from pathlib import Path
 
-from hetquant.convert.deepseek_v3 import SCALE_SUFFIX, expected_tensors
 from hetquant.formats import TensorMeta
+from hetquant.formats.families import SCALE_SUFFIX, ModelConfig, expected_tensors
 from hetquant.formats.fp8_block import scale_shape
-from hetquant.formats.model_config import ModelConfig
 from hetquant.formats.safetensors_io import build_header, create_file
 
 HERE = Path(__file__).resolve().parent

@@ -12,9 +12,8 @@ from types import SimpleNamespace
 
 import torch
 
-from hetquant.convert.deepseek_v3 import expected_tensors
+from hetquant.formats.families import ModelConfig, expected_tensors
 from hetquant.formats.fp8_block import Fp8Block
-from hetquant.formats.model_config import ModelConfig
 
 __all__ = ["shard_of", "shipped_tensors", "write_checkpoint"]
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hetquant.convert.source import SourceCheckpoint
-from hetquant.formats.model_config import ModelConfig
+from hetquant.formats.families import ModelConfig
 from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
 
 __all__ = [
@@ -51,13 +51,13 @@ def module_nll(
 @torch.no_grad()
 def runtime_logits(cfg: ModelConfig, state: dict, samples: torch.Tensor) -> list[torch.Tensor]:
     """``hetquant.runtime.model.DeepseekV3Reference`` logits [T, V] for each sample's input."""
-    ref = DeepseekV3Reference(cfg, DenseWeights(state))
+    ref = DeepseekV3Reference(cfg, DenseWeights(state, cfg.family))
     return [ref(s[:-1]) for s in samples]
 
 
 def runtime_nll(cfg: ModelConfig, state: dict, samples: torch.Tensor) -> float:
     total, count = 0.0, 0
-    ref = DeepseekV3Reference(cfg, DenseWeights(state))
+    ref = DeepseekV3Reference(cfg, DenseWeights(state, cfg.family))
     for s in samples:
         logits = ref(s[:-1])
         total += float(F.cross_entropy(logits, s[1:], reduction="sum"))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetquant.formats.model_config import ModelConfig
+from hetquant.formats.families import ModelConfig
 from hetquant.runtime.model import rms_norm
 from hetquant.runtime.rope import RopeSpec, cos_sin
 

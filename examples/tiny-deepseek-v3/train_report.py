@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from hetquant.formats.model_config import ModelConfig
+from hetquant.formats.families import ModelConfig
 
 __all__ = ["make_report", "param_counts", "readme"]
 

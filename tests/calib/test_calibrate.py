@@ -48,19 +48,21 @@ K_MAX = 512
 def _layer_inputs(source, fn, tokens, upto: int):
     """Float32 hidden states entering layer ``upto`` (float model)."""
     runner = LayerRunner(source.config, tokens.shape[1], torch.device("cpu"), torch.float32)
+    fam = source.config.family
     h = runner.embed(fn("model.embed_tokens.weight"), tokens)
     for layer in range(upto):
-        state = {n: fn(n) for n in layer_names(source.tensors, layer)}
-        h = runner.run(layer, h, LayerWeights(state))
+        state = {n: fn(n) for n in layer_names(source.tensors, layer, fam)}
+        h = runner.run(layer, h, LayerWeights(state, family=fam))
     return runner, h
 
 
 def test_layer_composition_is_the_runtimes(tiny_source, outlier_fn, calib_tokens):
     tokens = calib_tokens[:2, :32]
     runner, h = _layer_inputs(tiny_source, outlier_fn, tokens, 1)
-    state = {n: outlier_fn(n).float() for n in layer_names(tiny_source.tensors, 1)}
-    ours = runner.run(1, h, LayerWeights(state))
-    ref = DeepseekV3Reference(tiny_source.config, DenseWeights(state))
+    fam = tiny_source.config.family
+    state = {n: outlier_fn(n).float() for n in layer_names(tiny_source.tensors, 1, fam)}
+    ours = runner.run(1, h, LayerWeights(state, family=fam))
+    ref = DeepseekV3Reference(tiny_source.config, DenseWeights(state, fam))
     theirs = torch.stack(
         [ref.decoder_layer(1, hn, runner.cos, runner.sin, runner.mask) for hn in h]
     )
@@ -70,9 +72,12 @@ def test_layer_composition_is_the_runtimes(tiny_source, outlier_fn, calib_tokens
     ids = torch.randint(0, 8, (x.shape[0], 2), generator=torch.Generator().manual_seed(0))
     ids[:, 1] = (ids[:, 0] + 1) % 8
     wts = torch.rand(x.shape[0], 2, generator=torch.Generator().manual_seed(1))
-    w = LayerWeights(state)
-    prefix = "model.layers.1.mlp.experts"
-    assert torch.equal(w.experts(1, x, ids, wts), routed_experts(w.linear, prefix, x, ids, wts))
+    w = LayerWeights(state, family=fam)
+
+    def modules(e: int) -> tuple[str, ...]:
+        return tuple(f"model.layers.1.mlp.experts.{e}.{p}_proj" for p in ("gate", "up", "down"))
+
+    assert torch.equal(w.experts(1, x, ids, wts), routed_experts(w.linear, modules, x, ids, wts))
 
 
 def _fold_only(result: CalibrationResult, pow2: bool) -> dict[str, Transform]:
@@ -92,13 +97,14 @@ def test_folds_leave_the_float_model_unchanged(tiny_source, outlier_fn, awq_outl
     tokens = torch.arange(64).reshape(2, 32) * 7 % 640
     runner, h = _layer_inputs(tiny_source, outlier_fn, tokens, 0)
     for layer in range(tiny_source.config.num_hidden_layers):
-        names = layer_names(tiny_source.tensors, layer)
+        names = layer_names(tiny_source.tensors, layer, tiny_source.config.family)
         state = {n: outlier_fn(n).float() for n in names}
         folded = {n: apply_transform(state[n], folds.get(n), 128, factors) for n in names}
         assert any(not torch.equal(folded[n], state[n]) for n in names)
         cap, cap_f = Capture(), Capture()
-        out = runner.run(layer, h, LayerWeights(state, cap))
-        out_f = runner.run(layer, h, LayerWeights(folded, cap_f))
+        fam = tiny_source.config.family
+        out = runner.run(layer, h, LayerWeights(state, cap, family=fam))
+        out_f = runner.run(layer, h, LayerWeights(folded, cap_f, family=fam))
         tol = 0 if pow2 else 8 * K_MAX * U * float(out.abs().max())
         assert float((out_f - out).abs().max()) <= tol, f"layer {layer}"
         if tiny_source.config.is_moe_layer(layer):  # the router sees x / s, with W · s

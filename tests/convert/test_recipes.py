@@ -17,8 +17,8 @@ from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.convert.verify import replay_plan, verify_artifact
 from hetquant.formats import get_expert_format, get_format
+from hetquant.formats.families import load_json
 from hetquant.formats.int4_cpu import dequantize_expert
-from hetquant.formats.model_config import load_json
 from hetquant.formats.nvfp4 import BLOCK
 from hetquant.formats.nvfp4_ascend import to_canonical
 

@@ -99,7 +99,7 @@ def _module_logits(train: ModuleType, config: dict, state: dict, samples: torch.
 
 
 def _runtime_logits(cfg, state: dict, samples: torch.Tensor) -> torch.Tensor:
-    ref = DeepseekV3Reference(cfg, DenseWeights(state))
+    ref = DeepseekV3Reference(cfg, DenseWeights(state, cfg.family))
     return torch.stack([ref(s[:-1]) for s in samples])
 
 

@@ -125,16 +125,16 @@ def test_accel_ids() -> None:
     [
         ("model.embed_tokens", "embed", 0, None, None),
         ("lm_head", "head", 0, None, None),
-        ("model.norm", "norm", None, None, None),
+        ("model.norm", "norms", None, None, None),
         ("model.layers.7.self_attn.q_a_proj", "attention", None, 7, None),
         ("model.layers.7.self_attn.q_b_proj", "attention", 0, 7, None),
         ("model.layers.7.self_attn.kv_a_proj_with_mqa", "attention", None, 7, None),
         ("model.layers.7.self_attn.kv_b_proj", "attention", 0, 7, None),
         ("model.layers.7.self_attn.o_proj", "attention", 1, 7, None),
-        ("model.layers.7.self_attn.kv_a_layernorm", "norm", None, 7, None),
-        ("model.layers.0.mlp.up_proj", "mlp", 0, 0, None),
-        ("model.layers.0.mlp.down_proj", "mlp", 1, 0, None),
-        ("model.layers.3.mlp.shared_experts.gate_proj", "shared", 0, 3, None),
+        ("model.layers.7.self_attn.kv_a_layernorm", "norms", None, 7, None),
+        ("model.layers.0.mlp.up_proj", "dense_mlp", 0, 0, None),
+        ("model.layers.0.mlp.down_proj", "dense_mlp", 1, 0, None),
+        ("model.layers.3.mlp.shared_experts.gate_proj", "shared_experts", 0, 3, None),
         ("model.layers.3.mlp.gate", "router", None, 3, None),
         ("model.layers.3.mlp.experts.255.down_proj", "routed", 1, 3, 255),
         ("model.layers.3.mlp.experts.17.gate_proj", "routed", 0, 3, 17),
@@ -142,7 +142,7 @@ def test_accel_ids() -> None:
         ("model.layers.61.eh_proj", "mtp", None, 61, None),
         ("model.layers.61.embed_tokens", "embed", 0, 61, None),
         ("model.layers.61.shared_head.head", "head", 0, 61, None),
-        ("model.layers.61.shared_head.norm", "norm", None, 61, None),
+        ("model.layers.61.shared_head.norm", "mtp", None, 61, None),
     ],
 )
 def test_roles(prefix: str, group: str, dim: int | None, layer: int | None, expert) -> None:
@@ -151,7 +151,7 @@ def test_roles(prefix: str, group: str, dim: int | None, layer: int | None, expe
 
 
 def test_unknown_module_refused() -> None:
-    with pytest.raises(HetquantError, match="not a DeepSeek-V3-family module"):
+    with pytest.raises(HetquantError, match="not a module of model family deepseek_v3"):
         place("model.layers.0.self_attn.rotary_emb")
 
 

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetquant.convert.deepseek_v3 import expected_tensors
 from hetquant.convert.source import SourceCheckpoint
-from hetquant.formats.model_config import ModelConfig
+from hetquant.formats.families import ModelConfig, expected_tensors
 from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
 from hetquant.runtime.moe import RouterSpec, route
 from hetquant.runtime.rope import RopeSpec, apply_rope, cos_sin, inv_freq, yarn_mscale
@@ -91,8 +90,8 @@ def _strong_bias(cfg: ModelConfig, state: dict, seed: int = 1) -> dict:
 class Recording(DenseWeights):
     """DenseWeights that records each MoE layer's input and expert choice."""
 
-    def __init__(self, state: dict) -> None:
-        super().__init__(state)
+    def __init__(self, state: dict, cfg: ModelConfig) -> None:
+        super().__init__(state, cfg.family)
         self.calls: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def experts(self, layer, x, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
@@ -173,7 +172,7 @@ def test_matches_transformers(variant: str, tiny) -> None:  # type: ignore[no-un
     else:
         cfg, state = _synthetic(VARIANTS[variant], seed=len(variant))
     tokens = _tokens(48, cfg.vocab_size)
-    weights = Recording(state)
+    weights = Recording(state, cfg)
     ours = DeepseekV3Reference(cfg, weights).forward(tokens)
 
     model = _hf_model(cfg, state)
@@ -197,7 +196,7 @@ def test_matches_transformers(variant: str, tiny) -> None:  # type: ignore[no-un
 def test_greedy_matches_transformers(tiny) -> None:  # type: ignore[no-untyped-def]
     cfg, state = tiny
     prompt = _tokens(8, cfg.vocab_size, seed=3)
-    ours = DeepseekV3Reference(cfg, DenseWeights(state)).generate(prompt, 6)
+    ours = DeepseekV3Reference(cfg, DenseWeights(state, cfg.family)).generate(prompt, 6)
     with torch.no_grad():
         theirs = _hf_model(cfg, state).generate(prompt[None], max_new_tokens=6, do_sample=False)[0]
     assert torch.equal(ours[: theirs.numel()], theirs)
@@ -209,7 +208,7 @@ def test_routing_rules_are_exercised(variant: str, tiny) -> None:  # type: ignor
     cfg, state = tiny if variant.startswith("tiny") else _synthetic(VARIANTS[variant], len(variant))
     if variant == "tiny-strong-bias":
         state = _strong_bias(cfg, state)
-    weights = Recording(state)
+    weights = Recording(state, cfg)
     model = DeepseekV3Reference(cfg, weights)
     model.forward(_tokens(48, cfg.vocab_size))
     spec = model.router
@@ -275,7 +274,7 @@ def test_yarn_frequencies_and_mscale() -> None:
 
 def test_causal(tiny) -> None:  # type: ignore[no-untyped-def]
     cfg, state = tiny
-    model = DeepseekV3Reference(cfg, DenseWeights(state))
+    model = DeepseekV3Reference(cfg, DenseWeights(state, cfg.family))
     a = _tokens(32, cfg.vocab_size, seed=5)
     b = a.clone()
     b[20:] = _tokens(12, cfg.vocab_size, seed=6)
@@ -286,7 +285,7 @@ def test_causal(tiny) -> None:  # type: ignore[no-untyped-def]
 
 def test_generate_is_deterministic_greedy(tiny) -> None:  # type: ignore[no-untyped-def]
     cfg, state = tiny
-    model = DeepseekV3Reference(cfg, DenseWeights(state))
+    model = DeepseekV3Reference(cfg, DenseWeights(state, cfg.family))
     prompt = _tokens(6, cfg.vocab_size, seed=7)
     first, second = model.generate(prompt, 5), model.generate(prompt, 5)
     assert torch.equal(first, second) and torch.equal(first[:6], prompt)
@@ -301,13 +300,13 @@ def test_expert_hook_carries_all_routed_experts(tiny) -> None:  # type: ignore[n
 
     class Pooled(DenseWeights):
         def experts(self, layer, x, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
-            return DenseWeights(pool).experts(layer, x, topk_ids, topk_weights)
+            return DenseWeights(pool, cfg.family).experts(layer, x, topk_ids, topk_weights)
 
     tokens = _tokens(16, cfg.vocab_size)
     rest = {n: t for n, t in state.items() if n not in pool}
     torch.testing.assert_close(
-        DeepseekV3Reference(cfg, Pooled(rest)).forward(tokens),
-        DeepseekV3Reference(cfg, DenseWeights(state)).forward(tokens),
+        DeepseekV3Reference(cfg, Pooled(rest, cfg.family)).forward(tokens),
+        DeepseekV3Reference(cfg, DenseWeights(state, cfg.family)).forward(tokens),
         rtol=0,
         atol=0,
     )

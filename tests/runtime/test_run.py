@@ -45,7 +45,9 @@ def reference() -> np.ndarray:
     src = SourceCheckpoint.open(TINY)
     state = {n: src.dequantized(n).float() for n in src.tensors}
     return (
-        DeepseekV3Reference(src.config, DenseWeights(state)).forward(torch.tensor(TOKENS)).numpy()
+        DeepseekV3Reference(src.config, DenseWeights(state, src.config.family))
+        .forward(torch.tensor(TOKENS))
+        .numpy()
     )
 
 

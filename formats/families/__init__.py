@@ -1,0 +1,38 @@
+"""Model families: one module per family, each registered by name in ``FAMILIES``
+(``base.py`` says what a family declares and how config.json picks one)."""
+
+from . import deepseek_v3  # noqa: F401  (registration)
+from .base import (
+    FAMILIES,
+    ModelConfig,
+    ModelFamily,
+    expected_tensors,
+    family_for_config,
+    get_family,
+    load_config,
+    load_json,
+    parse_config,
+    register_family,
+)
+from .mappings import AwqMappings, Balance
+from .roles import SCALE_SUFFIX, GatedMlp, Located, Role, TensorRole
+
+__all__ = [
+    "FAMILIES",
+    "SCALE_SUFFIX",
+    "AwqMappings",
+    "Balance",
+    "GatedMlp",
+    "Located",
+    "ModelConfig",
+    "ModelFamily",
+    "Role",
+    "TensorRole",
+    "expected_tensors",
+    "family_for_config",
+    "get_family",
+    "load_config",
+    "load_json",
+    "parse_config",
+    "register_family",
+]

@@ -1,0 +1,342 @@
+"""What a model family declares, and the registry that maps config.json to a family.
+
+A *family* (DeepSeek-V3 first; Kimi K2, Qwen3-MoE, ... next) is one module in this package that
+holds, as data, everything convert, calib and runtime need to know about a model architecture:
+
+- its **config type**, a subclass of :class:`ModelConfig`: config.json parsed once and validated.
+  Generic code reads only the attributes declared on ``ModelConfig``; the family's own fields
+  (``kv_lora_rank``, ...) are for the family module and its reference forward;
+- its **role table**, a tuple of :class:`Role` rows: every tensor's name pattern, expected shape,
+  precision group, kind, tensor-parallel split and expert kind. ``ModelFamily.expected_tensors``
+  expands it for a config; the runtime's shard rules read its ``tp`` column; the reference forward
+  asks for names by role (``family.tensor("embed")``);
+- its **AWQ mappings** (``mappings.AwqMappings``): which linears share an input, what absorbs
+  their scale.
+
+Conventional role names, so that code shared by families (recipes, the reference forward) finds
+the same concept under the same name: ``embed``, ``final_norm``, ``lm_head``, ``attn_norm``,
+``ffn_norm``, ``router``, ``router_bias``, ``{dense,shared,expert}_{gate,up,down}``. Role names
+and precision groups are recorded in manifests (source dtypes by role, the precision table):
+renaming one changes every artifact's ``hetquant.json``.
+
+Choosing a family (``family_for_config``): config.json's ``model_type`` names it; a model type no
+family lists falls back to ``architectures`` (Kimi K2 ships ``model_type: kimi_k2`` with
+``DeepseekV3ForCausalLM``). A config.json without ``model_type`` is refused (issue #17 item 10):
+every published checkpoint of a supported family has one, and guessing the family from field
+names would accept any config that happens to share them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..errors import HetquantError
+from .mappings import AwqMappings
+from .roles import (
+    EXPERT_KINDS,
+    GLOBAL,
+    GLOBAL_LAST,
+    KINDS,
+    MTP,
+    TP_SPLITS,
+    GatedMlp,
+    Located,
+    Role,
+    TensorRole,
+)
+
+__all__ = [
+    "FAMILIES",
+    "ModelConfig",
+    "ModelFamily",
+    "expected_tensors",
+    "family_for_config",
+    "get_family",
+    "load_config",
+    "load_json",
+    "parse_config",
+    "register_family",
+]
+
+
+def load_json(path: Path) -> Any:
+    """Read a JSON file; a missing or invalid file is a HetquantError naming it."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HetquantError(f"{path}: not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HetquantError(f"{path}: invalid JSON ({e}); fix or re-download the file") from None
+
+
+class ModelConfig:
+    """Base of every family's config type: a frozen dataclass built from config.json.
+
+    Generic attributes (what convert, calib and runtime may read): ``raw`` (the dict),
+    ``hidden_size``, ``vocab_size``, ``num_hidden_layers`` (main decoder layers),
+    ``num_attention_heads``, ``weight_block_size`` (the FP8 source block, None when the source is
+    not FP8), ``num_experts`` (routed experts per MoE layer), ``num_mtp_layers``,
+    ``is_moe_layer(layer)``, ``layer_scopes(layer)`` and ``without_mtp(raw)``; derived here:
+    ``family``, ``total_layers``, ``mtp_layer_ids``, ``moe_layers``.
+    """
+
+    family_name: ClassVar[str] = ""  # set by register_family
+    raw: dict[str, Any]
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    weight_block_size: tuple[int, int] | None
+    num_experts: int  # a field or a property of the subclass
+    num_mtp_layers: int
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], origin: str) -> ModelConfig:
+        """Validate ``raw`` (read from ``origin``) into this config type."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], origin: str = "config.json") -> ModelConfig:
+        """``raw`` parsed by this config type; on ``ModelConfig`` itself, by its family's."""
+        return parse_config(raw, origin) if cls is ModelConfig else cls.parse(raw, origin)
+
+    @classmethod
+    def load(cls, path: Path) -> ModelConfig:
+        """``load_config(path)``."""
+        return load_config(path)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        raise NotImplementedError
+
+    def layer_scopes(self, layer: int) -> frozenset[str]:
+        """The role scopes decoder layer ``layer`` holds (``mtp`` is added for MTP layers)."""
+        raise NotImplementedError
+
+    @classmethod
+    def without_mtp(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """config.json ``raw`` (a copy) saying the model has no MTP layers."""
+        raise NotImplementedError
+
+    @property
+    def family(self) -> ModelFamily:
+        return get_family(self.family_name)
+
+    @property
+    def total_layers(self) -> int:
+        return self.num_hidden_layers + self.num_mtp_layers
+
+    @property
+    def mtp_layer_ids(self) -> range:
+        """Layer ids of the multi-token-prediction modules (after the main layers)."""
+        return range(self.num_hidden_layers, self.total_layers)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The MoE layers: main-model ones, then MTP ones."""
+        return tuple(layer for layer in range(self.total_layers) if self.is_moe_layer(layer))
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A registered family: its config type, role table and AWQ mappings (module docstring)."""
+
+    name: str
+    config_type: type[ModelConfig]
+    roles: tuple[Role, ...]
+    awq: AwqMappings
+    model_types: tuple[str, ...] = ()
+    architectures: tuple[str, ...] = ()
+    layer_prefix: str = "model.layers.{layer}."
+    attention_group: str = "attention"  # the precision group attention data parallel replicates
+
+    def parse_config(self, raw: dict[str, Any], origin: str = "config.json") -> ModelConfig:
+        return self.config_type.parse(raw, origin)
+
+    @cached_property
+    def _by_name(self) -> dict[str, Role]:
+        return {r.name: r for r in self.roles}
+
+    def role(self, name: str) -> Role:
+        return self._by_name[name]
+
+    def tensor(self, role: str, layer: int | None = None, expert: int | None = None) -> str:
+        """The tensor name of ``role`` (in ``layer``, for routed ``expert``)."""
+        r = self._by_name[role]
+        if r.scope in (GLOBAL, GLOBAL_LAST):
+            return r.pattern
+        return self.layer_prefix.format(layer=layer) + r.pattern.format(e=expert)
+
+    def module(self, role: str, layer: int | None = None, expert: int | None = None) -> str:
+        """The module name of ``role`` (its tensor name without the local key)."""
+        return self.tensor(role, layer, expert).rpartition(".")[0]
+
+    @cached_property
+    def mlps(self) -> tuple[GatedMlp, ...]:
+        """The gated MLPs of the table (by expert kind, in table order)."""
+        parts: dict[str | None, dict[str, str]] = {}
+        for r in self.roles:
+            if r.mlp is not None:
+                parts.setdefault(r.expert, {})[r.mlp] = r.name
+        return tuple(GatedMlp(kind, p["gate"], p["up"], p["down"]) for kind, p in parts.items())
+
+    def mlp(self, expert: str | None) -> GatedMlp | None:
+        """The gated MLP of expert kind ``expert`` (None: the dense MLP), if the table has one."""
+        return next((m for m in self.mlps if m.expert == expert), None)
+
+    def mlp_modules(self, expert: str | None, layer: int, e: int | None = None) -> tuple[str, ...]:
+        """(gate, up, down) module names of that MLP in ``layer`` (routed expert ``e``)."""
+        m = self.mlp(expert)
+        if m is None:
+            raise HetquantError(f"model family {self.name} has no {expert or 'dense'} MLP")
+        return tuple(self.module(r, layer, e) for r in (m.gate, m.up, m.down))
+
+    def stacked_experts(self, layer: int) -> str | None:
+        """The module under which an expert-layer format stacks ``layer``'s routed experts
+        (the routed experts' module up to the expert index); None without routed experts."""
+        return (
+            None if self._stacked is None else self.layer_prefix.format(layer=layer) + self._stacked
+        )
+
+    def layer_roles(self, cfg: ModelConfig, layer: int) -> tuple[Role, ...]:
+        """The roles decoder layer ``layer`` holds, in table order."""
+        scopes = cfg.layer_scopes(layer) | ({MTP} if layer in cfg.mtp_layer_ids else set())
+        return tuple(r for r in self.roles if r.scope in scopes)
+
+    def expected_tensors(self, cfg: ModelConfig) -> dict[str, TensorRole]:
+        """Every tensor name a checkpoint of ``cfg`` must hold (scales excluded), in model order:
+        ``global`` roles, the decoder layers (MTP last), ``global_last`` roles."""
+        out = {r.pattern: TensorRole(r, None, None, r.shape(cfg)) for r in self.roles
+               if r.scope == GLOBAL}  # fmt: skip
+        for layer in range(cfg.total_layers):
+            mtp = layer in cfg.mtp_layer_ids
+            stack = self.stacked_experts(layer) if cfg.is_moe_layer(layer) else None
+            for r in self.layer_roles(cfg, layer):
+                routed = r.expert == "routed"
+                for e in range(cfg.num_experts) if routed else (None,):
+                    name = self.tensor(r.name, layer, e)
+                    out[name] = TensorRole(
+                        r, layer, e, r.shape(cfg), mtp, stack if routed else None
+                    )
+        out.update({r.pattern: TensorRole(r, None, None, r.shape(cfg)) for r in self.roles
+                    if r.scope == GLOBAL_LAST})  # fmt: skip
+        return out
+
+    @cached_property
+    def _matchers(self) -> tuple[re.Pattern[str], dict[str, Role], list[tuple[re.Pattern, Role]]]:
+        """(layer prefix regex, module → role without an expert index (global ones under their
+        full name, layer ones relative to the prefix), [(regex, role)] of the expert roles)."""
+        layer = re.compile(re.escape(self.layer_prefix).replace(r"\{layer\}", r"(\d+)") + "(.+)")
+        exact: dict[str, Role] = {}
+        experts = []
+        for r in self.roles:
+            if "{e}" in r.module:
+                pattern = r"(\d+)".join(map(re.escape, r.module.split("{e}")))
+                experts.append((re.compile(pattern), r))
+            else:
+                key = r.module if r.scope in (GLOBAL, GLOBAL_LAST) else "." + r.module
+                exact.setdefault(key, r)  # the first row of a module (router before its bias)
+        return layer, exact, experts
+
+    @cached_property
+    def _stacked(self) -> str | None:
+        m = self.mlp("routed")
+        return None if m is None else self.role(m.gate).module.split(".{e}")[0]
+
+    def locate(self, module: str) -> Located | None:
+        """What module ``module`` (a tensor name without its local key) is; None: not ours."""
+        layer_re, exact, experts = self._matchers
+        if (m := layer_re.fullmatch(module)) is None:
+            r = exact.get(module)
+            return None if r is None else Located(r, None, None)
+        layer, rest = int(m.group(1)), m.group(2)
+        if (r := exact.get("." + rest)) is not None:
+            return Located(r, layer, None)
+        if rest == self._stacked:
+            return Located(None, layer, None)
+        for pattern, r in experts:
+            if hit := pattern.fullmatch(rest):
+                return Located(r, layer, int(hit.group(1)))
+        return None
+
+
+# -- the registry -----------------------------------------------------------------------------
+
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add ``family`` (checks its table's columns; binds its config type to it)."""
+    if family.name in FAMILIES:
+        raise RuntimeError(f"model family {family.name!r} registered twice")
+    if "family_name" in vars(family.config_type):
+        raise RuntimeError(f"{family.config_type.__name__} already belongs to a family")
+    names = [r.name for r in family.roles]
+    if len(set(names)) != len(names):
+        raise RuntimeError(f"family {family.name}: role names repeat")
+    for r in family.roles:
+        if r.kind not in KINDS or r.tp not in TP_SPLITS or r.expert not in EXPERT_KINDS:
+            raise RuntimeError(f"family {family.name}, role {r.name}: kind/tp/expert not known")
+    family.config_type.family_name = family.name
+    FAMILIES[family.name] = family
+    return family
+
+
+def get_family(name: str) -> ModelFamily:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise HetquantError(f"unknown model family {name!r}; known: {_known()}") from None
+
+
+def _known() -> str:
+    return ", ".join(t for f in FAMILIES.values() for t in f.model_types) or "none"
+
+
+def family_for_config(raw: Mapping[str, Any], origin: str = "config.json") -> ModelFamily:
+    """The family of config.json ``raw``: by ``model_type``, else by ``architectures``."""
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise HetquantError(
+            f"{origin}: no model_type; hetquant converts the model types {_known()} — add the "
+            "checkpoint's model_type to config.json"
+        )
+    for family in FAMILIES.values():
+        if model_type in family.model_types:
+            return family
+    archs = raw.get("architectures")
+    archs = archs if isinstance(archs, list) else []
+    for family in FAMILIES.values():
+        if set(archs) & set(family.architectures):
+            return family
+    raise HetquantError(
+        f"{origin}: model_type {model_type!r} (architectures {archs}) is no model family hetquant "
+        f"knows; it converts the model types {_known()}"
+    )
+
+
+def parse_config(raw: Mapping[str, Any], origin: str = "config.json") -> ModelConfig:
+    """config.json ``raw`` parsed by its family's config type."""
+    return family_for_config(raw, origin).parse_config(dict(raw), origin)
+
+
+def load_config(path: Path) -> ModelConfig:
+    """Read and parse ``path`` (a model directory's config.json)."""
+    if not path.exists():
+        raise HetquantError(
+            f"{path}: no config.json; SOURCE must be a Hugging Face model directory"
+        )
+    raw = load_json(path)
+    if not isinstance(raw, dict):
+        raise HetquantError(f"{path}: expected a JSON object")
+    return parse_config(raw, str(path))
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, TensorRole]:
+    """``cfg.family.expected_tensors(cfg)``."""
+    return cfg.family.expected_tensors(cfg)

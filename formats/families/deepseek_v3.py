@@ -1,0 +1,309 @@
+"""The DeepSeek-V3 family (DeepSeek-V3, R1; Kimi K2 through its DeepseekV3ForCausalLM
+architecture): config, tensor role table, AWQ mappings.
+
+Role table: every tensor of a checkpoint is a row — its name pattern (relative to
+``model.layers.{L}.`` for layer tensors), role, precision group, kind, tensor-parallel split
+(``column``: dim 0 of [out, in]; ``row``: dim 1; ``replicate``; ``vocab``: dim 0 of an embedding
+or head, padded), expert kind and expected shape as a function of the config. Layer ids, the MTP
+layer and the dense/MoE split come from config.json, never from literals. Scales of FP8 weights
+(``<weight>_scale_inv``) are partners, not rows. Scopes: ``layer`` (every decoder layer),
+``attn_q_lora`` / ``attn_q`` (``q_lora_rank`` set or not), ``dense`` / ``moe``, ``moe_shared``
+(MoE layers with shared experts), ``mtp`` (the MTP layers' extras, DeepSeek README_WEIGHTS.md).
+
+AWQ (``mappings.py`` says how they run; AutoAWQ's DeepSeek-V3 mappings, plus ours):
+
+=================================  ======================================================
+prev op                            balanced linears
+=================================  ======================================================
+input_layernorm                    q_a_proj (or q_proj) + kv_a_proj_with_mqa
+q_a_layernorm                      q_b_proj
+kv_a_layernorm                     kv_b_proj
+kv_b_proj, v rows of every head    o_proj (``fold_o_proj``, off by default)
+post_attention_layernorm           dense gate/up, or shared gate/up + EVERY routed expert's
+                                   gate/up; router (``mlp.gate``) columns × s
+up_proj (dense, shared, expert e)  down_proj of the same MLP
+=================================  ======================================================
+
+o_proj: MLA has no v_proj, but ``v = kv_b_proj_v · latent`` per head and the attention output is
+linear in v, so o_proj's input channel ``h·dv + d`` divided by s is exactly kv_b_proj's row
+``h·(dn + dv) + dn + d`` divided by s (``_v_rows``). ``calib/layer.py`` documents the router
+compensation and the expert decisions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from ..errors import HetquantError
+from .base import ModelConfig, ModelFamily, register_family
+from .mappings import AwqMappings, Balance
+from .roles import GLOBAL, GLOBAL_LAST, MTP, Role
+
+__all__ = ["AWQ", "FAMILY", "ROLES", "DeepseekV3Config", "RouterSpec"]
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config(ModelConfig):
+    """The fields of a DeepSeek-V3 HF config that conversion, calibration and loading need."""
+
+    # model
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_nextn_predict_layers: int
+    # mla
+    num_attention_heads: int
+    q_lora_rank: int | None  # None: q_proj instead of q_a/q_b (DeepSeek-V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # mlp / moe
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    # source quantization (DeepSeek's FP8 block size; None when the source is not FP8)
+    weight_block_size: tuple[int, int] | None
+    rms_norm_eps: float
+    raw: dict[str, Any]
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], origin: str = "config.json") -> DeepseekV3Config:
+        optional = {"q_lora_rank", "weight_block_size", "raw", "num_nextn_predict_layers",
+                    "moe_layer_freq", "rms_norm_eps"}  # fmt: skip
+        names = [f.name for f in fields(cls) if f.name not in optional]
+        missing = [n for n in names if n not in raw]
+        if missing:
+            raise HetquantError(
+                f"{origin}: missing field(s) {', '.join(missing)}; is this a DeepSeek-V3-family config?"
+            )
+        values: dict[str, Any] = {n: _int(raw, n, origin) for n in names}
+        q = raw.get("q_lora_rank")
+        values["q_lora_rank"] = None if q is None else _int(raw, "q_lora_rank", origin)
+        values["num_nextn_predict_layers"] = int(raw.get("num_nextn_predict_layers", 0) or 0)
+        values["moe_layer_freq"] = int(raw.get("moe_layer_freq", 1) or 1)
+        qc = raw.get("quantization_config") or {}
+        block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
+        values["weight_block_size"] = tuple(block) if block else None
+        eps = raw.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or eps < 0:
+            raise HetquantError(f"{origin}: field rms_norm_eps must be a number >= 0, got {eps!r}")
+        return cls(raw=raw, rms_norm_eps=float(eps), **values)
+
+    # generic facts ---------------------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return self.num_nextn_predict_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer >= self.first_k_dense_replace
+            and layer % self.moe_layer_freq == 0
+        )
+
+    def layer_scopes(self, layer: int) -> frozenset[str]:
+        scopes = {"layer", "attn_q_lora" if self.q_lora_rank else "attn_q"}
+        if not self.is_moe_layer(layer):
+            scopes.add("dense")
+        else:
+            scopes |= {"moe", "moe_shared"} if self.n_shared_experts else {"moe"}
+        return frozenset(scopes)
+
+    @classmethod
+    def without_mtp(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        return {**raw, "num_nextn_predict_layers": 0}
+
+    # the forward's ----------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def router(self) -> RouterSpec:
+        """The routing fields (read when a forward needs them: convert does not)."""
+        return RouterSpec.from_config(self.raw, self.n_routed_experts)
+
+
+def _int(raw: dict[str, Any], key: str, origin: str) -> int:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise HetquantError(f"{origin}: field {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The routing fields of a DeepSeek config (``runtime/moe.py`` ``route`` documents them)."""
+
+    n_experts: int  # n_routed_experts
+    top_k: int  # num_experts_per_tok
+    n_group: int
+    topk_group: int
+    scoring: str  # "sigmoid" | "softmax"
+    use_bias: bool  # topk_method == "noaux_tc": e_score_correction_bias steers the choice
+    norm_topk_prob: bool
+    scaling: float  # routed_scaling_factor
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any], n_experts: int) -> RouterSpec:
+        need = ("num_experts_per_tok", "n_group", "topk_group", "norm_topk_prob", "topk_method")
+        missing = [k for k in need if raw.get(k) is None]
+        if missing:
+            raise HetquantError(f"config.json: MoE model lacks {', '.join(missing)}")
+        spec = cls(
+            n_experts=n_experts,
+            top_k=int(raw["num_experts_per_tok"]),
+            n_group=int(raw["n_group"]),
+            topk_group=int(raw["topk_group"]),
+            scoring=str(raw.get("scoring_func", "sigmoid")),
+            use_bias=raw["topk_method"] == "noaux_tc",
+            norm_topk_prob=bool(raw["norm_topk_prob"]),
+            scaling=float(raw.get("routed_scaling_factor", 1.0)),
+        )
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        e, g = self.n_experts, self.n_group
+        if self.scoring not in ("sigmoid", "softmax"):
+            raise HetquantError(f"config.json: scoring_func {self.scoring!r} is not supported")
+        if g < 1 or e % g:
+            raise HetquantError(
+                f"config.json: n_routed_experts {e} is not divisible by n_group {g}"
+            )
+        if not 1 <= self.topk_group <= g:
+            raise HetquantError(f"config.json: topk_group {self.topk_group} not in [1, {g}]")
+        if not 1 <= self.top_k <= self.topk_group * (e // g):
+            raise HetquantError(
+                f"config.json: num_experts_per_tok {self.top_k} exceeds the "
+                f"{self.topk_group * (e // g)} experts of the kept groups"
+            )
+        if g > 1 and self.use_bias and e // g < 2:
+            raise HetquantError("config.json: noaux_tc group scoring needs >= 2 experts per group")
+
+
+# -- the role table ----------------------------------------------------------------------------
+
+
+def _h(c: DeepseekV3Config) -> int:
+    return c.hidden_size
+
+
+def _shared_i(c: DeepseekV3Config) -> int:
+    return c.moe_intermediate_size * c.n_shared_experts
+
+
+R = Role
+ROLES: tuple[Role, ...] = (
+    # global: the embedding and final norm before the layers, lm_head after them
+    R("embed", "model.embed_tokens.weight", GLOBAL, "embeddings", "embedding", "vocab", None,
+      lambda c: (c.vocab_size, _h(c))),
+    R("final_norm", "model.norm.weight", GLOBAL, "norms", "norm", "replicate", None, lambda c: (_h(c),)),
+    R("lm_head", "lm_head.weight", GLOBAL_LAST, "embeddings", "head", "vocab", None,
+      lambda c: (c.vocab_size, _h(c))),
+    # every layer
+    R("attn_norm", "input_layernorm.weight", "layer", "norms", "norm", "replicate", None, lambda c: (_h(c),)),
+    R("ffn_norm", "post_attention_layernorm.weight", "layer", "norms", "norm", "replicate", None,
+      lambda c: (_h(c),)),
+    R("q_a", "self_attn.q_a_proj.weight", "attn_q_lora", "attention", "linear", "replicate", None,
+      lambda c: (c.q_lora_rank or 0, _h(c))),
+    R("q_a_norm", "self_attn.q_a_layernorm.weight", "attn_q_lora", "norms", "norm", "replicate", None,
+      lambda c: (c.q_lora_rank or 0,)),
+    R("q_b", "self_attn.q_b_proj.weight", "attn_q_lora", "attention", "linear", "column", None,
+      lambda c: (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank or 0)),
+    R("q", "self_attn.q_proj.weight", "attn_q", "attention", "linear", "column", None,
+      lambda c: (c.num_attention_heads * c.qk_head_dim, _h(c))),
+    R("kv_a", "self_attn.kv_a_proj_with_mqa.weight", "layer", "attention", "linear", "replicate", None,
+      lambda c: (c.kv_lora_rank + c.qk_rope_head_dim, _h(c))),
+    R("kv_a_norm", "self_attn.kv_a_layernorm.weight", "layer", "norms", "norm", "replicate", None,
+      lambda c: (c.kv_lora_rank,)),
+    R("kv_b", "self_attn.kv_b_proj.weight", "layer", "attention", "linear", "column", None,
+      lambda c: (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+      absorbed=True),
+    R("o", "self_attn.o_proj.weight", "layer", "attention", "linear", "row", None,
+      lambda c: (_h(c), c.num_attention_heads * c.v_head_dim)),
+    # dense MLP layers
+    R("dense_gate", "mlp.gate_proj.weight", "dense", "dense_mlp", "linear", "column", None,
+      lambda c: (c.intermediate_size, _h(c)), mlp="gate"),
+    R("dense_up", "mlp.up_proj.weight", "dense", "dense_mlp", "linear", "column", None,
+      lambda c: (c.intermediate_size, _h(c)), mlp="up"),
+    R("dense_down", "mlp.down_proj.weight", "dense", "dense_mlp", "linear", "row", None,
+      lambda c: (_h(c), c.intermediate_size), mlp="down"),
+    # MoE layers
+    R("router", "mlp.gate.weight", "moe", "router", "router", "replicate", None,
+      lambda c: (c.n_routed_experts, _h(c))),
+    R("router_bias", "mlp.gate.e_score_correction_bias", "moe", "router", "bias", "replicate", None,
+      lambda c: (c.n_routed_experts,)),
+    R("shared_gate", "mlp.shared_experts.gate_proj.weight", "moe_shared", "shared_experts", "linear",
+      "column", "shared", lambda c: (_shared_i(c), _h(c)), mlp="gate"),
+    R("shared_up", "mlp.shared_experts.up_proj.weight", "moe_shared", "shared_experts", "linear",
+      "column", "shared", lambda c: (_shared_i(c), _h(c)), mlp="up"),
+    R("shared_down", "mlp.shared_experts.down_proj.weight", "moe_shared", "shared_experts", "linear",
+      "row", "shared", lambda c: (_h(c), _shared_i(c)), mlp="down"),
+    R("expert_gate", "mlp.experts.{e}.gate_proj.weight", "moe", "routed_experts", "linear", "column",
+      "routed", lambda c: (c.moe_intermediate_size, _h(c)), mlp="gate"),
+    R("expert_up", "mlp.experts.{e}.up_proj.weight", "moe", "routed_experts", "linear", "column",
+      "routed", lambda c: (c.moe_intermediate_size, _h(c)), mlp="up"),
+    R("expert_down", "mlp.experts.{e}.down_proj.weight", "moe", "routed_experts", "linear", "row",
+      "routed", lambda c: (_h(c), c.moe_intermediate_size), mlp="down"),
+    # multi-token-prediction extras
+    R("mtp_enorm", "enorm.weight", MTP, "mtp", "norm", "replicate", None, lambda c: (_h(c),)),
+    R("mtp_hnorm", "hnorm.weight", MTP, "mtp", "norm", "replicate", None, lambda c: (_h(c),)),
+    R("mtp_eh_proj", "eh_proj.weight", MTP, "mtp", "linear", "replicate", None,
+      lambda c: (_h(c), 2 * _h(c))),
+    R("mtp_embed", "embed_tokens.weight", MTP, "mtp", "embedding", "vocab", None,
+      lambda c: (c.vocab_size, _h(c))),
+    R("mtp_head_norm", "shared_head.norm.weight", MTP, "mtp", "norm", "replicate", None,
+      lambda c: (_h(c),)),
+    R("mtp_head", "shared_head.head.weight", MTP, "mtp", "head", "vocab", None,
+      lambda c: (c.vocab_size, _h(c))),
+)  # fmt: skip
+
+
+# -- AWQ ---------------------------------------------------------------------------------------
+
+
+def _v_rows(c: DeepseekV3Config) -> torch.Tensor:
+    """kv_b_proj's v rows in o_proj input order: head h, channel d → h·(dn+dv) + dn + d."""
+    dn, dv = c.qk_nope_head_dim, c.v_head_dim
+    heads = torch.arange(c.num_attention_heads)[:, None] * (dn + dv)  # [H, 1]
+    return (heads + dn + torch.arange(dv)[None, :]).reshape(-1)  # [H·dv]
+
+
+AWQ = AwqMappings(
+    balances=(
+        Balance("attn_in", "attn_norm", ("q_a", "q", "kv_a")),
+        Balance("q_b", "q_a_norm", ("q_b",)),
+        Balance("kv_b", "kv_a_norm", ("kv_b",)),
+        Balance("o", "kv_b", ("o",), rows=_v_rows, option="fold_o_proj"),
+    ),
+    clips=("q_a", "q", "kv_a", "kv_b", "o", "q_b"),
+    mlp_input=Balance(
+        "mlp_in",
+        "ffn_norm",
+        ("dense_gate", "dense_up", "shared_gate", "shared_up", "expert_gate", "expert_up"),
+        compensate="router",
+    ),
+    clip_skip=("q_a_proj", "q_b_proj", "q_proj"),
+)
+
+FAMILY = register_family(
+    ModelFamily(
+        "deepseek_v3",
+        DeepseekV3Config,
+        ROLES,
+        AWQ,
+        model_types=("deepseek_v3",),
+        architectures=("DeepseekV3ForCausalLM",),
+    )
+)
