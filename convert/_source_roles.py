@@ -25,7 +25,11 @@ Entries = dict[str, tuple[str, HeaderEntry]]  # tensor name → (shard file, hea
 Attached = tuple[TensorRole, Entries, WeightFormat | None]  # role, parts by key, format
 
 PREFERRED: tuple[Callable[[ModelConfig], WeightFormat], ...] = (
-    lambda c: get_format("fp8_block", block=c.weight_block_size[0] if c.weight_block_size else 128),
+    lambda c: get_format(
+        "fp8_block",
+        block=c.weight_block_size[0] if c.weight_block_size else 128,
+        scale_fmt=(c.raw.get("quantization_config") or {}).get("scale_fmt") or "float",
+    ),
 )
 """Format variants whose parameters config.json fixes (shapes alone may leave them open)."""
 

@@ -18,7 +18,12 @@ Edge blocks that do not fill 128×128 (``kv_a_proj_with_mqa``: 576 rows → 4.5 
 of the block that contains them.
 
 Read as a source (``source_rows``), a weight is refused when a code is NaN (E4M3FN has no
-infinities), or a scale is NaN, infinite, negative, or so large that ``448 · s`` overflows BF16. Quantization (used to build test checkpoints exactly as DeepSeek
+infinities), or a scale is NaN, infinite, negative, or so large that ``448 · s`` overflows BF16.
+
+``scale_fmt``: ``float`` (V3 / R1: any F32 scale) or ``ue8m0`` (DeepSeek-V3.1's
+``quantization_config.scale_fmt``: every scale a power of two, still stored as F32
+``weight_scale_inv``; dequantization is unchanged). Under ``ue8m0`` a scale that is not a power of
+two is a corrupt source. Quantization (used to build test checkpoints exactly as DeepSeek
 ships them): per 128×128 block, ``s = amax / 448`` (``s = 1`` for an all-zero block) and
 ``weight = e4m3(W / s)``, saturating at ±448.
 """
@@ -41,6 +46,7 @@ __all__ = [
     "Fp8Block",
     "absmax_dequantized",
     "check_codes",
+    "check_pow2_scales",
     "check_scales",
     "dequantize_rows",
     "e4m3_to_f32",
@@ -84,6 +90,24 @@ def check_codes(name: str, codes: torch.Tensor) -> None:
         or int(codes.view(torch.uint8).max()) == 0xFF
     ):
         raise HetquantError(f"{name}: NaN code(s) in the FP8 weight; the checkpoint is corrupt")
+
+
+SCALE_FMTS = ("float", "ue8m0")
+_F32_MANTISSA = (1 << 23) - 1
+
+
+def check_pow2_scales(name: str, scale_inv: torch.Tensor) -> None:
+    """Refuse a scale that is not a power of two (UE8M0: exponent only; zero mantissa bits,
+    normal numbers, positive)."""
+    bits = scale_inv.to(torch.float32).contiguous().view(torch.int32)
+    bad = ((bits & _F32_MANTISSA) != 0) | (bits <= (_F32_MANTISSA))  # mantissa, or ≤ 0 / subnormal
+    if bool(bad.any()):
+        i = int(bad.reshape(-1).nonzero()[0])
+        value = float(scale_inv.reshape(-1)[i])
+        raise HetquantError(
+            f"{name}: scale {value!r} (entry {i}) is not a power of two, but config.json declares "
+            "scale_fmt ue8m0; the checkpoint is corrupt or its config is not its own"
+        )
 
 
 def check_scales(name: str, scale_inv: torch.Tensor) -> None:
@@ -144,6 +168,18 @@ class Fp8Block(WeightFormat):
     name: ClassVar[str] = "fp8_block"
     keys: ClassVar[frozenset[str]] = frozenset({"weight", "weight_scale_inv"})
     block: int = 128
+    scale_fmt: str = "float"  # or "ue8m0": powers of two (see the module docstring)
+
+    def __post_init__(self) -> None:
+        if self.scale_fmt not in SCALE_FMTS:
+            raise HetquantError(
+                f"fp8_block: scale_fmt {self.scale_fmt!r} is not one of {list(SCALE_FMTS)}"
+            )
+
+    def _check_scales(self, name: str, scale_inv: torch.Tensor) -> None:
+        check_scales(name, scale_inv)
+        if self.scale_fmt == "ue8m0":
+            check_pow2_scales(name, scale_inv)
 
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Fp8Block, tuple[int, int]]:
         """The block edge that gives the scale grid. A grid of ceil-divided blocks does not pin
@@ -162,7 +198,7 @@ class Fp8Block(WeightFormat):
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """One block row at a time, validated (see the module docstring)."""
         w, s = tensors["weight"], tensors["weight_scale_inv"]
-        check_scales(f"{name}.weight_scale_inv", s)
+        self._check_scales(f"{name}.weight_scale_inv", s)
         for r in range(0, shape[0], self.block):
             rows = w[r : r + self.block]
             check_codes(f"{name}.weight", rows)
@@ -172,7 +208,7 @@ class Fp8Block(WeightFormat):
         self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
     ) -> float:
         """From the codes (``absmax_dequantized``), without dequantizing the weight."""
-        check_scales(f"{name}.weight_scale_inv", tensors["weight_scale_inv"])
+        self._check_scales(f"{name}.weight_scale_inv", tensors["weight_scale_inv"])
         try:
             return absmax_dequantized(tensors["weight"], tensors["weight_scale_inv"], self.block)
         except HetquantError as e:

@@ -188,3 +188,45 @@ def test_source_config_fixes_the_fp8_block(tmp_path: Path) -> None:
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HetquantError, match=r"weight_scale_inv is F32\[\d+, \d+\], expected F32"):
         SourceCheckpoint.open(src)
+
+
+@pytest.fixture(scope="module")
+def ue8m0_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3.1's FP8: every block scale a power of two, config says scale_fmt ue8m0."""
+    state = _tiny_state()
+    for name in [n for n in state if n.endswith("_scale_inv")]:
+        state[name] = torch.exp2(torch.ceil(torch.log2(state[name])))  # (sr, sc)
+
+    def v31(cfg: dict) -> None:
+        cfg["quantization_config"]["scale_fmt"] = "ue8m0"
+
+    return _write_source(tmp_path_factory.mktemp("v31") / "src", state, v31)
+
+
+def test_ue8m0_source_dequantizes_exactly(cli, ue8m0_source: Path, tmp_path: Path) -> None:
+    from support import bf16_bits, fp8_codes, ref_dequant_bits
+
+    src = SourceCheckpoint.open(ue8m0_source)
+    assert {t.fmt.scale_fmt for t in src.tensors.values() if t.fmt_name == "fp8_block"} == {"ue8m0"}
+    out = tmp_path / "out"
+    assert cli("convert", ue8m0_source, out, "--recipe", "bf16").exit_code == 0
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # a partial block row
+    parts = src.stored(name)
+    want = ref_dequant_bits(fp8_codes(parts["weight"]), parts["weight_scale_inv"].numpy())
+    file = out / read_json(out / INDEX)["weight_map"][name]
+    got = np.frombuffer(st_bytes(file, name), dtype=np.uint16).reshape(want.shape)
+    assert np.array_equal(got, want) and np.array_equal(bf16_bits(src.dequantized(name)), want)
+
+
+def test_ue8m0_scale_that_is_not_a_power_of_two_is_refused(
+    cli, ue8m0_source: Path, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(ue8m0_source, src)
+    name = "model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv"
+    _edit_state(src, name, lambda t: t[name].__setitem__((0, 1), 0.75 * float(t[name][0, 1])))
+    res = cli("convert", src, tmp_path / "out", "--recipe", "ascend-w8a8")
+    assert res.exit_code == 2
+    line = res.stderr.strip()
+    assert line.startswith(f"error: {name}: scale ") and "not a power of two" in line
+    assert "scale_fmt ue8m0" in line and "\n" not in line
