@@ -15,6 +15,7 @@ import click
 
 from hetquant.formats import HetquantError
 
+from .cli_common import must_exist
 from .run_cli import eval_, run
 
 __all__ = ["main"]
@@ -164,14 +165,18 @@ def convert(
     repo_id = parse_repo_spec(source)[0] if revision is not None else None
     src = SourceCheckpoint.open(root, revision, repo_id)
     size = parse_size(max_shard_size)
+    if calib_data is not None and not rec.calibrates:
+        raise HetquantError(f"recipe {rec.name} does not calibrate; drop --calib-data")
+    if dry_run:  # the plan from the headers alone: nothing calibrated, nothing written
+        plan = plan_for(src, rec, size)
+        _print_plan(plan, src, workers)
+        if calib_data is not None:
+            click.echo(f"calibration: AWQ on {calib_samples} x {calib_seq_len} tokens of {calib_data}, before the jobs")  # fmt: skip
+        click.echo(format_precision(precision_table(plan)))
+        return
     calibration = (
         _calibrate(src, rec, calib_data, calib_samples, calib_seq_len) if calib_data else None
     )
-    if dry_run:
-        plan = plan_for(src, rec, size)
-        _print_plan(plan, src, workers)
-        click.echo(format_precision(precision_table(plan)))
-        return
     progress = Progress(src.total_bytes)
     try:
         result = run_convert(
@@ -218,7 +223,7 @@ def recipes() -> None:
 @click.argument("path", type=click.Path(path_type=Path))
 def inspect(path: Path) -> None:
     """Summarise a source checkpoint or an artifact: model, formats by group, sizes, bits/weight."""
-    _must_exist(path)
+    must_exist(path)
     from .inspect import describe
 
     click.echo(describe(path))
@@ -228,7 +233,7 @@ def inspect(path: Path) -> None:
 @click.argument("artifact", type=click.Path(path_type=Path))
 def verify(artifact: Path) -> None:
     """Check every file of ARTIFACT against its manifest; exit 1 if anything is off."""
-    _must_exist(artifact)
+    must_exist(artifact)
     from .verify import verify_artifact
 
     problems = verify_artifact(artifact)
@@ -242,8 +247,6 @@ def verify(artifact: Path) -> None:
 
 def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
     """AWQ calibration of ``src`` on ``text`` (streaming, one layer at a time)."""
-    if not rec.calibrates:
-        raise HetquantError(f"recipe {rec.name} does not calibrate; drop --calib-data")
     from hetquant.calib.calibrate import AwqOptions, calibrate
     from hetquant.calib.data import load_tokenizer, token_blocks
 
@@ -251,11 +254,6 @@ def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
     tokens = token_blocks([text], tokenizer, eos, samples, seq_len)
     log.info("calibrating on %d x %d tokens of %s", samples, seq_len, text)
     return calibrate(src, tokens, AwqOptions(group_size=rec.option("group_size")), log=log.info)
-
-
-def _must_exist(path: Path) -> None:
-    if not path.exists():
-        raise HetquantError(f"{path}: no such file or directory")
 
 
 def _register_runtime() -> None:

@@ -48,9 +48,7 @@ def describe(path: Path) -> str:
         return "\n".join(head) + "\n\n" + format_precision(m["precision"])
     src = SourceCheckpoint.open(path)
     c = src.config
-    items = [
-        SourceItem(t.name, t.role, t.entry.dtype, t.scale is not None) for t in src.tensors.values()
-    ]
+    items = [SourceItem(t.name, t.role, t.entry.dtype) for t in src.tensors.values()]
     table = precision_table(make_plan(items, _AsIs("as-is", ""), 1 << 62))
     scales = sum(t.scale.nbytes for t in src.tensors.values() if t.scale)
     head = [

@@ -9,9 +9,8 @@ so memory stays near one block row plus the (4- or 8-bit) output however large t
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,8 @@ from hetquant.formats import HetquantError, get_expert_format, get_format
 from hetquant.formats.base import all_finite
 from hetquant.formats.dtypes import torch_dtype
 from hetquant.formats.fp8_block import Fp8Block, absmax_dequantized, dequantize_rows
-from hetquant.formats.safetensors_io import write_at
 
+from .containers import PieceWriter
 from .plan import Job, OutPiece, Plan
 from .recipes import COPY
 from .source import SourceCheckpoint
@@ -42,13 +41,9 @@ class JobRunner:
     plan: Plan
     work_dir: Path
     calibration: Any = None  # calib.CalibrationResult: AWQ transforms applied before quantizing
-    _fds: dict[str, int] = field(default_factory=dict)
-    _where: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for f in self.plan.files:
-            for name, off in f.offsets().items():
-                self._where[name] = (f.name, off)
+        self._out = PieceWriter(self.plan.files, self.work_dir)
         bs = self.source.config.weight_block_size
         self._fp8 = Fp8Block(bs[0]) if bs else Fp8Block()
         self._handlers = {COPY: self._copy, "linear": self._linear, "experts": self._experts}
@@ -59,9 +54,7 @@ class JobRunner:
         return sum(self._source_bytes(name) for name in job.sources)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._out.close()
 
     def _source_bytes(self, name: str) -> int:
         t = self.source.tensors[name]
@@ -185,11 +178,7 @@ class JobRunner:
 
     def _write(self, piece: OutPiece, data: torch.Tensor, rel: int = 0) -> None:
         """Write ``data`` into ``piece`` at ``rel`` bytes past the piece's start."""
-        file, off = self._where[piece.tensor]
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(self.work_dir / file, os.O_WRONLY)
-        write_at(fd, off + piece.offset + rel, data)
+        self._out.write(piece.tensor, piece.offset + rel, data)
 
 
 def _check_finite(name: str, data: torch.Tensor) -> None:

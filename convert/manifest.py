@@ -14,12 +14,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from hetquant.formats.filenames import MANIFEST_NAME
+
 from .plan import Plan
 from .recipes import COPY
 
 __all__ = ["MANIFEST_NAME", "SCHEMA_VERSION", "build_manifest", "file_digest", "write_json_atomic"]
 
-MANIFEST_NAME = "hetquant.json"
 SCHEMA_VERSION = 1
 _READ = 8 << 20
 

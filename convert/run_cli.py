@@ -65,9 +65,9 @@ def run(
 
     from hetquant.runtime.run import RunSpec, run_artifact
 
-    from .cli import _must_exist
+    from .cli_common import must_exist
 
-    _must_exist(artifact)
+    must_exist(artifact)
     try:
         ids = tuple(int(t) for t in tokens.split(",") if t.strip())
     except ValueError:
@@ -128,12 +128,12 @@ def eval_(
     from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
     from hetquant.runtime.run import local_model
 
-    from .cli import _must_exist
+    from .cli_common import must_exist
     from .hub import resolve_source
     from .source import SourceCheckpoint
 
-    _must_exist(artifact)
-    _must_exist(text)
+    must_exist(artifact)
+    must_exist(text)
     root, revision = resolve_source(reference, None, None)
     src = SourceCheckpoint.open(root, revision)
     tokens = token_blocks([text], *load_tokenizer(src.root), samples, seq_len)

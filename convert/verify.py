@@ -14,7 +14,6 @@ from typing import Any
 
 from hetquant.formats import HetquantError
 from hetquant.formats.model_config import ModelConfig, load_json
-from hetquant.formats.safetensors_io import read_header
 
 from .deepseek_v3 import expected_tensors
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, file_digest
@@ -24,7 +23,6 @@ from .source import INDEX_NAME
 
 __all__ = ["load_manifest", "replay_plan", "verify_artifact"]
 
-FP8_DTYPE = "F8_E4M3"
 # Files a Hub repo adds beside the artifact (the card `publish` writes, git attributes, the
 # download cache of huggingface_hub's local_dir mode): not part of the artifact, not checked.
 HUB_FILES = {"README.md", ".gitattributes"}
@@ -51,8 +49,7 @@ def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
     recipe = get_recipe(manifest["recipe"]["name"]).with_options(manifest["recipe"]["options"])
     dtypes = manifest["source"]["dtypes"]
     items = [
-        SourceItem(name, role, dtypes[role.role.name], dtypes[role.role.name] == FP8_DTYPE)
-        for name, role in expected_tensors(cfg).items()
+        SourceItem(n, role, dtypes[role.role.name]) for n, role in expected_tensors(cfg).items()
     ]
     return make_plan(items, recipe, manifest["max_shard_size"])
 
@@ -98,19 +95,8 @@ def _check_structure(root: Path, manifest: dict[str, Any]) -> list[str]:
     except (HetquantError, KeyError) as e:
         return [f"cannot replay the plan from the manifest: {e}"]
     for f in plan.files:
-        path = root / f.name
-        if not path.is_file():
-            continue  # already reported as missing
-        try:
-            read_header(path)
-        except HetquantError as e:
-            problems.append(str(e))
-            continue
-        with open(path, "rb") as fh:
-            if fh.read(len(f.header)) != f.header:
-                problems.append(
-                    f"{f.name}: header differs from the plan (tensor names, dtypes or shapes)"
-                )
+        if (root / f.name).is_file():  # a missing one is already reported
+            problems += f.check(root / f.name)  # its container's structure (e.g. the header)
     try:  # a corrupt index is a failed check (exit 1), not bad input
         index = load_json(root / INDEX_NAME) if (root / INDEX_NAME).exists() else {}
     except HetquantError as e:
