@@ -85,7 +85,8 @@ def _hccl_missing(world: int) -> str | None:
     try:
         import torch_npu  # noqa: F401  (registers "hccl" and torch.npu)
     except (ImportError, OSError, RuntimeError) as exc:
-        return f"it needs torch_npu on an Ascend host ({type(exc).__name__}: {exc})"
+        why = " ".join(str(exc).split())  # one line
+        return f"it needs torch_npu on an Ascend host ({type(exc).__name__}: {why})"
     import torch.distributed as dist
 
     if not getattr(dist, "is_hccl_available", lambda: False)():
@@ -120,6 +121,8 @@ def choose_backend(device: str, requested: str | None, world: int) -> Collective
     Raises HetquantError (one line, naming what to ask for instead) for an unknown name, a
     backend that does not serve ``device``, or one that cannot run here (``missing``).
     """
+    if device not in DEVICE_BACKENDS:
+        raise HetquantError(f"--device {device}: unknown; known: {', '.join(DEVICE_BACKENDS)}")
     name = requested or DEVICE_BACKENDS[device]
     how = f"--dist-backend {name}" + ("" if requested else f" (the default for --device {device})")
     be = BACKENDS.get(name)

@@ -119,6 +119,7 @@ def test_backend_and_device_mismatch_and_unknown_names(monkeypatch: pytest.Monke
     assert (
         _refusal("cpu", "mpi", 2) == "--dist-backend mpi: unknown backend; known: gloo, hccl, nccl"
     )
+    assert _refusal("xpu", None, 2) == "--device xpu: unknown; known: cpu, cuda, npu"
     monkeypatch.setattr(dist, "is_gloo_available", lambda: False)
     assert "built without gloo; run one rank" in _refusal("cpu", None, 2)
 
