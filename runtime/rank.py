@@ -14,7 +14,8 @@
   several physical slots — EPLB's redundant experts — counts once, at its first slot); with a CPU
   expert pool (``ascend-hybrid``) the pool computes the layer on group rank 0.
 
-``Comm`` is the group's collectives (torch.distributed, gloo on CPU); ``Comm()`` is a single rank.
+``Comm`` (``collectives.py``) is the group's collectives over the run's backend (gloo, nccl,
+hccl); ``Comm()`` is a single rank.
 ``run_stage`` runs this pipeline stage's layers (embedding on the first stage, final norm and
 lm_head on the last).
 """
@@ -30,48 +31,13 @@ import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
 
+from .collectives import Comm
 from .layout import ParallelLayout, split_of
 from .model import DeepseekV3Reference, rms_norm
 from .ops import QuantLinear
 from .shard_rules import IN, OUT, ModuleInfo, place, split_range
 
 __all__ = ["Comm", "RankWeights", "run_stage"]
-
-
-class Comm:
-    """Collectives over one process group; without a group, a single rank (identity)."""
-
-    def __init__(self, group: Any = None, size: int = 1, rank: int = 0) -> None:
-        self.group, self.size, self.rank = group, size, rank
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            import torch.distributed as dist
-
-            if self._via_cpu(x):
-                x.copy_(self.all_reduce(x.cpu()))
-            else:
-                dist.all_reduce(x, group=self.group)
-        return x
-
-    def _via_cpu(self, x: torch.Tensor) -> bool:
-        """gloo (this reference's backend, any number of ranks per GPU) on non-CPU tensors:
-        collectives go through host copies."""
-        import torch.distributed as dist
-
-        return x.device.type != "cpu" and dist.get_backend(self.group) == "gloo"
-
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along the last dim (equal shapes)."""
-        if self.size == 1:
-            return x
-        import torch.distributed as dist
-
-        if self._via_cpu(x):
-            return self.all_gather_last(x.cpu()).to(x.device)
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
 
 
 class RankWeights:

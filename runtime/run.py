@@ -2,22 +2,27 @@
 
 World = ``pp_size × g`` processes, ``g = max(tp_size, ep_size)`` (tp and ep, when both > 1, are
 the same group, as vLLM's EP runs over the TP group). Rank ``r`` is stage ``r // g``, group rank
-``r % g``; each stage's group does its collectives (gloo over 127.0.0.1), and a stage hands its
-hidden states to the same group rank of the next stage. The last stage's group rank 0 writes the
-float32 logits ``[T, vocab]``; with ``generate`` the next token (greedy, full re-prefill per step)
-is broadcast to every rank. A hybrid artifact's routed experts come from the CPU expert pool
-(``subpools``), run by group rank 0 of each stage.
+``r % g``; each stage's group does its collectives, and a stage hands its hidden states to the
+same group rank of the next stage. The collectives' backend is the device's own — gloo on the
+CPU, nccl on CUDA (each rank on its own GPU, ``cuda:{r}``: tensors never leave it), hccl on
+Ascend — or the one named in ``RunSpec.dist_backend`` (gloo on a GPU: ranks may share it,
+collectives go through host copies); see ``collectives.py``. One rank makes no process group
+unless a backend is named. The last stage's group rank 0 writes the float32 logits ``[T, vocab]``;
+with ``generate`` the next token (greedy, full re-prefill per step) is broadcast to every rank. A
+hybrid artifact's routed experts come from the CPU expert pool (``subpools``), run on the host
+by group rank 0 of each stage.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,8 @@ import torch
 
 from hetquant.formats import HetquantError
 from hetquant.formats.families import parse_config
+
+from .collectives import CollectiveBackend, choose_backend
 
 __all__ = ["RunSpec", "local_model", "run_artifact"]
 
@@ -43,6 +50,18 @@ class RunSpec:
     device: str = "cpu"
     generate: int = 0
     dtype: str | None = None  # activations; default float32, bfloat16 on npu (as vllm-ascend)
+    dist_backend: str | None = None  # torch.distributed backend; default the device's own
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.group
+
+    def collective_backend(self) -> CollectiveBackend | None:
+        """The ranks' backend (refused here when it cannot run); None: one rank, none named,
+        no process group."""
+        if self.world == 1 and self.dist_backend is None:
+            return None
+        return choose_backend(self.device, self.dist_backend, self.world)
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -57,34 +76,42 @@ class RunSpec:
         return max(self.tp, self.ep)
 
 
-def run_artifact(spec: RunSpec) -> tuple[np.ndarray, list[int]]:
+def run_artifact(
+    spec: RunSpec, *, timings: list[dict[str, Any]] | None = None
+) -> tuple[np.ndarray, list[int]]:
     """(float32 logits [T, vocab] of ``spec.tokens``, generated token ids) — spawning the ranks.
 
-    Everything a rank would refuse is checked here first (layout, token ids, every file's
-    header); a rank that fails anyway re-raises its HetquantError or OSError in this process.
+    Everything a rank would refuse is checked here first (backend, layout, token ids, every
+    file's header); a rank that fails anyway re-raises its HetquantError or OSError in this
+    process. ``timings``, when given, receives one dict per rank (``RankTiming``).
     """
-    world = spec.pp * spec.group
-    _check_inputs(spec, world)
+    world = spec.world
+    backend = _check_inputs(spec, world)
     log.info(
-        "starting %d rank(s) (tp=%d pp=%d ep=%d) on this host", world, spec.tp, spec.pp, spec.ep
-    )
+        "starting %d rank(s) (tp=%d pp=%d ep=%d, %s) on this host",
+        world, spec.tp, spec.pp, spec.ep, backend.name if backend else "no process group",
+    )  # fmt: skip
     level = logging.getLogger("hetquant").getEffectiveLevel()
     with tempfile.TemporaryDirectory(prefix="hetquant-run-") as tmp:
         out = Path(tmp)
-        if world == 1:
+        if backend is None:
             _rank_main(0, spec, 1, _free_port(), out, time.time())
         else:
             _spawn(spec, world, out, level)
         logits = np.load(out / "logits.npy")
         generated = [int(x) for x in np.load(out / "generated.npy")]
+        if timings is not None:
+            timings.extend(json.loads((out / f"timing-{r}.json").read_text()) for r in range(world))
     return logits, generated
 
 
-def _check_inputs(spec: RunSpec, world: int) -> None:
-    """Refuse what a rank would: no tokens, ids outside the vocab, a layout the shapes do not
-    allow, a missing or truncated file (every header is read, cpu_experts/ included)."""
+def _check_inputs(spec: RunSpec, world: int) -> CollectiveBackend | None:
+    """Refuse what a rank would: no tokens, a backend that cannot run here, ids outside the
+    vocab, a layout the shapes do not allow, a missing or truncated file (every header is read,
+    cpu_experts/ included). Returns the ranks' backend (None: one rank, no process group)."""
     if not spec.tokens:
         raise HetquantError("run: give at least one token id (--tokens 5,17,42)")
+    backend = spec.collective_backend()
     from ._expert_files import _select_layers
     from ._subpool import _check_split
     from .loader import open_artifact
@@ -107,6 +134,7 @@ def _check_inputs(spec: RunSpec, world: int) -> None:
         len({f for m in art.modules.values() for f, _ in m.entries.values()}),
         len(experts),
     )
+    return backend
 
 
 def _spawn(spec: RunSpec, world: int, out: Path, level: int) -> None:
@@ -147,28 +175,31 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: float) -> None:
     """Rank ``rank`` of ``world``: load its shards, run the stages; ``t0``: when the ranks were
-    started (time.time()), for the progress log."""
+    started (time.time()), for the progress log. Writes the logits and generated ids (last
+    stage's group rank 0) and its ``RankTiming`` into ``out``."""
     import torch.distributed as dist
 
+    from .collectives import Comm, init_groups, rank_device
     from .loader import open_artifact
     from .model import DeepseekV3Reference
-    from .rank import Comm, RankWeights, run_stage
+    from .pipeline import RankTiming, StagePlace, generate
+    from .rank import RankWeights
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    g = spec.group
-    stage, grank = divmod(rank, g)
-    comm = Comm()
-    if world > 1:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
-        groups = [dist.new_group(list(range(s * g, (s + 1) * g))) for s in range(spec.pp)]
-        comm = Comm(groups[stage], g, grank)
+    backend = spec.collective_backend()
+    place = StagePlace(rank // spec.group, spec.pp, rank % spec.group, spec.group)
+    device = rank_device(spec.device, rank, place.grank, backend)
+    tick = time.perf_counter()
+    comm, link = Comm(), device
+    if backend is not None:
+        comm, link = init_groups(backend, port, rank, spec.pp, spec.group, device)
+    init_s, tick = time.perf_counter() - tick, time.perf_counter()
     layout = _layout(spec, rank)
     art = open_artifact(spec.artifact)
     cfg = parse_config(art.config)
-    tensors = art.load(layout, device=_torch_device(spec.device, grank))
+    tensors = art.load(layout, device=device)
     pool = art.cpu_expert_pool(subpools=spec.subpools) if art.cpu_expert_files else None
+    load_s = time.perf_counter() - tick
     weights = RankWeights(
         tensors,
         art.modules,
@@ -180,38 +211,27 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: f
         npu_ops=_npu_ops(spec.device),
     )
     model = DeepseekV3Reference(cfg, weights, dtype=spec.act_dtype)
-    layers = layout.stage_layers(cfg.num_hidden_layers)
-    first, last = stage == 0, stage == spec.pp - 1
     nbytes = sum(t.nbytes for t in tensors.values())
     log.info(
-        "rank %d of %d: loaded %d tensors (%.1f MB)%s, %.1f s after start",
-        rank, world, len(tensors), nbytes / 1e6, " and the CPU expert pool" if pool else "",
+        "rank %d of %d: loaded %d tensors (%.1f MB) onto %s%s, %.1f s after start",
+        rank, world, len(tensors), nbytes / 1e6, device, " and the CPU expert pool" if pool else "",
         time.time() - t0,
     )  # fmt: skip
-    seq = torch.tensor(spec.tokens, dtype=torch.long)
-    logits = None
     if rank == 0:
         more = f", then generating {spec.generate}" if spec.generate else ""
-        log.info("running %d tokens%s", len(seq), more)
-    for step in range(spec.generate + 1):
-        y = _pipeline(run_stage, model, layers, seq, stage, grank, g, first, last, world)
-        if step == 0 and y is not None:
-            logits = y
-        if step == spec.generate:
-            break
-        nxt = torch.zeros(1, dtype=torch.long)
-        if y is not None:
-            nxt[0] = int(y[-1].argmax())
-        if world > 1:
-            dist.broadcast(nxt, src=(spec.pp - 1) * g)
-        seq = torch.cat([seq, nxt])
-    if last and grank == 0:
-        assert logits is not None
+        log.info("running %d tokens%s", len(spec.tokens), more)
+    layers = layout.stage_layers(cfg.num_hidden_layers)
+    grouped = backend is not None
+    logits, seq, steps = generate(model, layers, spec.tokens, spec.generate, place, link, grouped)
+    if logits is not None:
         np.save(out / "logits.npy", logits.cpu().numpy())
-        np.save(out / "generated.npy", seq[len(spec.tokens) :].numpy())
+        np.save(out / "generated.npy", seq[len(spec.tokens) :].cpu().numpy())
+    name = backend.name if backend else None
+    timing = RankTiming(rank, name, str(device), init_s, load_s, tuple(steps))
+    (out / f"timing-{rank}.json").write_text(json.dumps(asdict(timing)))
     if pool is not None:
         pool.close()
-    if world > 1:
+    if grouped:
         dist.barrier()
         dist.destroy_process_group()
 
@@ -224,40 +244,6 @@ def _layout(spec: RunSpec, rank: int) -> Any:
         tp_size=spec.tp, tp_rank=grank if spec.tp > 1 else 0, pp_size=spec.pp, pp_rank=stage,
         ep_size=spec.ep, ep_rank=grank if spec.ep > 1 else 0,
     )  # fmt: skip
-
-
-def _pipeline(
-    run_stage: Any,
-    model: Any,
-    layers: range,
-    seq: torch.Tensor,
-    stage: int,
-    grank: int,
-    g: int,
-    first: bool,
-    last: bool,
-    world: int,
-) -> torch.Tensor | None:
-    """Run this stage; pass hidden states on. Returns the logits on the last stage's rank 0."""
-    import torch.distributed as dist
-
-    x: torch.Tensor = seq
-    if not first:
-        x = torch.empty(seq.shape[0], model.cfg.hidden_size, dtype=model.dtype)
-        dist.recv(x, src=(stage - 1) * g + grank)
-    y = run_stage(model, layers, x, first=first, last=last)
-    if not last:
-        dist.send(y.contiguous().cpu(), dst=(stage + 1) * g + grank)  # gloo: host tensors
-        return None
-    return y if grank == 0 else None
-
-
-def _torch_device(device: str, grank: int) -> str:
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise HetquantError("--device cuda: no CUDA device here; use --device cpu")
-        return f"cuda:{grank % torch.cuda.device_count()}"
-    return "cpu"  # npu tensors are handed to torch_npu by the backend's repack
 
 
 def _npu_ops(device: str) -> Any:
@@ -278,6 +264,7 @@ def local_model(
     """The whole artifact on one rank of this process, run through its quantized ops (W8A8
     activation quantization included): a ``DeepseekV3Reference`` whose ``forward`` maps tokens
     [T] to float32 logits [T, vocab]."""
+    from .collectives import rank_device
     from .layout import ParallelLayout
     from .loader import open_artifact
     from .model import DeepseekV3Reference
@@ -288,7 +275,7 @@ def local_model(
     layout = ParallelLayout()
     layout.validate(art.config, art.modules)
     cfg = parse_config(art.config)
-    tensors = art.load(layout, device=_torch_device(device, 0))
+    tensors = art.load(layout, device=rank_device(device, 0, 0, None))
     pool = art.cpu_expert_pool(subpools=subpools) if art.cpu_expert_files else None
     weights = RankWeights(
         tensors, art.modules, layout, cfg, backend=device, pool=pool, npu_ops=_npu_ops(device)

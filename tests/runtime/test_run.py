@@ -111,21 +111,79 @@ def test_npu_backend_on_the_emulated_contracts(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("layout", [{}, {"tp": 2, "subpools": 2}, {"pp": 2}])
 def test_cuda_device_equals_cpu(artifacts: dict[str, Path], layout: dict) -> None:
-    """Weights on the GPU (every rank on the one device, gloo through host copies); the hybrid's
-    experts stay in the CPU pool, so activations travel to the host and back.
+    """Weights on the GPU (every rank on the one device: gloo, named, through host copies); the
+    hybrid's experts stay in the CPU pool, so activations travel to the host and back.
 
     bf16: only the order of float32 sums differs (``_tol``). Hybrid: W8A8 runs torch._int_mm,
     exact like the CPU kernel, but a float32 difference of one ulp before a per-token int8
     activation quantization can move a value across a rounding boundary, one activation step
     (amax/127 of the row) — the same size of change as the TP-slice scales of
     ``test_hybrid_tp2_with_a_two_subpool_cpu_pool``, hence its bound."""
+    shared = {"dist_backend": "gloo"} if layout else {}
     for recipe in ("bf16", "ascend-hybrid"):
         if recipe == "bf16" and "subpools" in layout:
             continue
         cpu, _ = run_artifact(RunSpec(str(artifacts[recipe]), TOKENS, **layout))
-        gpu, _ = run_artifact(RunSpec(str(artifacts[recipe]), TOKENS, device="cuda", **layout))
+        gpu, _ = run_artifact(
+            RunSpec(str(artifacts[recipe]), TOKENS, device="cuda", **layout, **shared)
+        )
         bound = _tol(cpu) if recipe == "bf16" else 0.05 * np.abs(cpu).max()
         assert np.abs(gpu - cpu).max() <= bound, recipe
+
+
+def _nccl_gpus() -> int:
+    ok = torch.cuda.is_available() and torch.distributed.is_nccl_available()
+    return torch.cuda.device_count() if ok else 0
+
+
+@pytest.mark.skipif(_nccl_gpus() < 1, reason="needs CUDA with NCCL")
+def test_nccl_one_rank_equals_gloo_and_cpu(artifacts: dict[str, Path]) -> None:
+    """World 1 with the backend named: a one-rank group that carries the collectives a single
+    rank makes (each MoE layer's expert sum, the next token's broadcast) — NCCL on the GPU's
+    tensors against gloo's host round trips (a one-rank sum is the tensor itself), and against
+    the CPU within ``test_cuda_device_equals_cpu``'s bounds."""
+    for recipe in ("bf16", "ascend-hybrid"):
+        path = str(artifacts[recipe])
+        cpu, gen_cpu = run_artifact(RunSpec(path, TOKENS, generate=2))
+        gloo, gen_gloo = run_artifact(
+            RunSpec(path, TOKENS, generate=2, device="cuda", dist_backend="gloo")
+        )
+        timings: list[dict] = []
+        nccl, gen_nccl = run_artifact(
+            RunSpec(path, TOKENS, generate=2, device="cuda", dist_backend="nccl"), timings=timings
+        )
+        assert [(t["backend"], t["device"]) for t in timings] == [("nccl", "cuda:0")]
+        for ref in (gloo, cpu):
+            bound = _tol(ref) if recipe == "bf16" else 0.05 * np.abs(ref).max()
+            assert np.abs(nccl - ref).max() <= bound, recipe
+        assert gen_nccl == gen_gloo, recipe
+        if recipe == "bf16":
+            assert gen_nccl == gen_cpu
+
+
+@pytest.mark.skipif(_nccl_gpus() < 2, reason="needs 2 GPUs with NCCL")
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}, {"tp": 2, "subpools": 2}])
+def test_nccl_two_gpus_equal_one_gpu(artifacts: dict[str, Path], layout: dict) -> None:
+    """TP2 / PP2 over NCCL (the default on cuda), each rank on its own GPU, against one GPU:
+    the sharded-forward bound and the same greedy tokens (bf16); the hybrid's TP2 changes the
+    W8A8 slice scales (``test_hybrid_tp2_with_a_two_subpool_cpu_pool``), hence its bound."""
+    for recipe in ("bf16", "ascend-hybrid"):
+        if recipe == "bf16" and "subpools" in layout:
+            continue
+        path = str(artifacts[recipe])
+        one, gen1 = run_artifact(RunSpec(path, TOKENS, generate=2, device="cuda"))
+        timings: list[dict] = []
+        two, gen2 = run_artifact(
+            RunSpec(path, TOKENS, generate=2, device="cuda", **layout), timings=timings
+        )
+        assert [(t["backend"], t["device"]) for t in timings] == [
+            ("nccl", "cuda:0"),
+            ("nccl", "cuda:1"),
+        ]
+        if recipe == "bf16":
+            assert np.abs(two - one).max() <= _tol(one) and gen1 == gen2
+        else:
+            assert np.abs(two - one).max() <= 0.05 * np.abs(one).max()
 
 
 def test_cli_run(cli, artifacts: dict[str, Path], tmp_path: Path) -> None:
