@@ -14,7 +14,7 @@ re-prefill of the sequence so far: this reference forward has no KV cache); figu
 over rounds, the ratio is nccl / gloo.
 
 Logits: nccl's against gloo's (max |Δ|, bit-identical or not) and against a CPU run of the same
-artifact, bounded as ``tests/runtime/test_run.py`` bounds a CUDA run against the CPU (bf16: the
+artifact, bounded as ``tests/runtime/serving/test_run.py`` bounds a CUDA run against the CPU (bf16: the
 order-of-sums bound ``_tol``; hybrid: 5% of the logit range, one int8 activation step).
 
 ``--cpu-dry-run``: no CUDA — both backends become gloo on the CPU (only proves the script runs).
@@ -43,7 +43,7 @@ from _measure import machine_info, median, write_result  # noqa: E402
 from hetquant.convert.engine import convert  # noqa: E402
 from hetquant.convert.recipes import get_recipe  # noqa: E402
 from hetquant.convert.source import SourceCheckpoint  # noqa: E402
-from hetquant.runtime.run import RunSpec, run_artifact  # noqa: E402
+from hetquant.runtime.serving.run import RunSpec, run_artifact  # noqa: E402
 
 TINY = HERE.parent / "examples" / "tiny-deepseek-v3"
 TOKENS = (5, 17, 42, 100, 7, 300, 250, 11)
@@ -52,7 +52,7 @@ BACKENDS = ("gloo", "nccl")  # baseline first
 
 
 def bound(recipe: str, cpu: np.ndarray) -> float:
-    """The CUDA-vs-CPU bound of tests/runtime/test_run.py for this recipe's logits."""
+    """The CUDA-vs-CPU bound of tests/runtime/serving/test_run.py for this recipe's logits."""
     if recipe != "bf16":
         return 0.05 * float(np.abs(cpu).max())
     c = SourceCheckpoint.open(TINY).config

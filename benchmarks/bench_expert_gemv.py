@@ -175,7 +175,7 @@ def main() -> int:
     os.environ["HETQUANT_CACHE_DIR"] = cache
     import torch
 
-    from hetquant.runtime import int4_gemv as G
+    from hetquant.runtime.kernels import int4_gemv as G
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -254,7 +254,7 @@ def main() -> int:
     pool_cfgs: list[tuple[str, Any]] = []
     work = Path(args.work or tempfile.mkdtemp(prefix="hetquant-bench-"))
     if not args.no_pool:
-        from hetquant.runtime.expert_pool import CpuExpertPool
+        from hetquant.runtime.experts.expert_pool import CpuExpertPool
 
         art = make_layer_artifact(work, experts=16, hidden=7168, inter=2048, seed=1)
         for s in sorted({1, 2, nthreads}):

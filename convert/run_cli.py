@@ -101,7 +101,7 @@ def run(
     """
     import numpy as np
 
-    from hetquant.runtime.run import RunSpec, run_artifact
+    from hetquant.runtime.serving.run import RunSpec, run_artifact
 
     must_exist(artifact)
     try:
@@ -175,7 +175,7 @@ def eval_(
     from hetquant.calib.data import load_tokenizer, token_blocks
     from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
     from hetquant.formats.families import load_json
-    from hetquant.runtime.run import local_model
+    from hetquant.runtime.serving.run import local_model
 
     from .hub import resolve_source
     from .source import SourceCheckpoint

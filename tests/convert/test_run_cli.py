@@ -128,7 +128,7 @@ def test_outputs_are_checked_before_the_compute(
     cli, arts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: str
 ) -> None:
     from hetquant.calib import eval as calib_eval
-    from hetquant.runtime import run as runtime_run
+    from hetquant.runtime.serving import run as runtime_run
 
     def never(*a: object, **k: object) -> None:
         raise AssertionError("computed before checking the output path")

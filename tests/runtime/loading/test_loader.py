@@ -18,9 +18,10 @@ from support import TINY, run_cli
 
 from hetquant.formats import HetquantError
 from hetquant.formats.nvfp4_ascend import tiled_slice
-from hetquant.runtime import ParallelLayout, _reader, open_artifact
-from hetquant.runtime._reader import Span
-from hetquant.runtime.loader import Artifact
+from hetquant.runtime import ParallelLayout, open_artifact
+from hetquant.runtime.loading import _reader
+from hetquant.runtime.loading._reader import Span
+from hetquant.runtime.loading.loader import Artifact
 
 PL = ParallelLayout
 ARTIFACTS = {  # name → convert options (bf16 keeps the MTP layer; the others drop it: faster)

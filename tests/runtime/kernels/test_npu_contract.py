@@ -15,9 +15,9 @@ import torch
 
 from hetquant.formats._bits import pack_nibbles_i32, unpack_nibbles_i32
 from hetquant.formats.awq_w4a16 import AWQ_ORDER
-from hetquant.runtime import npu_emulation as emu
-from hetquant.runtime.backends.npu import awq_to_int4pack
-from hetquant.runtime.ops import QuantLinear
+from hetquant.runtime.kernels import npu_emulation as emu
+from hetquant.runtime.kernels.backends.npu import awq_to_int4pack
+from hetquant.runtime.kernels.ops import QuantLinear
 
 BF16, FP16, F32, I8, I32 = torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int32
 

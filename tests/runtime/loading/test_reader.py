@@ -1,4 +1,4 @@
-"""The loader's I/O (runtime/_reader.py): CPU loads as views of the files' private memory maps,
+"""The loader's I/O (runtime/loading/_reader.py): CPU loads as views of the files' private memory maps,
 against copies of the same bytes."""
 
 from __future__ import annotations
@@ -14,8 +14,15 @@ from support import TINY, run_cli
 
 from hetquant.formats import HetquantError
 from hetquant.runtime import ParallelLayout, open_artifact
-from hetquant.runtime._reader import LoadStats, Span, _chunks, _page_ranges, _Source, read_spans
-from hetquant.runtime._staging import MAX_LANES, lane_count, staged_copy
+from hetquant.runtime.loading._reader import (
+    LoadStats,
+    Span,
+    _chunks,
+    _page_ranges,
+    _Source,
+    read_spans,
+)
+from hetquant.runtime.loading._staging import MAX_LANES, lane_count, staged_copy
 
 CPU = torch.device("cpu")
 

@@ -1,6 +1,6 @@
 """Subpools of the CPU expert pool: one worker thread each, pinned, touching or copying its share.
 
-Each subpool of :class:`~hetquant.runtime.expert_pool.CpuExpertPool` has its own worker thread
+Each subpool of :class:`~hetquant.runtime.experts.expert_pool.CpuExpertPool` has its own worker thread
 (``_Subpool``: one ``ThreadPoolExecutor`` of one thread); that thread prepares the subpool's share
 at open (``_Subpool.prepare``) and computes its partial sums in ``forward`` (``_Subpool.partial``),
 which the caller adds up in subpool order (so results are deterministic). At open, the thread
@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from hetquant.formats import HetquantError
 from hetquant.formats.int4_cpu import subpool_slice
 
+from ..kernels.int4_gemv import int4_gemv
 from ._expert_files import ExpertLayerInfo
-from .int4_gemv import int4_gemv
 
 __all__ = [
     "_PAGE",

@@ -5,7 +5,7 @@
 :class:`ExpertLayerInfo` per MoE layer (``int4_cpu`` layout, ``formats/int4_cpu.py``; the layer
 of a stacked prefix from the model family's role table),
 ``_select_layers`` collects the layers of all files (or the requested ones), and ``_Mapping``
-maps one file for :class:`~hetquant.runtime.expert_pool.CpuExpertPool`.
+maps one file for :class:`~hetquant.runtime.experts.expert_pool.CpuExpertPool`.
 
 Memory. Every layer file is mapped whole with a private copy-on-write ``mmap`` (the file is never
 written; pages are page cache shared with other processes) and every tensor is a zero-copy view

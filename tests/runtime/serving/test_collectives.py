@@ -21,10 +21,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hetquant.formats import HetquantError
-from hetquant.runtime import collectives
-from hetquant.runtime.collectives import BACKENDS, Comm, choose_backend, init_groups, rank_device
-from hetquant.runtime.pipeline import StagePlace, generate, stage_step
-from hetquant.runtime.run import RunSpec, run_artifact
+from hetquant.runtime.serving import collectives
+from hetquant.runtime.serving.collectives import (
+    BACKENDS,
+    Comm,
+    choose_backend,
+    init_groups,
+    rank_device,
+)
+from hetquant.runtime.serving.pipeline import StagePlace, generate, stage_step
+from hetquant.runtime.serving.run import RunSpec, run_artifact
 
 TOKENS = (5, 17, 42, 100)
 
@@ -232,7 +238,7 @@ def test_comm_under_gloo_goes_through_the_host(monkeypatch: pytest.MonkeyPatch) 
 
 
 def _stage_model(monkeypatch: pytest.MonkeyPatch) -> Any:
-    from hetquant.runtime import rank as rank_module
+    from hetquant.runtime.serving import rank as rank_module
 
     def run_stage(model: Any, layers: range, x: torch.Tensor, *, first: bool, last: bool) -> Any:
         x = x.to(model.weights.device)  # as the real run_stage

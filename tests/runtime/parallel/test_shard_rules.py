@@ -1,7 +1,7 @@
 """The runtime's shard rules, read from the family's role table, against a frozen expectation.
 
 The expectation was recorded from the regex table the rules used before the family registry
-(``runtime/shard_rules.py`` ``RULES`` at main 377fcd4), for every module of the embedded tiny
+(``runtime/parallel/shard_rules.py`` ``RULES`` at main 377fcd4), for every module of the embedded tiny
 model, of the same model with ``q_proj`` instead of ``q_a``/``q_b``, and of the real 671B layout:
 what a module's placement does under three layouts (its split dim under TP 2, TP 2 with attention
 data parallel, TP 2 with EP 2), its vocab split (padded or even), the loader's special groups, its
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from hetquant.formats.families import ModelConfig, expected_tensors, load_config, parse_config
-from hetquant.runtime.layout import ParallelLayout, split_of
-from hetquant.runtime.shard_rules import place, split_range
+from hetquant.runtime.parallel.layout import ParallelLayout, split_of
+from hetquant.runtime.parallel.shard_rules import place, split_range
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LAYOUTS = (
     ParallelLayout(tp_size=2),
     ParallelLayout(tp_size=2, attn_dp=True),

@@ -1,6 +1,6 @@
 """``QuantLinear`` on every (format, backend) pair against dequantize-then-matmul, within a bound.
 
-The npu backend runs on ``hetquant.runtime.npu_emulation`` here: a CPU emulation of torch_npu's
+The npu backend runs on ``hetquant.runtime.kernels.npu_emulation`` here: a CPU emulation of torch_npu's
 documented op contracts, not Ascend hardware.
 
 Reference: ``y_ref = x @ W.T`` in float64 with ``W = fmt.dequantize(stored)``, the format's own
@@ -53,9 +53,9 @@ from hetquant.formats import FORMATS, HetquantError, get_format
 from hetquant.formats._bits import unpack_nibbles_i32
 from hetquant.formats.awq_w4a16 import AWQ_ORDER
 from hetquant.formats.w8a8_npu import dynamic_quant_matmul, static_quant_matmul
-from hetquant.runtime import npu_emulation as emu
-from hetquant.runtime.backends import npu as npu_backend
-from hetquant.runtime.ops import KERNELS, QuantLinear
+from hetquant.runtime.kernels import npu_emulation as emu
+from hetquant.runtime.kernels.backends import npu as npu_backend
+from hetquant.runtime.kernels.ops import KERNELS, QuantLinear
 
 BF16, FP16, F32 = torch.bfloat16, torch.float16, torch.float32
 U = {BF16: 2.0**-8, FP16: 2.0**-11, F32: 2.0**-24}
@@ -365,7 +365,7 @@ def test_call_errors() -> None:
 
 def test_npu_without_torch_npu_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> ImportError
-    with pytest.raises(HetquantError, match=r"npu_ops=hetquant\.runtime\.npu_emulation"):
+    with pytest.raises(HetquantError, match=r"npu_ops=hetquant\.runtime\.kernels\.npu_emulation"):
         QuantLinear.from_stored("bf16", {"weight": torch.ones(8, 8, dtype=BF16)}, backend="npu")
 
 
@@ -383,7 +383,7 @@ def test_registry_covers_every_runtime_format() -> None:
 
 def test_runtime_does_not_import_convert() -> None:
     code = (
-        "import sys, hetquant.runtime.ops, hetquant.runtime.npu_emulation;"
+        "import sys, hetquant.runtime.kernels.ops, hetquant.runtime.kernels.npu_emulation;"
         "bad = [m for m in sys.modules if m.startswith('hetquant.convert')];"
         "sys.exit(repr(bad) if bad else 0)"
     )

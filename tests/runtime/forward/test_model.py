@@ -23,9 +23,9 @@ import torch
 
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats.families import ModelConfig, expected_tensors
-from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
-from hetquant.runtime.moe import RouterSpec, route
-from hetquant.runtime.rope import RopeSpec, apply_rope, cos_sin, inv_freq, yarn_mscale
+from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
+from hetquant.runtime.forward.moe import RouterSpec, route
+from hetquant.runtime.forward.rope import RopeSpec, apply_rope, cos_sin, inv_freq, yarn_mscale
 
 try:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -35,7 +35,7 @@ except ImportError:  # the only reason to skip
 needs_hf = pytest.mark.skipif(
     DeepseekV3ForCausalLM is None, reason="transformers not installed (pip install transformers)"
 )
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-deepseek-v3"
+TINY = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
 U = 2.0**-24
 
 

@@ -20,8 +20,8 @@ from support import TINY
 from hetquant.convert.engine import convert
 from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
-from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
-from hetquant.runtime.run import RunSpec, run_artifact
+from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
+from hetquant.runtime.serving.run import RunSpec, run_artifact
 
 TOKENS = (5, 17, 42, 100, 7, 300, 250, 11)
 U = 2.0**-24

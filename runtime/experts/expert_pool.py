@@ -32,7 +32,7 @@ subpool call. Threads, touching, copying and NUMA placement: ``_subpool.py``.
 
 Numerics. Activations are computed in float32 whatever ``x``'s dtype (float32, bfloat16 or
 float16) and the result is cast back to it. The GEMVs are those of
-:mod:`hetquant.runtime.int4_gemv` (native kernel up to ``MAX_NATIVE_TOKENS`` tokens per expert,
+:mod:`hetquant.runtime.kernels.int4_gemv` (native kernel up to ``MAX_NATIVE_TOKENS`` tokens per expert,
 else the torch path; ``backend=`` forces one; ``precision="fast"`` rounds activations to 14-bit
 instead of 22-bit fixed point). Routing weights are cast to ``x``'s dtype first, as
 ``runtime.moe.routed_experts`` (and DeepSeek's reference) does. The loader's
@@ -52,6 +52,8 @@ import torch
 from hetquant.formats import HetquantError
 from hetquant.formats.int4_cpu import LAYER_KEYS
 
+from ..kernels.int4_gemv import BACKENDS, PRECISIONS
+
 # ``X as X``: names defined here before the split into _expert_files.py and _subpool.py
 from ._expert_files import MANIFEST as MANIFEST
 from ._expert_files import ExpertLayerInfo, _Mapping, _select_layers
@@ -63,7 +65,6 @@ from ._subpool import _init_worker as _init_worker
 from ._subpool import _omp_library as _omp_library
 from ._subpool import _private_copy as _private_copy
 from ._subpool import _touch as _touch
-from .int4_gemv import BACKENDS, PRECISIONS
 
 __all__ = ["CpuExpertPool", "ExpertLayerInfo"]
 

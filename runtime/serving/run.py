@@ -112,9 +112,9 @@ def _check_inputs(spec: RunSpec, world: int) -> CollectiveBackend | None:
     if not spec.tokens:
         raise HetquantError("run: give at least one token id (--tokens 5,17,42)")
     backend = spec.collective_backend()
-    from ._expert_files import _select_layers
-    from ._subpool import _check_split
-    from .loader import open_artifact
+    from ..experts._expert_files import _select_layers
+    from ..experts._subpool import _check_split
+    from ..loading.loader import open_artifact
 
     art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
     vocab = int(art.config.get("vocab_size", 0))
@@ -179,9 +179,9 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: f
     stage's group rank 0) and its ``RankTiming`` into ``out``."""
     import torch.distributed as dist
 
+    from ..forward.model import DeepseekV3Reference
+    from ..loading.loader import open_artifact
     from .collectives import Comm, init_groups, rank_device
-    from .loader import open_artifact
-    from .model import DeepseekV3Reference
     from .pipeline import RankTiming, StagePlace, generate
     from .rank import RankWeights
 
@@ -237,7 +237,7 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: f
 
 
 def _layout(spec: RunSpec, rank: int) -> Any:
-    from .layout import ParallelLayout
+    from ..parallel.layout import ParallelLayout
 
     stage, grank = divmod(rank, spec.group)
     return ParallelLayout(
@@ -252,7 +252,7 @@ def _npu_ops(device: str) -> Any:
     if (
         os.environ.get("HETQUANT_NPU_EMULATION") == "1"
     ):  # tests: torch_npu's documented contracts, on CPU
-        from . import npu_emulation
+        from ..kernels import npu_emulation
 
         return npu_emulation
     return None  # the npu backend imports the real torch_npu
@@ -264,10 +264,10 @@ def local_model(
     """The whole artifact on one rank of this process, run through its quantized ops (W8A8
     activation quantization included): a ``DeepseekV3Reference`` whose ``forward`` maps tokens
     [T] to float32 logits [T, vocab]."""
+    from ..forward.model import DeepseekV3Reference
+    from ..loading.loader import open_artifact
+    from ..parallel.layout import ParallelLayout
     from .collectives import rank_device
-    from .layout import ParallelLayout
-    from .loader import open_artifact
-    from .model import DeepseekV3Reference
     from .rank import RankWeights
 
     spec = RunSpec(str(artifact), (0,), device=device, subpools=subpools, dtype=dtype)

@@ -18,8 +18,8 @@ from hetquant.formats.dtypes import st_dtype
 from hetquant.formats.nvfp4_ascend import tiled_slice
 from hetquant.formats.safetensors_io import HeaderEntry
 from hetquant.runtime import ParallelLayout
-from hetquant.runtime.layout import pp_partition
-from hetquant.runtime.shard_rules import ModuleInfo, place, shard_pieces
+from hetquant.runtime.parallel.layout import pp_partition
+from hetquant.runtime.parallel.shard_rules import ModuleInfo, place, shard_pieces
 
 
 # ---- pipeline stages ----------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def _npu(tp_rank: int, npu_ops: Any) -> Backend:
             raise HetquantError(
                 f"backend 'npu' needs torch_npu on an Ascend host ({type(exc).__name__}: {exc}); "
                 "to run the npu code path on CPU against an emulation of torch_npu's documented "
-                "ops, pass npu_ops=hetquant.runtime.npu_emulation"
+                "ops, pass npu_ops=hetquant.runtime.kernels.npu_emulation"
             ) from None
     device = getattr(ops, "EMULATION_DEVICE", None) or torch.device("npu")
     return Backend("npu", torch.device(device), ops, tp_rank)

@@ -34,9 +34,8 @@ from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.errors import HetquantError
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
-from ._reader import LoadStats, Span, read_spans
-from .layout import ParallelLayout, split_of
-from .shard_rules import (
+from ..parallel.layout import ParallelLayout, split_of
+from ..parallel.shard_rules import (
     ModelFacts,
     ModuleInfo,
     Piece,
@@ -45,6 +44,7 @@ from .shard_rules import (
     shard_pieces,
     split_range,
 )
+from ._reader import LoadStats, Span, read_spans
 
 __all__ = ["Artifact", "LoadStats", "Span", "TensorRead", "open_artifact"]
 
@@ -147,9 +147,11 @@ class Artifact:
         return {int(Path(f).stem.split("_")[-1]): self.root / f for f in files}
 
     def cpu_expert_pool(self, subpools: int = 1, **options: Any) -> Any:
-        """The ``cpu_experts/`` part as a ``CpuExpertPool`` (runtime/expert_pool.py); ``load``
+        """The ``cpu_experts/`` part as a ``CpuExpertPool`` (runtime/experts/expert_pool.py); ``load``
         never reads those files."""
-        from .expert_pool import CpuExpertPool  # lazily: only artifacts with a pool need it
+        from ..experts.expert_pool import (
+            CpuExpertPool,  # lazily: only artifacts with a pool need it
+        )
 
         return CpuExpertPool.open(self.root, subpools, **options)
 

@@ -167,7 +167,7 @@ class QuantLinear:
             backend: ``"cpu"``, ``"cuda"`` or ``"npu"``.
             params: the format's parameters (``get_format(fmt_name, **params)``).
             npu_ops: npu only: the torch_npu namespace to call; None imports ``torch_npu``,
-                ``hetquant.runtime.npu_emulation`` runs the same calls on CPU.
+                ``hetquant.runtime.kernels.npu_emulation`` runs the same calls on CPU.
             tp_rank: rank of a row-parallel (in-features split) shard; 0 otherwise. Only
                 static W8A8 uses it: its ``quant_bias`` is added on rank 0 alone.
 

@@ -39,10 +39,10 @@ from hetquant.formats.int4_cpu import (
     stack_experts,
     subpool_slice,
 )
-from hetquant.runtime import int4_gemv as G
-from hetquant.runtime.expert_pool import CpuExpertPool
+from hetquant.runtime.experts.expert_pool import CpuExpertPool
+from hetquant.runtime.kernels import int4_gemv as G
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "tiny-deepseek-v3"
 U = 2.0**-24
 

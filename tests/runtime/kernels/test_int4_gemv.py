@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from hetquant.runtime import int4_gemv as G
+from hetquant.runtime.kernels import int4_gemv as G
 
 N, K = 1030, 2048  # N not a multiple of the 4-row tile; N·K large enough for 5 threads
 

@@ -31,11 +31,11 @@ import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
 
+from ..forward.model import DeepseekV3Reference, rms_norm
+from ..kernels.ops import QuantLinear
+from ..parallel.layout import ParallelLayout, split_of
+from ..parallel.shard_rules import IN, OUT, ModuleInfo, place, split_range
 from .collectives import Comm
-from .layout import ParallelLayout, split_of
-from .model import DeepseekV3Reference, rms_norm
-from .ops import QuantLinear
-from .shard_rules import IN, OUT, ModuleInfo, place, split_range
 
 __all__ = ["Comm", "RankWeights", "run_stage"]
 
