@@ -78,6 +78,7 @@ __all__ = [
     "GROUP_SIZES",
     "Int4CpuGroup",
     "Int4CpuGroupExperts",
+    "dequantize_expert",
     "dequantize_rows",
     "expert_from_ct",
     "layer_stored",
@@ -117,9 +118,7 @@ def quantize_rows(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     if not all_finite(amax):
         raise HetquantError("int4_cpu_group: NaN/Inf values (or beyond float32); fix the source")
     s = _round_up_bf16(amax.double() / QMAX)
-    s = torch.where(amax > 0, s, torch.ones_like(s))
-    if not all_finite(s):
-        raise HetquantError("int4_cpu_group: a group's scale overflows BF16; fix the source")
+    s = torch.where(amax > 0, s, torch.ones_like(s))  # finite: amax/7 < BF16's max
     q = (wg / s.float()[..., None]).round_().clamp_(-QMAX, QMAX)  # (R, K/g, g), |q| ≤ 7
     codes = q.reshape(r, k).add_(ZERO_POINT).to(torch.uint8)
     return pack_nibbles_u8(codes), s
@@ -266,6 +265,18 @@ def _dims(layer: Mapping[str, torch.Tensor]) -> tuple[int, int, int, int]:
     group = hidden // max(gus.shape[2], 1)
     check_metas("int4_cpu_group layer", layer, layer_stored(gu.shape[0], hidden, inter, group))
     return gu.shape[0], hidden, inter, group
+
+
+def dequantize_expert(
+    layer: Mapping[str, torch.Tensor], e: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert ``e`` of a layer (or subpool view) → float32 gate [I, H], up [I, H], down [H, I]."""
+    num_experts = _dims(layer)[0]
+    if not 0 <= e < num_experts:
+        raise HetquantError(f"dequantize_expert: expert {e} not in 0..{num_experts - 1}")
+    gate_up = dequantize_rows(layer["gate_up_packed"][e], layer["gate_up_scale"][e])  # (2I, H)
+    down = dequantize_rows(layer["down_packed"][e], layer["down_scale"][e])  # (H, I)
+    return gate_up[0::2].contiguous(), gate_up[1::2].contiguous(), down
 
 
 def stack_experts(experts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
