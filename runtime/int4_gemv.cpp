@@ -4,7 +4,9 @@ namespace {
 
 // Best instruction path of this CPU (Isa), from its features at run time.
 static int best_isa() {
-#if defined(HQ_X86)
+#if defined(HQ_SIMDE)
+  return AVX512_VNNI;  // every x86 path, emulated
+#elif defined(HQ_X86)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))

@@ -14,7 +14,13 @@
 #include <mutex>
 #include <new>
 #include <vector>
-#if defined(__x86_64__)
+#if defined(HQ_SIMDE)
+// Tests only (tests/runtime/test_int4_gemv_crossisa.py): the x86 paths built on SIMDe's portable
+// intrinsics, so that the AVX2 and AVX-512 VNNI code runs, and is checked bit for bit, on any CPU.
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#define HQ_X86 1
+#elif defined(__x86_64__)
 #include <immintrin.h>
 #define HQ_X86 1
 #elif defined(__aarch64__)
@@ -24,6 +30,64 @@
 #include <sys/auxv.h>
 #define HQ_HWCAP_ASIMDDP (1UL << 20)  // HWCAP_ASIMDDP of <asm/hwcap.h>: FEAT_DotProd
 #endif
+#endif
+
+#if defined(HQ_SIMDE)  // the few intrinsics SIMDe 0.7 lacks, written out
+static inline __m512i hq_maskz_loadu_epi8(uint64_t k, const void* p) {
+  int8_t b[64] = {0};
+  for (int i = 0; i < 64; ++i) b[i] = (k >> i & 1) ? ((const int8_t*)p)[i] : 0;
+  __m512i v;
+  memcpy(&v, b, 64);
+  return v;
+}
+static inline __m256i hq_maskz_loadu_epi16(uint32_t k, const void* p) {
+  int16_t b[16] = {0};
+  for (int i = 0; i < 16; ++i) b[i] = (k >> i & 1) ? ((const int16_t*)p)[i] : 0;
+  __m256i v;
+  memcpy(&v, b, 32);
+  return v;
+}
+static inline __m512i hq_cvtepu16_epi32(__m256i a) {
+  uint16_t u[16];
+  int32_t w[16];
+  memcpy(u, &a, 32);
+  for (int i = 0; i < 16; ++i) w[i] = u[i];
+  __m512i v;
+  memcpy(&v, w, 64);
+  return v;
+}
+static inline int hq_reduce_add_epi32(__m512i a) {
+  int32_t w[16];
+  memcpy(w, &a, 64);
+  uint32_t s = 0;
+  for (int i = 0; i < 16; ++i) s += (uint32_t)w[i];
+  return (int)s;
+}
+static inline __m512d hq_cvtps_pd(__m256 a) {
+  float f[8];
+  double d[8];
+  memcpy(f, &a, 32);
+  for (int i = 0; i < 8; ++i) d[i] = f[i];
+  __m512d v;
+  memcpy(&v, d, 64);
+  return v;
+}
+static inline __m512d hq_cvtepi32_pd(__m256i a) {
+  int32_t w[8];
+  double d[8];
+  memcpy(w, &a, 32);
+  for (int i = 0; i < 8; ++i) d[i] = w[i];
+  __m512d v;
+  memcpy(&v, d, 64);
+  return v;
+}
+typedef uint64_t __mmask64;
+#define _mm512_cvtps_pd hq_cvtps_pd
+#define _mm512_cvtepi32_pd hq_cvtepi32_pd
+#define _mm512_maskz_loadu_epi8 hq_maskz_loadu_epi8
+#define _mm256_maskz_loadu_epi16 hq_maskz_loadu_epi16
+#define _mm512_cvtepu16_epi32 hq_cvtepu16_epi32
+#define _mm512_reduce_add_epi32 hq_reduce_add_epi32
 #endif
 
 namespace {

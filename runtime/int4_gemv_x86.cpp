@@ -6,7 +6,11 @@ namespace {
 
 #ifdef HQ_X86
 // ---------------------------------------------------------------- AVX2: vpmaddubsw + vpmaddwd
+#if defined(HQ_SIMDE)
+#define HQ_AVX2
+#else
 #define HQ_AVX2 __attribute__((target("avx2,fma")))
+#endif
 template <int R, int TT, int L>
 HQ_AVX2 static inline void tile_avx2(const Job& j, int64_t n, int64_t t0) {
   const __m256i m15 = _mm256_set1_epi8(15);
@@ -85,7 +89,11 @@ HQ_AVX2 static void run_avx2(const Job& j) {
 }
 
 // ---------------------------------------------------------------- AVX-512 VNNI: vpdpbusd
+#if defined(HQ_SIMDE)
+#define HQ_VNNI
+#else
 #define HQ_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#endif
 template <int R, int TT, int L>
 HQ_VNNI static inline void tile_vnni(const Job& j, int64_t n, int64_t t0) {
   const __m512i m15 = _mm512_set1_epi8(15);
@@ -185,18 +193,21 @@ HQ_VNNI static void run_vnni(const Job& j) {
 // p[4..7] for the second. Reducing per half keeps the dependency chain from the last digit
 // plane to the partial sums short (a whole-superblock reduction was 20% slower here).
 
-// Scales of 4 blocks (4 / gm bf16 values at s) as doubles.
-HQ_AVX2 static inline __m256d scales_avx2(const uint16_t* s, int gm) {
-  __m128i v;
+// Scales of the 8 blocks of a superblock (8 / gm bf16 values at s) as doubles: blocks 0-3, 4-7.
+HQ_AVX2 static inline void scales_avx2(const uint16_t* s, int gm, __m256d* out) {
+  __m256i v;
   if (gm == 1) {
-    v = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)s));
-  } else if (gm == 2) {
-    v = _mm_cvtepu16_epi32(_mm_cvtsi32_si128((int)(s[0] | (uint32_t)s[1] << 16)));
-    v = _mm_unpacklo_epi32(v, v);  // s0 s0 s1 s1
+    v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)s));
   } else {
-    v = _mm_set1_epi32(s[0]);
+    const __m128i u = gm == 2 ? _mm_loadl_epi64((const __m128i*)s)
+                              : _mm_cvtsi32_si128((int)(s[0] | (uint32_t)s[1] << 16));
+    const __m256i idx = gm == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                                : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    v = _mm256_permutevar8x32_epi32(_mm256_cvtepu16_epi32(u), idx);  // group of each block
   }
-  return _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(v, 16)));  // bf16 -> float -> double
+  const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));  // bf16 -> float
+  out[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+  out[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
 }
 
 // Two chunk accumulators (lane 4h+i of chunk c: part of block 2c+h) -> 4 block sums in order,
@@ -207,13 +218,20 @@ HQ_AVX2 static inline __m128i blocks_avx2(__m256i a0, __m256i a1) {
   return _mm_unpacklo_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
 
+HQ_AVX2 static inline __m256i blocks4_avx2(const __m256i* a) {
+  const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[0], a[1]), _mm256_unpackhi_epi32(a[0], a[1]));
+  const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2], a[3]), _mm256_unpackhi_epi32(a[2], a[3]));
+  const __m256i q = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+  return _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // lane 4h+c -> 2c+h
+}
+
 template <int R, int TT, int L>
 HQ_AVX2 static inline void gtile_avx2(const Job& j, int64_t n, int64_t t0) {
   constexpr int64_t SB = 128;
   GTile<R, TT, L, SB> g(j, n, t0);
   const __m256i m15 = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
-  const int gm = j.gm;
+  const __m256i c256 = _mm256_set1_epi16(256);
   const int64_t ahead = R * j.pf * j.rs;
   __m256d P[R][TT][2];  // partials 0-3 and 4-7
 #pragma GCC unroll 64
@@ -224,45 +242,48 @@ HQ_AVX2 static inline void gtile_avx2(const Job& j, int64_t n, int64_t t0) {
     const uint8_t* w[R];
     const uint16_t* s[R];
     g.at(j, sb, w, s);
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256i acc[R][TT][2];
-#pragma GCC unroll 2
-      for (int c = 0; c < 2; ++c) {
-        const int64_t i = 64 * h + 32 * c;  // within the superblock
-        __m256i lo[R], hi[R];
-#pragma GCC unroll 64
-        for (int r = 0; r < R; ++r) {
-          _mm_prefetch((const char*)(g.w[r] + sb + i + ahead), _MM_HINT_T1);
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(w[r] + i));
-          lo[r] = _mm256_and_si256(v, m15);
-          hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-        }
-#pragma GCC unroll 64
-        for (int t = 0; t < TT; ++t)
-#pragma GCC unroll 8
-          for (int l = L - 1; l >= 0; --l) {
-            const __m256i de = _mm256_loadu_si256((const __m256i*)(g.d[t][l][0] + sb + i));
-            const __m256i dd = _mm256_loadu_si256((const __m256i*)(g.d[t][l][1] + sb + i));
-#pragma GCC unroll 64
-            for (int r = 0; r < R; ++r) {
-              const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], de),
-                                                   _mm256_maddubs_epi16(hi[r], dd));
-              const __m256i m = _mm256_madd_epi16(p16, ones);
-              acc[r][t][c] = l == L - 1 ? m : _mm256_add_epi32(_mm256_slli_epi32(acc[r][t][c], 8), m);
-            }
-          }
-      }
-      const int64_t b = sb / BLK + 4 * h;  // first block of this half
+    __m256i acc[R][TT][4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const int64_t i = 32 * c;
+      __m256i lo[R], hi[R];
 #pragma GCC unroll 64
       for (int r = 0; r < R; ++r) {
-        const __m256d sc = scales_avx2(s[r] + ((4 * h) >> g.gshift), gm);
+        _mm_prefetch((const char*)(g.w[r] + sb + i + ahead), _MM_HINT_T1);
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w[r] + i));
+        lo[r] = _mm256_and_si256(v, m15);
+        hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+      }
 #pragma GCC unroll 64
-        for (int t = 0; t < TT; ++t) {
-          const __m128i sx8 = _mm_loadu_si128((const __m128i*)(g.sx8[t] + b));
-          const __m128i a = _mm_sub_epi32(blocks_avx2(acc[r][t][0], acc[r][t][1]), sx8);
-          P[r][t][h] = _mm256_fmadd_pd(sc, _mm256_cvtepi32_pd(a), P[r][t][h]);
+      for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 8
+        for (int l = L - 1; l >= 0; --l) {
+          const __m256i de = _mm256_loadu_si256((const __m256i*)(g.d[t][l][0] + sb + i));
+          const __m256i dd = _mm256_loadu_si256((const __m256i*)(g.d[t][l][1] + sb + i));
+#pragma GCC unroll 64
+          for (int r = 0; r < R; ++r) {
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], de),
+                                                 _mm256_maddubs_epi16(hi[r], dd));
+            if (l == L - 1)
+              acc[r][t][c] = _mm256_madd_epi16(p16, c256);
+            else if (l == L - 2)
+              acc[r][t][c] = _mm256_add_epi32(acc[r][t][c], _mm256_madd_epi16(p16, ones));
+            else
+              acc[r][t][c] = _mm256_add_epi32(_mm256_slli_epi32(acc[r][t][c], 8),
+                                              _mm256_madd_epi16(p16, ones));
+          }
         }
+    }
+#pragma GCC unroll 64
+    for (int r = 0; r < R; ++r) {
+      __m256d sc[2];
+      scales_avx2(s[r], j.gm, sc);
+#pragma GCC unroll 64
+      for (int t = 0; t < TT; ++t) {
+        const __m256i sx8 = _mm256_loadu_si256((const __m256i*)(g.sx8[t] + sb / BLK));
+        const __m256i a = _mm256_sub_epi32(blocks4_avx2(acc[r][t]), sx8);
+        P[r][t][0] = _mm256_fmadd_pd(sc[0], _mm256_cvtepi32_pd(_mm256_castsi256_si128(a)), P[r][t][0]);
+        P[r][t][1] = _mm256_fmadd_pd(sc[1], _mm256_cvtepi32_pd(_mm256_extracti128_si256(a, 1)), P[r][t][1]);
       }
     }
   }

@@ -1,23 +1,28 @@
-"""The aarch64 paths of the native INT4 GEMV, run under qemu user mode and compared bit for bit
-with the x86 paths of the real module on this host.
+"""The native INT4 GEMV's instruction paths that this host cannot run, run elsewhere and
+compared bit for bit with the x86 paths of the real module on this (x86-64) host:
 
-The kernel's translation unit (``int4_gemv._CPP_SOURCE``) and ``int4_gemv_driver.cpp`` are
-cross-compiled with ``aarch64-linux-gnu-g++`` (static) and run with ``qemu-aarch64 -cpu max``
-(FEAT_DotProd: the run-time dispatch must pick ``neon_dotprod``; the generic path is run too) and
-``-cpu cortex-a53`` (ARMv8.0, no dot product: dispatch must fall back to generic). Every result
-must equal, as float32 bits, what every x86 path (generic, AVX2, AVX-512 VNNI, as this CPU has
-them) gives through ``int4_gemv`` — on golden inputs with hand-computed results and on random
-shapes (odd row counts, K of every tail length, strided rows and scale rows, 1..16 tokens, both
-precisions, per-channel and grouped 32 / 64 / 128).
+- aarch64: the kernel's translation unit (``int4_gemv._CPP_SOURCE``) and
+  ``int4_gemv_driver.cpp`` cross-compiled with ``aarch64-linux-gnu-g++`` (static) and run with
+  ``qemu-aarch64 -cpu max`` (FEAT_DotProd: the run-time dispatch must pick ``neon_dotprod``; the
+  generic path is run too) and ``-cpu cortex-a53`` (ARMv8.0, no dot product: dispatch must fall
+  back to generic, also when NEON is asked for);
+- x86 AVX2 and AVX-512 VNNI on a CPU without them: the same sources built with ``-DHQ_SIMDE`` on
+  SIMDe's portable implementations of the intrinsics (``libsimde-dev``), run here with each path.
 
-Needs the Debian packages ``g++-aarch64-linux-gnu`` and ``qemu-user`` (or ``qemu-user-static``);
-``.ci/run`` installs them and sets ``HETQUANT_REQUIRE_AARCH64=1``, under which a missing tool
-fails the test instead of skipping it. Emulation says nothing about speed.
+Every result must equal, as float32 bits, what every x86 path of this CPU gives through
+``int4_gemv`` — on golden inputs with hand-computed results and on random shapes (odd row
+counts, K of every tail length, strided rows and scale rows, 1..16 tokens, both precisions,
+per-channel and grouped 32 / 64 / 128).
+
+Needs the Debian packages ``g++-aarch64-linux-gnu``, ``qemu-user`` (or ``qemu-user-static``) and
+``libsimde-dev``; ``.ci/run`` installs them and sets ``HETQUANT_REQUIRE_CROSS=1``, under which a
+missing tool fails the test instead of skipping it. Emulation says nothing about speed.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import struct
 import subprocess
@@ -27,13 +32,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetquant.formats._native import DEFAULT_FLAGS
+from hetquant.formats._native import DEFAULT_FLAGS, find_compiler
 from hetquant.runtime import int4_gemv as G
 
 HERE = Path(__file__).resolve().parent
 CROSS = "aarch64-linux-gnu-g++"
 QEMUS = ("qemu-aarch64", "qemu-aarch64-static")
-GENERIC, NEON = 1, 4  # the kernel's codes for its aarch64 paths
+GENERIC, AVX2, VNNI, NEON = 1, 2, 3, 4  # the kernel's codes for its paths
 BF16_HALF, BF16_TWO = 0x3F00, 0x4000
 
 
@@ -49,35 +54,59 @@ class Case:
     seed: int = 0
 
 
-def _tools() -> tuple[str, str]:
-    cxx = shutil.which(CROSS)
-    qemu = next((q for q in map(shutil.which, QEMUS) if q), None)
-    if cxx is None or qemu is None:
-        msg = (
-            f"needs {CROSS} and qemu-aarch64 (Debian: apt-get install g++-aarch64-linux-gnu "
-            "qemu-user); .ci/run installs them"
-        )
-        if os.environ.get("HETQUANT_REQUIRE_AARCH64") == "1":
-            pytest.fail(msg + " — HETQUANT_REQUIRE_AARCH64=1, so this must run")
-        pytest.skip(msg)
-    return cxx, qemu
+def _missing(msg: str) -> None:
+    msg += "; .ci/run installs it"
+    if os.environ.get("HETQUANT_REQUIRE_CROSS") == "1":
+        pytest.fail(msg + " (HETQUANT_REQUIRE_CROSS=1: this test must run)")
+    pytest.skip(msg)
+
+
+def _build(cxx: str, out: Path, *flags: str) -> Path:
+    """The kernel's translation unit plus the driver, compiled by ``cxx`` into ``out``."""
+    src = out.parent / f"{out.name}-kernel.cpp"
+    src.write_text(G._CPP_SOURCE, encoding="utf-8")
+    cmd = [cxx, *flags, "-o", str(out), str(src), str(HERE / "int4_gemv_driver.cpp"), "-pthread"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _x86_host() -> None:
+    if platform.machine() != "x86_64":
+        pytest.skip("compares against the x86 paths: run on an x86-64 host")
+    if not G.native_available():
+        pytest.skip(f"native int4 kernel unavailable on this host: {G.native_info()['error']}")
 
 
 @pytest.fixture(scope="module")
-def driver(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    if not G.native_available():
-        pytest.skip(f"native int4 kernel unavailable on this host: {G.native_info()['error']}")
-    cxx, qemu = _tools()
-    d = tmp_path_factory.mktemp("aarch64")
-    (d / "kernel.cpp").write_text(G._CPP_SOURCE, encoding="utf-8")
+def aarch64(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(qemu, driver): the aarch64 driver, statically linked, and qemu user mode to run it."""
+    cxx = shutil.which(CROSS)
+    qemu = next((q for q in map(shutil.which, QEMUS) if q), None)
+    if cxx is None or qemu is None:
+        _missing(f"needs {CROSS} and qemu-aarch64 (Debian: g++-aarch64-linux-gnu, qemu-user)")
     flags = [f for f in DEFAULT_FLAGS if f not in ("-shared", "-fPIC")]
-    exe = d / "driver"
-    cmd = [cxx, *flags, "-static", "-pthread", "-o", str(exe), str(d / "kernel.cpp")]
-    res = subprocess.run(
-        [*cmd, str(HERE / "int4_gemv_driver.cpp")], capture_output=True, text=True, timeout=600
+    exe = _build(cxx, tmp_path_factory.mktemp("aarch64") / "driver", *flags, "-static")
+    return qemu, str(exe)
+
+
+@pytest.fixture(scope="module")
+def simde(tmp_path_factory: pytest.TempPathFactory) -> tuple[str]:
+    """The x86 paths on SIMDe, as a native driver (-O0: at -O3 the build takes minutes)."""
+    cxx = find_compiler()
+    probe = subprocess.run(
+        [cxx or "g++", "-x", "c++", "-fsyntax-only", "-"],
+        input="#include <simde/x86/avx512.h>\n",
+        capture_output=True,
+        text=True,
     )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return exe, qemu
+    if cxx is None or probe.returncode != 0:
+        _missing("needs a C++ compiler and SIMDe's headers (Debian: libsimde-dev)")
+    exe = _build(
+        cxx, tmp_path_factory.mktemp("simde") / "driver", "-O0", "-std=c++17", "-DHQ_SIMDE"
+    )
+    return (str(exe),)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,7 +188,7 @@ def _host(packed, scale, x, precision: str) -> torch.Tensor:
     return outs[0]
 
 
-def _write_input(path: Path, cases: list[tuple[Case, tuple],], isa: int) -> None:
+def _write_input(path: Path, cases: list[tuple[Case, tuple]], isa: int) -> None:
     out = [b"HQG1", struct.pack("<q", len(cases))]
     for c, (packed, scale, x) in cases:
         rs = packed.stride(0) if c.n > 1 else c.k // 2
@@ -192,18 +221,11 @@ def _write_input(path: Path, cases: list[tuple[Case, tuple],], isa: int) -> None
     path.write_bytes(b"".join(out))
 
 
-def _run(
-    driver, cpu: str, cases, isa: int, tmp: Path
-) -> tuple[int, list[tuple[int, torch.Tensor]]]:
-    exe, qemu = driver
-    src, dst = tmp / f"in-{cpu}-{isa}.bin", tmp / f"out-{cpu}-{isa}.bin"
+def _run(prefix: tuple[str, ...], cases, isa: int, tmp: Path) -> tuple[int, list]:
+    """Run ``cases`` with path ``isa`` (0: best) through a driver command; (best, results)."""
+    src, dst = tmp / f"in-{isa}.bin", tmp / f"out-{isa}.bin"
     _write_input(src, cases, isa)
-    res = subprocess.run(
-        [qemu, "-cpu", cpu, str(exe), str(src), str(dst)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    res = subprocess.run([*prefix, str(src), str(dst)], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     data = dst.read_bytes()
     assert data[:4] == b"HQR1"
@@ -229,23 +251,33 @@ def test_golden_cases_exact_on_this_host() -> None:
         assert _host(packed, scale, x, c.precision).flatten().tolist() == want
 
 
-@pytest.mark.parametrize(
-    ("cpu", "best", "requests"),
-    [
-        ("max", NEON, (0, GENERIC)),  # FEAT_DotProd: best is NEON; the generic path is run too
-        ("cortex-a53", GENERIC, (0, NEON)),  # ARMv8.0: best and a NEON request both get generic
-    ],
-)
-def test_aarch64_paths_bit_identical_to_x86(driver, tmp_path, cpu, best, requests) -> None:
+def _check(prefix, best: int, requests: dict[int, int], tmp: Path) -> None:
+    """Every case through ``prefix`` for each requested path (request → the path that must run),
+    bit-identical to this host's x86 results; the golden ones equal their hand-computed values."""
     golden = _golden()
     cases = [(c, t) for c, t, _ in golden] + [(c, _tensors(c)) for c in RANDOM]
     want = [_host(*t, c.precision) for c, t in cases]
-    for isa in requests:
-        got_best, results = _run(driver, cpu, cases, isa, tmp_path)
-        assert got_best == best  # run-time dispatch from the CPU's features (AT_HWCAP)
-        used = isa if isa and (isa == GENERIC or best == NEON) else best
+    for isa, used in requests.items():
+        got_best, results = _run(prefix, cases, isa, tmp)
+        assert got_best == best  # run-time dispatch from the CPU's features
         for (c, _), w, (rc, y) in zip(cases, want, results, strict=True):
             assert rc == used, c
-            assert torch.equal(y.view(torch.int32), w.view(torch.int32)), c
+            assert torch.equal(y.view(torch.int32), w.view(torch.int32)), (c, isa)
         for (_, _, expected), (_, y) in zip(golden, results, strict=False):
             assert y.flatten().tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("cpu", "best", "requests"),
+    [
+        ("max", NEON, {0: NEON, GENERIC: GENERIC}),  # FEAT_DotProd (AT_HWCAP): NEON is best
+        ("cortex-a53", GENERIC, {0: GENERIC, NEON: GENERIC}),  # ARMv8.0: generic, even if asked
+    ],
+)
+def test_aarch64_paths_bit_identical_to_x86(aarch64, tmp_path, cpu, best, requests) -> None:
+    qemu, exe = aarch64
+    _check((qemu, "-cpu", cpu, exe), best, requests, tmp_path)
+
+
+def test_x86_paths_on_simde_bit_identical(simde, tmp_path) -> None:
+    _check(simde, VNNI, {VNNI: VNNI, AVX2: AVX2, GENERIC: GENERIC}, tmp_path)
