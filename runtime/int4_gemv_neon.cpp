@@ -15,33 +15,20 @@ namespace {
 #define HQ_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
 #endif
 
-static inline uint8x16_t load_upto16(const uint8_t* p, int64_t left) {
-  if (left >= 16) return vld1q_u8(p);
-  uint8_t tmp[16] = {0};
-  if (left > 0) memcpy(tmp, p, (size_t)left);
-  return vld1q_u8(tmp);
-}
-
 // ---------------------------------------------------------------- per-channel
-// 16 bytes per step; one int32x4 accumulator per (row, token, digit plane), reduced at the end.
+// 64 bytes per step (four 16-byte registers per row, one prefetch per row); one int32x4
+// accumulator per (row, token, digit plane), reduced at the end. The last step of a row that is
+// not a multiple of 64 bytes runs on a zero-padded copy (digits are padded already).
 template <int R, int TT, int L>
-HQ_DOT static inline void tile_neon(const Job& j, int64_t n, int64_t t0) {
+HQ_DOT static inline void step_neon(const uint8_t* const* w, const int8_t* const (*d)[L][2],
+                                    int64_t i, int32x4_t (*acc)[TT][L]) {
   const uint8x16_t m15 = vdupq_n_u8(15);
-  int32x4_t acc[R][TT][L];
-#pragma GCC unroll 64
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 64
-    for (int t = 0; t < TT; ++t)
-#pragma GCC unroll 8
-      for (int l = 0; l < L; ++l) acc[r][t][l] = vdupq_n_s32(0);
 #pragma GCC unroll 4
-  for (int64_t i = 0; i < j.kb; i += 16) {
+  for (int k = 0; k < 64; k += 16) {
     int8x16_t lo[R], hi[R];
 #pragma GCC unroll 64
     for (int r = 0; r < R; ++r) {
-      const uint8_t* p = j.w + (n + r) * j.rs + i;
-      __builtin_prefetch(p + R * j.pf * j.rs, 0, 2);
-      const uint8x16_t v = load_upto16(p, j.kb - i);
+      const uint8x16_t v = vld1q_u8(w[r] + k);
       lo[r] = vreinterpretq_s8_u8(vandq_u8(v, m15));
       hi[r] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
     }
@@ -49,14 +36,50 @@ HQ_DOT static inline void tile_neon(const Job& j, int64_t n, int64_t t0) {
     for (int t = 0; t < TT; ++t)
 #pragma GCC unroll 8
       for (int l = 0; l < L; ++l) {
-        const int8x16_t de = vld1q_s8(digits(j, t0 + t, l, 0) + i);
-        const int8x16_t dd = vld1q_s8(digits(j, t0 + t, l, 1) + i);
+        const int8x16_t de = vld1q_s8(d[t][l][0] + i + k);
+        const int8x16_t dd = vld1q_s8(d[t][l][1] + i + k);
 #pragma GCC unroll 64
         for (int r = 0; r < R; ++r) {
           acc[r][t][l] = vdotq_s32(acc[r][t][l], lo[r], de);
           acc[r][t][l] = vdotq_s32(acc[r][t][l], hi[r], dd);
         }
       }
+  }
+}
+
+template <int R, int TT, int L>
+HQ_DOT static inline void tile_neon(const Job& j, int64_t n, int64_t t0) {
+  const uint8_t* rows[R];
+  const int8_t* d[TT][L][2];
+  for (int r = 0; r < R; ++r) rows[r] = j.w + (n + r) * j.rs;
+  for (int t = 0; t < TT; ++t)
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < 2; ++h) d[t][l][h] = digits(j, t0 + t, l, h);
+  const int64_t ahead = R * j.pf * j.rs, kb = j.kb, full = kb / 64 * 64;
+  int32x4_t acc[R][TT][L];
+#pragma GCC unroll 64
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 8
+      for (int l = 0; l < L; ++l) acc[r][t][l] = vdupq_n_s32(0);
+  const uint8_t* w[R];
+  for (int64_t i = 0; i < full; i += 64) {
+#pragma GCC unroll 64
+    for (int r = 0; r < R; ++r) {
+      w[r] = rows[r] + i;
+      __builtin_prefetch(w[r] + ahead, 0, 2);
+    }
+    step_neon<R, TT, L>(w, d, i, acc);
+  }
+  if (full < kb) {
+    alignas(16) uint8_t tail[R][64];
+    for (int r = 0; r < R; ++r) {
+      memset(tail[r], 0, 64);
+      memcpy(tail[r], rows[r] + full, (size_t)(kb - full));
+      w[r] = tail[r];
+    }
+    step_neon<R, TT, L>(w, d, full, acc);
   }
 #pragma GCC unroll 64
   for (int r = 0; r < R; ++r)
@@ -92,18 +115,18 @@ HQ_DOT static void run_neon(const Job& j) {
 // lanes (acc = (acc << 8) + plane), 4 blocks reduced by pairwise adds to [A0, A1, A2, A3], and
 // s_b * A_b (exact in double) added to the partials: float64x2 P[k] holds p[2k], p[2k+1].
 
-// Scales of blocks b0 .. b0+3 of row n (b0 a multiple of 4) as two float64x2; past the row: 0.
-static inline void scales_neon(const Job& j, int64_t n, int64_t b0, float64x2_t& s01,
-                               float64x2_t& s23) {
-  const uint16_t* sc = j.sg + n * j.ss;
-  const int64_t nb = j.kb / BLK;
+// Scales of blocks i .. i+3 of a superblock (i = 0 or 4; s: the superblock's first scale, one
+// per gm blocks) as two float64x2.
+HQ_DOT static inline void scales_neon(const uint16_t* s, int i, int gm, float64x2_t& s01,
+                                      float64x2_t& s23) {
   uint16x4_t v;
-  if (j.gm == 1 && b0 + 4 <= nb) {
-    v = vld1_u16(sc + b0);
+  if (gm == 1) {
+    v = vld1_u16(s + i);
+  } else if (gm == 2) {
+    const uint64_t a = s[i / 2], b = s[i / 2 + 1];
+    v = vcreate_u16(a | a << 16 | b << 32 | b << 48);  // s0 s0 s1 s1
   } else {
-    uint16_t tmp[4];
-    for (int i = 0; i < 4; ++i) tmp[i] = b0 + i < nb ? sc[(b0 + i) / j.gm] : 0;
-    v = vld1_u16(tmp);
+    v = vld1_dup_u16(s + i / 4);
   }
   const float32x4_t f = vreinterpretq_f32_u32(vshll_n_u16(v, 16));  // bf16 -> float
   s01 = vcvt_f64_f32(vget_low_f32(f));
@@ -112,7 +135,10 @@ static inline void scales_neon(const Job& j, int64_t n, int64_t b0, float64x2_t&
 
 template <int R, int TT, int L>
 HQ_DOT static inline void gtile_neon(const Job& j, int64_t n, int64_t t0) {
+  constexpr int64_t SB = 8 * BLK;  // superblock: 8 blocks, partials 0..7
+  GTile<R, TT, L, SB> g(j, n, t0);
   const uint8x16_t m15 = vdupq_n_u8(15);
+  const int64_t ahead = R * j.pf * j.rs;
   float64x2_t P[R][TT][4];
 #pragma GCC unroll 64
   for (int r = 0; r < R; ++r)
@@ -120,19 +146,22 @@ HQ_DOT static inline void gtile_neon(const Job& j, int64_t n, int64_t t0) {
     for (int t = 0; t < TT; ++t)
 #pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) P[r][t][k] = vdupq_n_f64(0.0);
-  for (int64_t sb = 0; sb < j.kb; sb += 8 * BLK) {  // superblock: 8 blocks, partials 0..7
+  for (int64_t sb = 0; sb < j.kb; sb += SB) {
+    const uint8_t* w[R];
+    const uint16_t* s[R];
+    g.at(j, sb, w, s);
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h+3 of the superblock
+    for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h+3 of the superblock: 64 bytes
       int32x4_t acc[R][TT][4];
+#pragma GCC unroll 64
+      for (int r = 0; r < R; ++r) __builtin_prefetch(g.w[r] + sb + 64 * h + ahead, 0, 2);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
-        const int64_t i = sb + (4 * h + c) * BLK;
+        const int64_t i = (4 * h + c) * BLK;  // within the superblock
         int8x16_t lo[R], hi[R];
 #pragma GCC unroll 64
         for (int r = 0; r < R; ++r) {
-          const uint8_t* p = j.w + (n + r) * j.rs + i;
-          __builtin_prefetch(p + R * j.pf * j.rs, 0, 2);
-          const uint8x16_t v = load_upto16(p, j.kb - i);
+          const uint8x16_t v = vld1q_u8(w[r] + i);
           lo[r] = vreinterpretq_s8_u8(vandq_u8(v, m15));
           hi[r] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
         }
@@ -140,8 +169,8 @@ HQ_DOT static inline void gtile_neon(const Job& j, int64_t n, int64_t t0) {
         for (int t = 0; t < TT; ++t)
 #pragma GCC unroll 8
           for (int l = L - 1; l >= 0; --l) {
-            const int8x16_t de = vld1q_s8(digits(j, t0 + t, l, 0) + i);
-            const int8x16_t dd = vld1q_s8(digits(j, t0 + t, l, 1) + i);
+            const int8x16_t de = vld1q_s8(g.d[t][l][0] + sb + i);
+            const int8x16_t dd = vld1q_s8(g.d[t][l][1] + sb + i);
 #pragma GCC unroll 64
             for (int r = 0; r < R; ++r) {
               int32x4_t a = l == L - 1 ? vdupq_n_s32(0) : vshlq_n_s32(acc[r][t][c], 8);
@@ -150,16 +179,16 @@ HQ_DOT static inline void gtile_neon(const Job& j, int64_t n, int64_t t0) {
             }
           }
       }
-      const int64_t b0 = sb / BLK + 4 * h;
+      const int64_t b0 = sb / BLK + 4 * h;  // first block of this half
 #pragma GCC unroll 64
       for (int r = 0; r < R; ++r) {
         float64x2_t s01, s23;
-        scales_neon(j, n + r, b0, s01, s23);
+        scales_neon(s[r], 4 * h, j.gm, s01, s23);
 #pragma GCC unroll 64
         for (int t = 0; t < TT; ++t) {
           const int32x4_t* a = acc[r][t];
           int32x4_t q = vpaddq_s32(vpaddq_s32(a[0], a[1]), vpaddq_s32(a[2], a[3]));  // A0..A3
-          q = vsubq_s32(q, vld1q_s32(j.sx8 + (t0 + t) * j.nbp + b0));
+          q = vsubq_s32(q, vld1q_s32(g.sx8[t] + b0));
           const float64x2_t d01 = vcvtq_f64_s64(vmovl_s32(vget_low_s32(q)));
           const float64x2_t d23 = vcvtq_f64_s64(vmovl_high_s32(q));
           P[r][t][2 * h] = vfmaq_f64(P[r][t][2 * h], s01, d01);
