@@ -2,7 +2,8 @@
 
 Routed MoE experts of the ``ascend-hybrid`` recipe are stored in this format, one
 ``cpu_experts/layer_XX.safetensors`` per MoE layer (the *layer* layout below); any single linear
-can use the per-linear format ``int4_cpu``.
+can use the per-linear format ``int4_cpu``. ``formats/int4_cpu_group.py`` is its group-wise
+variant (BF16 scale per 32 / 64 / 128 inputs; same nibble order and layer layout).
 
 Codes and dequantization. Row ``r`` of a weight [out, in] has a scale ``s[r]`` and codes
 ``c ∈ 1..15`` (``q = c − 8 ∈ [−7, 7]``; code 0 is never written)::
