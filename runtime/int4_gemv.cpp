@@ -36,10 +36,10 @@ static bool runs_here(int isa, int best) {
 static void run(const Job& j) {
   const bool grouped = j.sg != nullptr;
 #if defined(HQ_X86)
-  if (j.isa == AVX512_VNNI) { grouped ? run_vnni_g(j) : run_vnni(j); return; }
-  if (j.isa == AVX2) { grouped ? run_avx2_g(j) : run_avx2(j); return; }
+  if (j.isa == AVX512_VNNI) { grouped ? grouped_rows<GroupedVnni>(j) : run_vnni(j); return; }
+  if (j.isa == AVX2) { grouped ? grouped_rows<GroupedAvx2>(j) : run_avx2(j); return; }
 #elif defined(HQ_ARM)
-  if (j.isa == NEON_DOTPROD) { grouped ? run_neon_g(j) : run_neon(j); return; }
+  if (j.isa == NEON_DOTPROD) { grouped ? grouped_rows<GroupedNeon>(j) : run_neon(j); return; }
 #endif
   grouped ? run_generic_g(j) : run_generic(j);
 }

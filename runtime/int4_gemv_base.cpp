@@ -190,6 +190,26 @@ struct GTile {
   }
 };
 
+// Row tiling of the grouped kernels: two rows per tile at one token, else one row and two
+// tokens (then one). Kernel::tile<R, TT, L>(j, n, t0) is one instruction path's grouped tile.
+template <class Kernel, int L>
+static void grouped_rows_l(const Job& j) {
+  int64_t n = j.n0;
+  if (j.T == 1) {
+    for (; n + 2 <= j.n1; n += 2) Kernel::template tile<2, 1, L>(j, n, 0);
+  }
+  for (; n < j.n1; ++n) {
+    int64_t t = 0;
+    for (; t + 2 <= j.T; t += 2) Kernel::template tile<1, 2, L>(j, n, t);
+    if (t < j.T) Kernel::template tile<1, 1, L>(j, n, t);
+  }
+}
+
+template <class Kernel>
+static void grouped_rows(const Job& j) {
+  if (j.L == 2) grouped_rows_l<Kernel, 2>(j); else grouped_rows_l<Kernel, 3>(j);
+}
+
 // ---------------------------------------------------------------- generic C++ (any CPU)
 static void run_generic(const Job& j) {
   for (int64_t n = j.n0; n < j.n1; ++n) {

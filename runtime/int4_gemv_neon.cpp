@@ -208,22 +208,10 @@ HQ_DOT static inline void gtile_neon(const Job& j, int64_t n, int64_t t0) {
     }
 }
 
-template <int L>
-HQ_DOT static void run_neon_gl(const Job& j) {
-  int64_t n = j.n0;
-  if (j.T == 1) {
-    for (; n + 2 <= j.n1; n += 2) gtile_neon<2, 1, L>(j, n, 0);
-  }
-  for (; n < j.n1; ++n) {
-    int64_t t = 0;
-    for (; t + 2 <= j.T; t += 2) gtile_neon<1, 2, L>(j, n, t);
-    if (t < j.T) gtile_neon<1, 1, L>(j, n, t);
-  }
-}
-
-HQ_DOT static void run_neon_g(const Job& j) {
-  if (j.L == 2) run_neon_gl<2>(j); else run_neon_gl<3>(j);
-}
+struct GroupedNeon {
+  template <int R, int TT, int L>
+  HQ_DOT static void tile(const Job& j, int64_t n, int64_t t0) { gtile_neon<R, TT, L>(j, n, t0); }
+};
 #endif  // HQ_ARM
 
 }  // namespace

@@ -292,22 +292,10 @@ HQ_AVX2 static inline void gtile_avx2(const Job& j, int64_t n, int64_t t0) {
     }
 }
 
-template <int L>
-HQ_AVX2 static void run_avx2_gl(const Job& j) {
-  int64_t n = j.n0;
-  if (j.T == 1) {
-    for (; n + 2 <= j.n1; n += 2) gtile_avx2<2, 1, L>(j, n, 0);
-  }
-  for (; n < j.n1; ++n) {
-    int64_t t = 0;
-    for (; t + 2 <= j.T; t += 2) gtile_avx2<1, 2, L>(j, n, t);
-    if (t < j.T) gtile_avx2<1, 1, L>(j, n, t);
-  }
-}
-
-HQ_AVX2 static void run_avx2_g(const Job& j) {
-  if (j.L == 2) run_avx2_gl<2>(j); else run_avx2_gl<3>(j);
-}
+struct GroupedAvx2 {
+  template <int R, int TT, int L>
+  HQ_AVX2 static void tile(const Job& j, int64_t n, int64_t t0) { gtile_avx2<R, TT, L>(j, n, t0); }
+};
 
 // ---------------------------------------------------------------- grouped, AVX-512 VNNI
 // Superblocks of 256 bytes: 4 chunks of 64 bytes, 16 blocks; Horner per chunk as in AVX2, the
@@ -400,22 +388,10 @@ HQ_VNNI static inline void gtile_vnni(const Job& j, int64_t n, int64_t t0) {
     }
 }
 
-template <int L>
-HQ_VNNI static void run_vnni_gl(const Job& j) {
-  int64_t n = j.n0;
-  if (j.T == 1) {
-    for (; n + 2 <= j.n1; n += 2) gtile_vnni<2, 1, L>(j, n, 0);
-  }
-  for (; n < j.n1; ++n) {
-    int64_t t = 0;
-    for (; t + 2 <= j.T; t += 2) gtile_vnni<1, 2, L>(j, n, t);
-    if (t < j.T) gtile_vnni<1, 1, L>(j, n, t);
-  }
-}
-
-HQ_VNNI static void run_vnni_g(const Job& j) {
-  if (j.L == 2) run_vnni_gl<2>(j); else run_vnni_gl<3>(j);
-}
+struct GroupedVnni {
+  template <int R, int TT, int L>
+  HQ_VNNI static void tile(const Job& j, int64_t n, int64_t t0) { gtile_vnni<R, TT, L>(j, n, t0); }
+};
 #endif  // HQ_X86
 
 }  // namespace

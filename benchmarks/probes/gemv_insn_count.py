@@ -6,9 +6,9 @@ Method. The kernel's translation unit (``int4_gemv._CPP_SOURCE``) and the test d
 (``g++ -O3``; ``aarch64-linux-gnu-g++ -O3``) and run on one case (N rows × K, one token, 22-bit
 activations, one thread) under qemu user mode with ``-d in_asm,exec,nochain``: every executed
 translation block is logged, and the instructions of the blocks whose address lies in the
-kernel's compute functions (the ``tile`` / ``gtile`` / ``step_neon`` / ``block_dot`` / ``run_*`` /
-``run`` symbols of ``nm``, i.e. the weight loops and their epilogues, not the activation
-rounding in ``gemv``) are summed:
+kernel's compute functions (the ``tile`` / ``gtile`` / ``Grouped*::tile`` / ``grouped_rows`` /
+``step_neon`` / ``block_dot`` / ``run_*`` / ``run`` symbols of ``nm``, i.e. the weight loops and
+their epilogues, not the activation rounding in ``gemv``) are summed:
 a dynamic count, divided by N·K/2 / 64. x86: ``qemu-x86_64 -cpu max`` (AVX2, no AVX-512);
 aarch64: ``qemu-aarch64 -cpu max`` (FEAT_DotProd). The AVX-512 VNNI paths cannot run under
 qemu 7.2, so for them the steady-state loop is counted in the disassembly (``objdump``): the
@@ -39,7 +39,8 @@ DRIVER = ROOT / "tests" / "runtime" / "int4_gemv_driver.cpp"
 OUT = ROOT / "benchmarks" / "results" / "gemv_insn_count.json"
 N, K, GROUP = 8, 7168, 32
 KERNEL_FN = re.compile(
-    r"\(anonymous namespace\)::(g?tile_\w+<|run_\w+\(|run\(|block_dot\(|step_neon<)"
+    r"\(anonymous namespace\)::"
+    r"(g?tile_\w+<|Grouped\w+::tile<|grouped_rows|run_\w+\(|run\(|block_dot\(|step_neon<)"
 )
 PATHS = {  # name: (machine, isa request)
     "x86 generic": ("x86_64", 1),
