@@ -35,7 +35,7 @@ name                dtype  shape             content
 ==================  =====  ================  ===============================================
 
 Expert ``e`` computes ``y = down · (silu(gate · x) ⊙ (up · x))``. The pool tells the two layer
-formats apart by ``gate_up_scale`` (F32 [E, 2I] or BF16 [E, 2I, H/g]): :meth:`identify`.
+formats apart by ``gate_up_scale`` (F32 [E, 2I] or BF16 [E, 2I, H/g]): ``from_stored``.
 
 From compressed-tensors pack-quantized (``formats/ct_pack_quantized.py``; symmetric, no zero
 point, no act-order, BF16 scales): its ``weight_packed`` I32 [out, in/8] holds input ``8c + i`` at
@@ -54,6 +54,7 @@ falls on whole groups); anything else raises HetquantError naming the legal ``S`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -143,6 +144,7 @@ class Int4CpuGroup(WeightFormat):
     """Symmetric INT4 with one BF16 scale per row and group (see module docstring)."""
 
     name: ClassVar[str] = "int4_cpu_group"
+    keys: ClassVar[frozenset[str]] = frozenset({"weight_packed", "weight_scale"})
     group_size: int = 32
 
     def __post_init__(self) -> None:
@@ -150,6 +152,12 @@ class Int4CpuGroup(WeightFormat):
             raise HetquantError(
                 f"int4_cpu_group: group_size {self.group_size} not in {list(GROUP_SIZES)}"
             )
+
+    def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Int4CpuGroup, tuple[int, int]]:
+        """The variant (group size) and weight shape whose ``stored`` would be ``metas``."""
+        n, half = metas["weight_packed"].shape  # two codes per byte
+        group = 2 * half // metas["weight_scale"].shape[1]
+        return dataclasses.replace(self, group_size=group), (n, 2 * half)
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         return Streaming(self, dict.fromkeys(self.stored(shape), 0))
@@ -296,6 +304,12 @@ class Int4CpuGroupExperts(ExpertLayerFormat):
     name: ClassVar[str] = "int4_cpu_group_experts"
     group_size: int = 32
 
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise HetquantError(
+                f"int4_cpu_group_experts: group_size {self.group_size} not in {list(GROUP_SIZES)}"
+            )
+
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
         return layer_stored(num_experts, hidden, inter, self.group_size)
 
@@ -320,22 +334,14 @@ class Int4CpuGroupExperts(ExpertLayerFormat):
             "down_scale": d_scale,
         }
 
-    @classmethod
-    def identify(
-        cls, metas: Mapping[str, TensorMeta]
-    ) -> tuple[Int4CpuGroupExperts, tuple[int, int, int]] | None:
-        """(format, (E, H, I)) when ``metas`` are a layer of this layout, else None."""
-        gus = metas.get("gate_up_scale")
-        gu, down = metas.get("gate_up_packed"), metas.get("down_packed")
-        if gus is None or gu is None or down is None or gus.dtype != "BF16" or len(gus.shape) != 3:
-            return None
-        if len(gu.shape) != 3 or len(down.shape) != 3 or not gus.shape[2]:
-            return None
-        dims = (gu.shape[0], 2 * gu.shape[2], 2 * down.shape[2])
-        group = dims[1] // gus.shape[2]
-        if group not in GROUP_SIZES or dict(metas) != layer_stored(*dims, group):
-            return None
-        return cls(group_size=group), dims
+    def from_stored(
+        self, metas: Mapping[str, TensorMeta]
+    ) -> tuple[Int4CpuGroupExperts, tuple[int, int, int]]:
+        """The variant (group size) and (E, H, I) whose ``stored`` would be ``metas``, read from
+        shapes alone; callers check ``stored(*dims) == metas`` (it may not be this layout)."""
+        gu, gus, down = (metas[k].shape for k in ("gate_up_packed", "gate_up_scale", "down_packed"))
+        dims = (gu[0], 2 * gu[2], 2 * down[2])
+        return dataclasses.replace(self, group_size=dims[1] // gus[2]), dims
 
     def check_subpools(self, inter: int, num_subpools: int) -> None:
         """Raise unless ``num_subpools`` slices of ``inter`` fall on whole groups."""

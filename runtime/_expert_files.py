@@ -3,7 +3,7 @@
 ``_cpu_expert_files`` lists the files from the manifest (``hetquant.json`` →
 ``parts.cpu_experts.files``), ``_layers_of`` reads one file's safetensors header into an
 :class:`ExpertLayerInfo` per MoE layer — its layout is the registered expert-layer format whose
-``identify`` recognises the header's dtypes and shapes (``int4_cpu_experts``, per-channel F32
+``from_stored`` gives back the header's dtypes and shapes (``int4_cpu_experts``, per-channel F32
 scales, or ``int4_cpu_group_experts``, BF16 group scales; ``formats/int4_cpu*.py``) —
 ``_select_layers`` collects the layers of all files (or the requested ones), and ``_Mapping``
 maps one file for :class:`~hetquant.runtime.expert_pool.CpuExpertPool`.
@@ -137,13 +137,19 @@ def _layers_of(path: Path) -> list[ExpertLayerInfo]:
 def _identify(
     path: Path, prefix: str, metas: dict[str, TensorMeta]
 ) -> tuple[PoolLayout, tuple[int, int, int]]:
-    """The registered expert-layer format (with its parameters) whose layout ``metas`` are."""
+    """The registered expert-layer format (with its parameters) whose layout ``metas`` are: the
+    one whose ``from_stored`` answer gives back exactly ``metas``."""
     for fmt in EXPERT_FORMATS.values():
-        found = fmt.identify(metas) if hasattr(fmt, "identify") else None
-        if found is not None:
-            return found
+        if not hasattr(fmt, "from_stored"):
+            continue
+        try:
+            variant, dims = fmt.from_stored(metas)
+            if variant.stored(*dims) == metas:
+                return variant, dims
+        except (HetquantError, KeyError, IndexError, ValueError, ArithmeticError):
+            continue  # not this layout
     shown = ", ".join(f"{k} {m.dtype} {list(m.shape)}" for k, m in metas.items())
-    known = [n for n, f in EXPERT_FORMATS.items() if hasattr(f, "identify")]
+    known = [n for n, f in EXPERT_FORMATS.items() if hasattr(f, "from_stored")]
     raise HetquantError(
         f"{path}: {prefix} is no CPU expert layout the pool serves ({shown}); expected one of "
         f"{known} (formats/int4_cpu*.py); re-convert the artifact"

@@ -5,6 +5,7 @@ float64 reference (``gemv_reference.py``), strided rows and scale rows, subpools
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from hetquant.formats.int4_cpu_group import (
 from hetquant.runtime import int4_gemv as G
 from hetquant.runtime.expert_pool import CpuExpertPool
 
+TINY_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "tiny-deepseek-v3" / "config.json"
 SHAPES = [  # (N, K, T, g): odd N, K = any number of 32-blocks (tails of every superblock size)
     (1, 32, 1, 32),
     (5, 96, 3, 32),
@@ -177,6 +179,7 @@ def _group_artifact(root: Path, layers=(1, 2), experts=8, hidden=256, inter=256,
         files.append(rel)
     manifest = {"complete": True, "parts": {"cpu_experts": {"files": files}}}
     (root / "hetquant.json").write_text(json.dumps(manifest))
+    shutil.copy(TINY_CONFIG, root / "config.json")  # the model family names the layers
     return tensors
 
 
