@@ -68,7 +68,6 @@ from .base import (
     TensorMeta,
     WeightFormat,
     all_finite,
-    register,
     register_expert_format,
 )
 from .dtypes import st_dtype
@@ -141,7 +140,8 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Int4CpuGroup(WeightFormat):
-    """Symmetric INT4 with one BF16 scale per row and group (see module docstring)."""
+    """Symmetric INT4 with one BF16 scale per row and group (see module docstring); not
+    registered as a linear format yet (see the end of this module)."""
 
     name: ClassVar[str] = "int4_cpu_group"
     keys: ClassVar[frozenset[str]] = frozenset({"weight_packed", "weight_scale"})
@@ -374,5 +374,6 @@ class Int4CpuGroupExperts(ExpertLayerFormat):
         }
 
 
-register(Int4CpuGroup())
+# The per-linear Int4CpuGroup is not in FORMATS: every registered linear format must be servable
+# by runtime/ops.py, which has no kernel for it yet (int4_gemv takes its scales as they are).
 register_expert_format(Int4CpuGroupExperts())
