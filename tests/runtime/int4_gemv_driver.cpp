@@ -1,6 +1,6 @@
 // Test driver for the int4 GEMV kernel on another machine (aarch64 under qemu user mode): linked
 // with the kernel's one translation unit (hetquant.runtime.int4_gemv._CPP_SOURCE), it runs the
-// cases of an input file and writes the results (test_int4_gemv_crossisa.py writes and reads both).
+// cases of an input file and writes the results (test_int4_gemv_aarch64.py writes and reads both).
 //
 // Input, little-endian: "HQG1", int64 case count, then per case: int64 grouped, N, K, G, T, L,
 // isa, rs, ss, threads; N*rs weight bytes; scales (per-channel: N float32; grouped: N*ss bf16
