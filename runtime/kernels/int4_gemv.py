@@ -55,7 +55,10 @@ carries its own ``target`` attribute): x86-64 ``avx512_vnni`` > ``avx2`` > ``gen
 (``__builtin_cpu_supports``); aarch64 ``neon_dotprod`` > ``generic``
 (``getauxval(AT_HWCAP) & HWCAP_ASIMDDP`` on Linux; elsewhere only when the compiler targets
 dotprod). The aarch64 path is tested bit for bit against the x86 results under qemu user mode
-(``tests/runtime/test_int4_gemv_aarch64.py``); it has not run on Arm hardware. Rows go in tiles
+(``tests/runtime/test_int4_gemv_crossisa.py``, which also runs the AVX2 and AVX-512 paths on
+SIMDe's portable intrinsics); it has not run on Arm hardware. The grouped AVX-512 path was
+developed on an AVX2-only CPU and checked there on SIMDe; the test suite runs it natively on a
+CPU with AVX-512 VNNI. Rows go in tiles
 (4 rows per-channel, 2 grouped, at one token) and each tile prefetches the rows ≥ 12 KB ahead
 into L2: without it the kernel waited on DRAM at under half the read bandwidth; into L1 the
 prefetch evicts the 21 KB of digits.
