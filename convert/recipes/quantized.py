@@ -24,17 +24,22 @@ msModelSlim's output (reference/ascend_formats.md §2.3).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 
+from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError
 from hetquant.formats.families import TensorRole
 from hetquant.formats.families.roles import MTP
 
 from . import DROP, Recipe, Target, keep, register_recipe
 
-__all__ = ["KEEP", "RuleRecipe", "role_class"]
+__all__ = ["KEEP", "LOW_BITS", "RuleRecipe", "density", "role_class"]
 
 KEEP = "keep"
 CPU_EXPERTS = "cpu_experts"
+LOW_BITS = 6.0  # stored bits per weight under which a format is a low-bit (4-bit-code) one
+PROBE_SHAPE = (256, 1024)  # a weight every registered format stores, to measure its density
 _CLASS_OF_KIND = {"router": "router", "bias": "router", "embedding": "embedding",
                   "head": "embedding", "norm": "norm"}  # fmt: skip
 
@@ -65,7 +70,26 @@ class RuleRecipe(Recipe):
         fmt = self.rules[role_class(role)]
         if fmt == KEEP:
             return keep(source_fmt)
-        return self._target(fmt, role)
+        target = self._target(fmt, role)
+        self._check_requantize(role, source_fmt, target)
+        return target
+
+    def _check_requantize(self, role: TensorRole, source_fmt: str, target: Target) -> None:
+        """A low-bit source (INT4 codes and scales, e.g. Kimi K2 Thinking's QAT experts) written
+        in another low-bit format is rounded a second time onto a grid it was not trained for:
+        refused unless ``requantize`` was asked for."""
+        if source_fmt == target.fmt or self.option("requantize"):
+            return
+        src, dst = density(source_fmt), density(target.fmt, target.params)
+        if src is None or dst is None or src >= LOW_BITS or dst >= LOW_BITS:
+            return
+        where = f"layer {role.layer}" + ("" if role.expert is None else f" expert {role.expert}")
+        raise HetquantError(
+            f"{role.role.name} ({where}): the source stores it as {source_fmt} "
+            f"({src:.2f} bits/weight); recipe {self.name} would re-quantize it to {target.fmt} "
+            f"({dst:.2f} bits/weight), losing accuracy twice. Use --requantize to accept that, "
+            "or a recipe that keeps it (bf16 dequantizes it exactly)"
+        )
 
     def _target(self, fmt: str, role: TensorRole) -> Target:
         if fmt == "int4_cpu_experts":
@@ -78,7 +102,21 @@ class RuleRecipe(Recipe):
         return Target(fmt)
 
 
-_MTP = {"mtp": ("keep", "drop")}
+@functools.lru_cache(maxsize=None)
+def density(fmt: str, params: tuple = ()) -> float | None:
+    """Stored bits per weight of format ``fmt`` on ``PROBE_SHAPE`` (None: not a weight format)."""
+    if fmt in FORMATS:
+        f = dataclasses.replace(FORMATS[fmt], **dict(params)) if params else FORMATS[fmt]
+        return f.bits_per_weight(PROBE_SHAPE)
+    if fmt in EXPERT_FORMATS:
+        inter, hidden = PROBE_SHAPE
+        stored = EXPERT_FORMATS[fmt].stored(1, hidden, inter)
+        return 8 * sum(m.nbytes for m in stored.values()) / (3 * inter * hidden)
+    return None
+
+
+_REQUANTIZE = {"requantize": (False, True)}
+_MTP = {"mtp": ("keep", "drop"), **_REQUANTIZE}
 _KEEPS = {"router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_extra": KEEP}
 register_recipe(
     RuleRecipe(
