@@ -43,9 +43,7 @@ class AuxFiles:
     skipped: dict[str, str]
 
 
-def aux_files(
-    src: Path, reserved: Iterable[str] = (), max_bytes: int = AUX_MAX_BYTES
-) -> AuxFiles:
+def aux_files(src: Path, reserved: Iterable[str] = (), max_bytes: int = AUX_MAX_BYTES) -> AuxFiles:
     """The files of source directory ``src`` that travel into the artifact (module docstring)."""
     root = src.resolve()
     bases = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])

@@ -88,8 +88,10 @@ def _check_inputs(spec: RunSpec, world: int) -> None:
     from ._expert_files import _select_layers
     from ._subpool import _check_split
     from .loader import open_artifact
+    from .model import check_runnable
 
     art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
+    check_runnable(parse_config(art.config))
     vocab = int(art.config.get("vocab_size", 0))
     bad = [t for t in spec.tokens if not 0 <= t < vocab]
     if bad:

@@ -2,7 +2,7 @@
 
 Role classes, from the attributes of a tensor's role in its family's table (``role_class``):
 ``mtp_extra`` (a role only MTP layers hold: DeepSeek's enorm/hnorm/eh_proj/embed_tokens/
-shared_head), ``routed`` / ``shared`` (routed / shared expert MLPs), ``router`` (router weight and
+shared_head), ``kept`` (a role every recipe keeps: DeepSeek-V3.2's indexer), ``routed`` / ``shared`` (routed / shared expert MLPs), ``router`` (router weight and
 bias), ``embedding`` (embeddings and heads), ``norm``, ``dense`` (a dense-layer MLP),
 ``absorbed`` (a linear engines fold into attention: DeepSeek's kv_b_proj) and ``attention`` (every
 other linear: q_a/q_b/q/kv_a/o). ``KEEP`` keeps a tensor at source precision (``recipes.keep``):
@@ -47,6 +47,8 @@ _CLASS_OF_KIND = {"router": "router", "bias": "router", "embedding": "embedding"
 def role_class(role: TensorRole) -> str:
     """The recipe-facing class of a tensor role (see module docstring)."""
     r = role.role
+    if r.kept:
+        return "kept"
     if r.scope == MTP:
         return "mtp_extra"
     if r.expert is not None:
@@ -102,7 +104,7 @@ class RuleRecipe(Recipe):
         return Target(fmt)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def density(fmt: str, params: tuple = ()) -> float | None:
     """Stored bits per weight of format ``fmt`` on ``PROBE_SHAPE`` (None: not a weight format)."""
     if fmt in FORMATS:
@@ -117,7 +119,7 @@ def density(fmt: str, params: tuple = ()) -> float | None:
 
 _REQUANTIZE = {"requantize": (False, True)}
 _MTP = {"mtp": ("keep", "drop"), **_REQUANTIZE}
-_KEEPS = {"router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_extra": KEEP}
+_KEEPS = {"kept": KEEP, "router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_extra": KEEP}
 register_recipe(
     RuleRecipe(
         "ascend-hybrid",
