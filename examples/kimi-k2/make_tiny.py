@@ -34,6 +34,7 @@ import base64
 import copy
 import runpy
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -130,7 +131,7 @@ def bpe_ranks(text: bytes, n_tokens: int) -> list[bytes]:
     tokens = [bytes([b]) for b in range(256)]
     words = [[bytes([b]) for b in w] for w in text.split()]
     while len(tokens) < n_tokens:
-        pairs = Counter((a, b) for w in words for a, b in zip(w, w[1:], strict=False))
+        pairs = Counter((a, b) for w in words for a, b in pairwise(w))
         if not pairs:
             raise RuntimeError("bpe_ranks: the text has too few pairs for the vocabulary")
         best = min(pairs, key=lambda p: (-pairs[p], p))
