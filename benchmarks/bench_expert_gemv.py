@@ -14,11 +14,18 @@ Measures, interleaved repeat by repeat (medians reported):
     of 256, ``zero = 0``) — torch's own int4 CPU kernel, for comparison,
   - ``bf16``: ``x @ W.T`` on bf16 weights of the same shape (oneDNN/MKL);
 - one routed-expert layer end to end: ``CpuExpertPool.forward`` with top-8 of 16 experts of
-  DeepSeek size, batch 1, subpools 1 and 2 (a synthetic artifact written to ``--work``).
+  DeepSeek size, batch 1, subpools 1 and 2 (a synthetic artifact written to ``--work``);
+- ``int4 native group32``: the same codes with group-wise BF16 scales (``int4_cpu_group``, group
+  ``--group-size``), called right after the per-channel kernel on the same copy index in every
+  repeat (order alternating), and its weight-bytes throughput as a ratio of the per-channel
+  kernel's: the median over repeats of the per-repeat ratio (issue target ≥ 0.9).
+  ``--group`` runs only this comparison (both precisions, 1 and all threads) and writes its own
+  JSON (``results/bench_expert_gemv-group.json``) and README table.
 
 Every matrix is cycled through ``--set-mb`` MB of distinct copies (default 256, 8× the 32 MB L3
 here), so weights stream from DRAM as in serving, not from cache. GB/s counts the weight bytes a
-call must read (int4: N·K/2 + 4N; aten adds its bf16 scale/zero table; bf16: 2·N·K).
+call must read (int4: N·K/2 + 4N; group-wise: N·K/2 + 2·N·K/g; aten adds its bf16 scale/zero
+table; bf16: 2·N·K).
 
 Usage::
 
@@ -26,7 +33,8 @@ Usage::
     python benchmarks/bench_expert_gemv.py --repeats 3 --no-readme
 
 Writes ``benchmarks/results/bench_expert_gemv.json`` and the table in ``benchmarks/README.md``
-(between the ``bench_expert_gemv`` markers of the "CPU INT4 expert GEMV" section).
+(between the ``bench_expert_gemv`` markers of the "CPU INT4 expert GEMV" section); with
+``--group``, ``results/bench_expert_gemv-group.json`` and the ``bench_expert_gemv:group`` table.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ from _measure import machine_info, median, replace_marked, write_result  # noqa:
 SECTION = "## CPU INT4 expert GEMV"
 START = "<!-- bench_expert_gemv:results:start -->"
 END = "<!-- bench_expert_gemv:results:end -->"
+GROUP_START = "<!-- bench_expert_gemv:group:start -->"
+GROUP_END = "<!-- bench_expert_gemv:group:end -->"
 SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
 GiB = 1 << 30
 
@@ -168,7 +178,13 @@ def main() -> int:
     ap.add_argument("--json", default=str(HERE / "results" / "bench_expert_gemv.json"))
     ap.add_argument("--readme", default=str(HERE / "README.md"))
     ap.add_argument("--no-readme", action="store_true")
+    ap.add_argument("--group", action="store_true", help="only per-channel vs group-wise")
+    ap.add_argument("--group-size", type=int, default=32)
     args = ap.parse_args()
+    if args.group:
+        args.skip_slow, args.no_pool = True, True
+        if args.json == ap.get_default("json"):
+            args.json = str(HERE / "results" / "bench_expert_gemv-group.json")
 
     # Build the kernel into a fresh cache dir so the compile time is measured.
     cache = tempfile.mkdtemp(prefix="hetquant-bench-cache-")
@@ -215,10 +231,14 @@ def main() -> int:
         packed = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)]
         packed += [packed[0].clone() for _ in range(copies - 1)]
         scale = [torch.rand(n, generator=g) * 0.01 + 1e-4 for _ in range(copies)]
-        bf16_copies = max(4, args.set_mb * (1 << 20) // (2 * n * k))
+        gs_ = args.group_size
+        gscale = [
+            (torch.rand(n, k // gs_, generator=g) * 0.01 + 1e-4).bfloat16() for _ in range(copies)
+        ]
+        bf16_copies = 0 if args.group else max(4, args.set_mb * (1 << 20) // (2 * n * k))
         w16 = [torch.randn(n, k, generator=g).to(torch.bfloat16) for _ in range(bf16_copies)]
         aten = None
-        if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and not args.group:
             gs = 256
             codes = torch.stack([packed[0] & 15, packed[0] >> 4], -1).reshape(n, k).to(torch.int32)
             p0 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -237,6 +257,8 @@ def main() -> int:
             "packed": packed,
             "scale": scale,
             "int4_bytes": int4_bytes,
+            "gscale": gscale,
+            "group_bytes": n * k // 2 + 2 * n * k // gs_,
             "w16": w16,
             "aten": aten,
         }
@@ -249,6 +271,10 @@ def main() -> int:
         b = G.int4_gemv(d["packed"][0], d["scale"][0], x, backend="torch")
         rel = ((a - b).abs().max() / b.abs().max()).item()
         assert rel < 1e-5, (name, rel)
+        a = G.int4_gemv(d["packed"][0], d["gscale"][0], x, backend="auto")
+        b = G.int4_gemv(d["packed"][0], d["gscale"][0], x, backend="torch")
+        rel = ((a - b).abs().max() / b.abs().max()).item()
+        assert rel < 1e-5, (name, "group", rel)
 
     # ---- the pool, end to end
     pool_cfgs: list[tuple[str, Any]] = []
@@ -283,19 +309,26 @@ def main() -> int:
                 if info["available"]:
                     for th in thread_cfgs:
                         for prec in ("high", "fast"):
-                            timer.run(
-                                f"{name}/b{b}/int4_native_{prec}/{th}t",
-                                lambda i, x=x, d=d, th=th, prec=prec: G.int4_gemv(
-                                    d["packed"][i],
-                                    d["scale"][i],
-                                    x,
-                                    backend="native",
-                                    threads=th,
-                                    precision=prec,
-                                ),
-                                ncp,
-                                d["int4_bytes"],
-                            )
+                            # per-channel and group-wise back to back, order alternating
+                            kinds = [
+                                ("", "scale", "int4_bytes"),
+                                ("group", "gscale", "group_bytes"),
+                            ]
+                            for kind, skey, bkey in kinds[:: 1 if rep % 2 else -1]:
+                                timer.run(
+                                    f"{name}/b{b}/int4_native{kind and '_' + kind}"
+                                    f"{kind and str(args.group_size)}_{prec}/{th}t",
+                                    lambda i, x=x, d=d, th=th, prec=prec, skey=skey: G.int4_gemv(
+                                        d["packed"][i],
+                                        d[skey][i],
+                                        x,
+                                        backend="native",
+                                        threads=th,
+                                        precision=prec,
+                                    ),
+                                    ncp,
+                                    d[bkey],
+                                )
                 if not args.skip_slow and rep < max(2, args.repeats // 3):
                     timer.run(
                         f"{name}/b{b}/int4_torch/{nthreads}t",
@@ -303,7 +336,7 @@ def main() -> int:
                         min(ncp, 4),
                         d["int4_bytes"],
                     )
-                for th in thread_cfgs:
+                for th in thread_cfgs if not args.group else ():
                     torch.set_num_threads(th)
                     if d["aten"] is not None:
                         at = d["aten"]
@@ -355,6 +388,7 @@ def main() -> int:
         v["pct_of_bandwidth"] = 100 * v["gbps"] / bandwidth
         if v.get("cpu_gbps") and bw_cpu:
             v["cpu_pct_of_bandwidth"] = 100 * v["cpu_gbps"] / bw_cpu
+    group_ratios(timer, res)
     # speed against bf16 (time ratio) for every GEMV row
     for k, v in res.items():
         parts = k.split("/")
@@ -376,14 +410,75 @@ def main() -> int:
         "target_pct_batch1": 60.0,
         "results": res,
     }
+    doc["group_size"] = args.group_size
+    doc["target_group_ratio"] = 0.9
     write_result(args.json, doc)
     print(f"wrote {args.json}")
-    table = render(doc, nthreads)
+    table = render_group(doc) if args.group else render(doc, nthreads)
     print(table)
     if not args.no_readme:
-        update_readme(Path(args.readme), table)
+        if args.group:
+            if not replace_marked(Path(args.readme), GROUP_START, GROUP_END, table):
+                raise SystemExit(f"{args.readme}: no {GROUP_START} … {GROUP_END} markers")
+        else:
+            update_readme(Path(args.readme), table)
         print(f"updated {args.readme}")
     return 0
+
+
+def group_ratios(timer: Timer, res: dict[str, dict[str, Any]]) -> None:
+    """For every group-wise row: its weight GB/s over the per-channel row's, per repeat (the two
+    ran back to back), as median / min / max, and the ratio of the medians."""
+    for k, v in res.items():
+        parts = k.split("/")
+        if len(parts) != 4 or "_group" not in parts[2]:
+            continue
+        prec = parts[2].rsplit("_", 1)[1]
+        pc = f"{parts[0]}/{parts[1]}/int4_native_{prec}/{parts[3]}"
+        g_rate = [v["bytes"] / t for t in timer.samples[k]]
+        pc_rate = [res[pc]["bytes"] / t for t in timer.samples[pc]]
+        ratios = sorted(a / b for a, b in zip(g_rate, pc_rate, strict=True))
+        v["ratio_vs_per_channel"] = {
+            "median": median(ratios),
+            "min": ratios[0],
+            "max": ratios[-1],
+            "of_medians": v["gbps"] / res[pc]["gbps"],
+            "time_ratio_of_medians": res[pc]["ms"] / v["ms"],
+        }
+
+
+def render_group(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    cpu = m.get("lscpu", {})
+    res = doc["results"]
+    bw = doc["bandwidth_gbps"]
+    nat = doc["native"]
+    lines = [
+        f"Run {m['date']} · `{m['command']}` · {cpu.get('Model name', m.get('cpu_model'))}, "
+        f"{cpu.get('CPU(s)', m.get('nproc'))} CPUs (L3 {cpu.get('L3', '?')}, {cpu.get('isa', '')}"
+        f"{', ' + cpu['hypervisor'] + ' VM' if cpu.get('hypervisor') else ''}) · torch "
+        f"{m['torch']} · load average {m['loadavg_start']} → {m['loadavg_end']} · native kernel "
+        f"`{nat.get('isa')}` · read bandwidth {bw['read']:.1f} GB/s (1 thread by CPU time "
+        f"{bw.get('read_1t_cpu_time') or 0:.1f})",
+        "",
+        f"| shape | batch | precision | threads | per-channel GB/s | group-{doc['group_size']} "
+        "GB/s | ratio (median of repeats) | min – max | time ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k, v in res.items():
+        r = v.get("ratio_vs_per_channel")
+        if r is None:
+            continue
+        shape, b, method, th = k.split("/")
+        n, kk = SHAPES[shape]
+        prec = method.rsplit("_", 1)[1]
+        pc = res[f"{shape}/{b}/int4_native_{prec}/{th}"]
+        lines.append(
+            f"| {shape} [{n}, {kk}] | {b[1:]} | {prec} | {th[:-1]} | {pc['gbps']:.2f} | "
+            f"{v['gbps']:.2f} | **{r['median']:.2f}** | {r['min']:.2f} – {r['max']:.2f} | "
+            f"{r['time_ratio_of_medians']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def render(doc: dict[str, Any], nthreads: int) -> str:

@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (registration)
     ct_pack_quantized,
     fp8_block,
     int4_cpu,
+    int4_cpu_group,
     nvfp4,
     nvfp4_ascend,
     w8a8_npu,

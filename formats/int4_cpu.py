@@ -2,7 +2,8 @@
 
 Routed MoE experts of the ``ascend-hybrid`` recipe are stored in this format, one
 ``cpu_experts/layer_XX.safetensors`` per MoE layer (the *layer* layout below); any single linear
-can use the per-linear format ``int4_cpu``.
+can use the per-linear format ``int4_cpu``. ``formats/int4_cpu_group.py`` is its group-wise
+variant (BF16 scale per 32 / 64 / 128 inputs; same nibble order and layer layout).
 
 Codes and dequantization. Row ``r`` of a weight [out, in] has a scale ``s[r]`` and codes
 ``c ∈ 1..15`` (``q = c − 8 ∈ [−7, 7]``; code 0 is never written)::
@@ -91,9 +92,12 @@ __all__ = [
     "QMAX",
     "ZERO_POINT",
     "Int4Cpu",
+    "check_metas",
+    "check_subpools",
     "dequantize_expert",
     "dequantize_rows",
     "expert_forward",
+    "interleave_rows",
     "layer_stored",
     "quantize_expert",
     "stack_experts",
@@ -230,7 +234,7 @@ def layer_stored(num_experts: int, hidden: int, inter: int) -> dict[str, TensorM
     }
 
 
-def _check_metas(
+def check_metas(
     what: str, tensors: Mapping[str, torch.Tensor], want: Mapping[str, TensorMeta]
 ) -> None:
     if set(tensors) != set(want):
@@ -247,8 +251,13 @@ def _layer_dims(layer: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
     if gu is None or down is None or gu.ndim != 3 or down.ndim != 3:
         raise HetquantError(f"int4_cpu layer: expected 3-D {list(LAYER_KEYS)}, got {list(layer)}")
     dims = (gu.shape[0], 2 * gu.shape[2], 2 * down.shape[2])
-    _check_metas("int4_cpu layer", layer, layer_stored(*dims))
+    check_metas("int4_cpu layer", layer, layer_stored(*dims))
     return dims
+
+
+def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Rows of gate and up [I, ...] interleaved into [2I, ...]: row 2i = gate i, 2i+1 = up i."""
+    return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
 
 
 def quantize_expert(
@@ -269,7 +278,7 @@ def quantize_expert(
             "expected gate = up = [I, H] and down = [H, I]"
         )
     _check_even("quantize_expert", "moe intermediate", inter)
-    gate_up = torch.stack([g, u], dim=1).reshape(2 * inter, hidden)  # (2I, H), interleaved
+    gate_up = interleave_rows(g, u)  # (2I, H)
     gu_packed, gu_scale = _quantize_rows(gate_up, clip_search)
     d_packed, d_scale = _quantize_rows(d, clip_search)
     return {
@@ -290,7 +299,7 @@ def stack_experts(experts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, to
     hidden, inter = 2 * first["gate_up_packed"].shape[1], first["gate_up_scale"].shape[0] // 2
     want = {k: TensorMeta(m.dtype, m.shape[1:]) for k, m in layer_stored(1, hidden, inter).items()}
     for e, expert in enumerate(experts):
-        _check_metas(f"stack_experts: expert {e}", expert, want)
+        check_metas(f"stack_experts: expert {e}", expert, want)
     return {k: torch.stack([x[k] for x in experts]) for k in LAYER_KEYS}
 
 
@@ -322,17 +331,26 @@ def expert_forward(layer: Mapping[str, torch.Tensor], e: int, x: torch.Tensor) -
     return act @ down.to(dt).T  # (..., H)
 
 
+def check_subpools(inter: int, num_subpools: int) -> None:
+    """Raise unless ``num_subpools`` slices of ``inter`` are whole bytes of every down row."""
+    n = num_subpools
+    if n < 1 or inter % n or (inter // n) % 2:
+        legal = [
+            s for s in range(1, min(inter, 64) + 1) if inter % s == 0 and (inter // s) % 2 == 0
+        ]
+        raise HetquantError(
+            f"{n} subpools cannot split moe intermediate {inter}; need I % S == 0 and I/S even, "
+            f"so that each down slice is whole bytes — e.g. S in {legal}"
+        )
+
+
 def subpool_slice(
     layer: Mapping[str, torch.Tensor], subpool: int, num_subpools: int
 ) -> dict[str, torch.Tensor]:
     """Views of ``layer`` for subpool ``subpool`` of ``num_subpools`` (module docstring)."""
     _, _, inter = _layer_dims(layer)
     n = num_subpools
-    if n < 1 or inter % n or (inter // n) % 2:
-        raise HetquantError(
-            f"subpool_slice: {n} subpools cannot split moe intermediate {inter}; need "
-            "I % S == 0 and (I / S) even, so that each down slice is whole bytes"
-        )
+    check_subpools(inter, n)
     if not 0 <= subpool < n:
         raise HetquantError(f"subpool_slice: subpool {subpool} not in 0..{n - 1}")
     a, b = subpool * inter // n, (subpool + 1) * inter // n
@@ -361,6 +379,28 @@ class Int4CpuExperts(ExpertLayerFormat):
         self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         return quantize_expert(gate, up, down, clip_search=self.clip_search)
+
+    @classmethod
+    def identify(
+        cls, metas: Mapping[str, TensorMeta]
+    ) -> tuple[Int4CpuExperts, tuple[int, int, int]] | None:
+        """(format, (E, H, I)) when ``metas`` are a layer of this layout, else None."""
+        gu, down = metas.get("gate_up_packed"), metas.get("down_packed")
+        if gu is None or down is None or len(gu.shape) != 3 or len(down.shape) != 3:
+            return None
+        dims = (gu.shape[0], 2 * gu.shape[2], 2 * down.shape[2])
+        try:
+            return (cls(), dims) if dict(metas) == layer_stored(*dims) else None
+        except HetquantError:
+            return None
+
+    def check_subpools(self, inter: int, num_subpools: int) -> None:
+        check_subpools(inter, num_subpools)
+
+    def subpool_slice(
+        self, layer: Mapping[str, torch.Tensor], subpool: int, num_subpools: int
+    ) -> dict[str, torch.Tensor]:
+        return subpool_slice(layer, subpool, num_subpools)
 
     def quantize_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [R, K] of gate_up (interleaved) or down → (packed U8 [R, K/2], scale F32 [R]);

@@ -2,8 +2,10 @@
 
 ``_cpu_expert_files`` lists the files from the manifest (``hetquant.json`` →
 ``parts.cpu_experts.files``), ``_layers_of`` reads one file's safetensors header into an
-:class:`ExpertLayerInfo` per MoE layer (``int4_cpu`` layout, ``formats/int4_cpu.py``; the layer
-of a stacked prefix from the model family's role table),
+:class:`ExpertLayerInfo` per MoE layer (the layer of a stacked prefix from the model family's
+role table) — its layout is the registered expert-layer format whose ``identify`` recognises the
+header's dtypes and shapes (``int4_cpu_experts``, per-channel F32 scales, or
+``int4_cpu_group_experts``, BF16 group scales; ``formats/int4_cpu*.py``) —
 ``_select_layers`` collects the layers of all files (or the requested ones), and ``_Mapping``
 maps one file for :class:`~hetquant.runtime.expert_pool.CpuExpertPool`.
 
@@ -17,21 +19,23 @@ from __future__ import annotations
 
 import json
 import mmap
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from hetquant.formats import HetquantError
+from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta
 from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.families import ModelFamily, load_config
-from hetquant.formats.int4_cpu import LAYER_KEYS, layer_stored
+from hetquant.formats.int4_cpu import LAYER_KEYS
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 __all__ = [
     "MANIFEST",
     "ExpertLayerInfo",
+    "PoolLayout",
     "_Mapping",
     "_cpu_expert_files",
     "_layers_of",
@@ -41,9 +45,22 @@ __all__ = [
 MANIFEST = "hetquant.json"
 
 
+class PoolLayout(Protocol):
+    """What the pool needs of an expert-layer format beyond ``ExpertLayerFormat``."""
+
+    name: str
+
+    def check_subpools(self, inter: int, num_subpools: int) -> None: ...
+
+    def subpool_slice(
+        self, layer: Mapping[str, torch.Tensor], subpool: int, num_subpools: int
+    ) -> dict[str, torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class ExpertLayerInfo:
-    """One MoE layer of the pool: where it lives and its dims (E experts, hidden H, inter I)."""
+    """One MoE layer of the pool: where it lives, its dims (E experts, hidden H, inter I) and
+    its layout (an expert-layer format with ``subpool_slice`` and ``check_subpools``)."""
 
     layer: int
     path: Path
@@ -52,6 +69,7 @@ class ExpertLayerInfo:
     hidden: int
     inter: int
     entries: dict[str, HeaderEntry]  # LAYER_KEYS → header entry
+    fmt: PoolLayout  # its expert-layer format, e.g. Int4CpuGroupExperts(group_size=32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -113,19 +131,25 @@ def _layers_of(path: Path, family: ModelFamily) -> list[ExpertLayerInfo]:
         missing = [k for k in LAYER_KEYS if k not in entries]
         if missing:
             raise HetquantError(f"{path}: {prefix} lacks {', '.join(missing)}")
-        gu = entries["gate_up_packed"]
-        down = entries["down_packed"]
-        if len(gu.shape) != 3 or len(down.shape) != 3:
-            raise HetquantError(f"{path}: {prefix}: packed tensors must be 3-D")
-        dims = (gu.shape[0], 2 * gu.shape[2], 2 * down.shape[2])
-        want = layer_stored(*dims)
-        for key, meta in want.items():
-            if entries[key].meta != meta:
-                raise HetquantError(
-                    f"{path}: {prefix}.{key} is {entries[key].meta}, expected {meta}"
-                )
-        out.append(ExpertLayerInfo(loc.layer, path, prefix, *dims, entries))
+        fmt, dims = _identify(path, prefix, {k: entries[k].meta for k in LAYER_KEYS})
+        out.append(ExpertLayerInfo(loc.layer, path, prefix, *dims, entries, fmt))
     return out
+
+
+def _identify(
+    path: Path, prefix: str, metas: dict[str, TensorMeta]
+) -> tuple[PoolLayout, tuple[int, int, int]]:
+    """The registered expert-layer format (with its parameters) whose layout ``metas`` are."""
+    for fmt in EXPERT_FORMATS.values():
+        found = fmt.identify(metas) if hasattr(fmt, "identify") else None
+        if found is not None:
+            return found
+    shown = ", ".join(f"{k} {m.dtype} {list(m.shape)}" for k, m in metas.items())
+    known = [n for n, f in EXPERT_FORMATS.items() if hasattr(f, "identify")]
+    raise HetquantError(
+        f"{path}: {prefix} is no CPU expert layout the pool serves ({shown}); expected one of "
+        f"{known} (formats/int4_cpu*.py); re-convert the artifact"
+    )
 
 
 def _select_layers(artifact: Path, layers: Iterable[int] | None) -> dict[int, ExpertLayerInfo]:

@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
-from hetquant.formats.int4_cpu import subpool_slice
 
 from ._expert_files import ExpertLayerInfo
 from .int4_gemv import int4_gemv
@@ -164,7 +163,7 @@ class _Subpool:
         for layer, info in infos.items():
             full = layer_views(info)
             if split == "inter":
-                views = subpool_slice(full, self.index, n)
+                views = info.fmt.subpool_slice(full, self.index, n)
             else:
                 a, b = _expert_block(info.num_experts, self.index, n)
                 views = {k: v[a:b] for k, v in full.items()}
@@ -204,14 +203,12 @@ def _expert_block(num_experts: int, s: int, n: int) -> tuple[int, int]:
 def _check_split(infos: dict[int, ExpertLayerInfo], subpools: int, split: str) -> None:
     for info in infos.values():
         if split == "inter":
-            i = info.inter
-            if i % subpools or (i // subpools) % 2:
+            try:
+                info.fmt.check_subpools(info.inter, subpools)
+            except HetquantError as e:
                 raise HetquantError(
-                    f"CpuExpertPool: {subpools} subpools cannot split moe intermediate {i} "
-                    f"(layer {info.layer}); need I % S == 0 and I/S even — e.g. S in "
-                    f"{[s for s in range(1, min(i, 64) + 1) if i % s == 0 and (i // s) % 2 == 0]}"
-                    ", or split='experts'"
-                )
+                    f"CpuExpertPool (layer {info.layer}, {info.fmt.name}): {e}; or split='experts'"
+                ) from None
         elif subpools > info.num_experts:
             raise HetquantError(
                 f"CpuExpertPool: {subpools} subpools for {info.num_experts} experts (layer "

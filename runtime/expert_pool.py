@@ -1,7 +1,10 @@
 """CPU expert pool: the routed experts of a hybrid artifact, memory-mapped and served by subpools.
 
 ``ascend-hybrid`` artifacts keep every routed MoE expert in ``cpu_experts/layer_XXX.safetensors``
-in the ``int4_cpu`` layer layout (``formats/int4_cpu.py``). :class:`CpuExpertPool` opens them
+in the ``int4_cpu`` layer layout (``formats/int4_cpu.py``: one F32 scale per row) or its
+group-wise variant (``formats/int4_cpu_group.py``: BF16 scales per 32 / 64 / 128 inputs, e.g. Kimi
+K2 Thinking's QAT experts kept as shipped); each layer's layout is read from its header (the
+registered expert-layer format that recognises it). :class:`CpuExpertPool` opens them
 from the manifest (``hetquant.json`` → ``parts.cpu_experts.files``) and the safetensors headers
 — nothing from ``hetquant.convert`` — and computes the routed-expert sum of a layer::
 
@@ -18,9 +21,11 @@ only the headers and the pages each subpool touches (files and mapping: ``_exper
 Subpools (kt-kernel's NUMA thread pools, reference/cpu_experts.md §1.3). ``subpools=S`` with
 
 - ``split="inter"`` (default): subpool ``s`` owns the intermediate slice ``[s·I/S, (s+1)·I/S)``
-  of every expert, as views from :func:`~hetquant.formats.int4_cpu.subpool_slice` (no
-  requantization: the down scale covers the whole row, so the partial sums add up exactly in
-  real arithmetic). Needs ``I % S == 0`` and ``I/S`` even. Every subpool works on every token.
+  of every expert, as views from the layout's ``subpool_slice`` (no requantization: a down scale
+  covers its whole row, or a whole group inside one slice, so the partial sums add up exactly
+  in real arithmetic). Needs ``I % S == 0`` and ``I/S`` even (per-channel) or a multiple of the
+  group size (group-wise); otherwise open fails naming the legal ``S``. Every subpool works on
+  every token.
 - ``split="experts"``: subpool ``s`` owns the whole experts ``[⌊s·E/S⌋, ⌊(s+1)·E/S⌋)``
   (contiguous blocks; ``1 ≤ S ≤ E``). A token only reaches the subpools of its experts.
 

@@ -28,12 +28,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from gemv_reference import (
+    U,
+    assert_within,
+    expert_bound,
+    gemv_bound,
+    gemv_ref,
+    routed_ref_and_bound,
+    routing,
+)
 
 from hetquant.formats import HetquantError
 from hetquant.formats.int4_cpu import (
     LAYER_KEYS,
-    dequantize_expert,
     expert_forward,
     quantize_expert,
     stack_experts,
@@ -44,7 +51,6 @@ from hetquant.runtime.expert_pool import CpuExpertPool
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny-deepseek-v3"
-U = 2.0**-24
 
 
 # ------------------------------------------------------------------------------------------------
@@ -81,86 +87,6 @@ def layer_tensors(hybrid: Path) -> dict[int, dict[str, torch.Tensor]]:
 def native_or_skip():
     if not G.native_available():
         pytest.skip(f"native int4 kernel unavailable: {G.native_info()['error']}")
-
-
-# ------------------------------------------------------------------------------------------------
-# references and bounds
-
-
-def codes_q(packed: torch.Tensor) -> torch.Tensor:
-    """Packed U8 [..., N, K/2] → q = c − 8 as float64 [..., N, K] (even element in low nibble)."""
-    p = packed.to(torch.int64)
-    return (torch.stack([p & 15, p >> 4], dim=-1).reshape(*p.shape[:-1], -1) - 8).double()
-
-
-def gemv_ref(packed: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """float64 y = s · (q @ x) with exact weights."""
-    return (x.double() @ codes_q(packed).T) * scale.double()
-
-
-def gemv_bound(
-    packed: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, y: torch.Tensor, backend: str
-) -> torch.Tensor:
-    w_abs = codes_q(packed).abs() * scale.double()[:, None]  # [N, K]
-    x64 = x.double().reshape(-1, w_abs.shape[1])
-    if backend == "torch":
-        return (w_abs.shape[1] / 2 + 2) * U * (x64.abs() @ w_abs.T)
-    amax = x64.abs().amax(-1, keepdim=True)  # [T, 1]
-    return w_abs.sum(-1) * amax * 2.0**-22 + U * y.abs()
-
-
-def expert_bound(layer: dict[str, torch.Tensor], e: int, x64: torch.Tensor) -> torch.Tensor:
-    """First-order bound (module docstring) of the native pool's expert e on x [T, H]."""
-    gate, up, down = (w.double() for w in dequantize_expert(layer, e))
-    ga, ua, da = gate.abs(), up.abs(), down.abs()
-    g, u = x64 @ gate.T, x64 @ up.T
-    amax_x = x64.abs().amax(-1, keepdim=True)
-    dg = ga.sum(-1) * amax_x * 2.0**-22 + U * g.abs() + U * (x64.abs() @ ga.T)
-    du = ua.sum(-1) * amax_x * 2.0**-22 + U * u.abs() + U * (x64.abs() @ ua.T)
-    act = F.silu(g) * u
-    dact = 1.1 * dg * u.abs() + F.silu(g).abs() * du + dg * du + 2.0**-21 * act.abs()
-    amax_a = (act.abs() + dact).amax(-1, keepdim=True)
-    y = act @ down.T
-    return dact @ da.T + da.sum(-1) * amax_a * 2.0**-22 + U * (y.abs() + act.abs() @ da.T)
-
-
-def routed_ref_and_bound(
-    layer: dict[str, torch.Tensor],
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    w: torch.Tensor,
-    subpools: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ_k w_k · expert_forward(e_k, x) in float64 (weights cast to x's dtype) and its bound."""
-    x64 = x.double()
-    w64 = w.to(x.dtype).double()
-    ref = torch.zeros_like(x64)
-    bound = torch.zeros_like(x64)
-    mag = torch.zeros_like(x64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            y = expert_forward(layer, e, x64[t : t + 1])
-            ref[t] += w64[t, j] * y[0]
-            mag[t] += (w64[t, j] * y[0]).abs()
-            bound[t] += w64[t, j].abs() * expert_bound(layer, e, x64[t : t + 1])[0]
-    bound += (ids.shape[1] * subpools + 1) * U * mag
-    if x.dtype != torch.float32:
-        bound += 2.0**-8 * ref.abs()
-    return ref, bound
-
-
-def routing(num_tokens: int, num_experts: int, k: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(num_tokens)])
-    w = torch.rand(num_tokens, k, generator=g) + 0.1
-    return ids, w
-
-
-def assert_within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None:
-    err = (got.double() - ref).abs()
-    worst = (err / (2 * bound)).max().item()
-    assert worst <= 1.0, f"error {err.max().item():.3e} exceeds 2x bound (ratio {worst:.3f})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -383,7 +309,7 @@ def test_kernel_isas_exact_and_identical(native_or_skip, monkeypatch, n, k, t):
     packed, scale, x = _data(n, k, t, seed=n * k + t)
     ref = gemv_ref(packed, scale, x)
     outs = {}
-    for isa in ("generic", "avx2", "avx512_vnni"):
+    for isa in G.isa_names():
         monkeypatch.setenv("HETQUANT_INT4_ISA", isa)
         y = G.int4_gemv(packed, scale, x, backend="native", threads=2)
         assert y.dtype == torch.float32 and y.shape == (t, n)

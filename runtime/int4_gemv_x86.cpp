@@ -1,0 +1,397 @@
+// hetquant int4 GEMV, part 2 of 4: the x86-64 paths (AVX2, AVX-512 VNNI), per-channel and
+// grouped. Each function carries its own target attribute; int4_gemv.cpp picks one at run time
+// with __builtin_cpu_supports. All paths compute the same integers and the same float epilogue
+// as the generic ones in int4_gemv_base.cpp, so their results are bit-identical.
+namespace {
+
+#ifdef HQ_X86
+// ---------------------------------------------------------------- AVX2: vpmaddubsw + vpmaddwd
+#if defined(HQ_SIMDE)
+#define HQ_AVX2
+#else
+#define HQ_AVX2 __attribute__((target("avx2,fma")))
+#endif
+template <int R, int TT, int L>
+HQ_AVX2 static inline void tile_avx2(const Job& j, int64_t n, int64_t t0) {
+  const __m256i m15 = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[R][TT][L];
+#pragma GCC unroll 64
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 64
+      for (int l = 0; l < L; ++l) acc[r][t][l] = _mm256_setzero_si256();
+  for (int64_t i = 0; i < j.kb; i += 32) {
+    const int64_t left = j.kb - i;
+    __m256i lo[R], hi[R];
+#pragma GCC unroll 64
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = j.w + (n + r) * j.rs + i;
+      _mm_prefetch((const char*)(p + R * j.pf * j.rs), _MM_HINT_T1);
+      __m256i v;
+      if (left >= 32) {
+        v = _mm256_loadu_si256((const __m256i*)p);
+      } else {
+        alignas(32) uint8_t tmp[32] = {0};
+        memcpy(tmp, p, (size_t)left);
+        v = _mm256_load_si256((const __m256i*)tmp);
+      }
+      lo[r] = _mm256_and_si256(v, m15);
+      hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+    }
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 64
+      for (int l = 0; l < L; ++l) {
+        const __m256i de = _mm256_loadu_si256((const __m256i*)(digits(j, t0 + t, l, 0) + i));
+        const __m256i dd = _mm256_loadu_si256((const __m256i*)(digits(j, t0 + t, l, 1) + i));
+#pragma GCC unroll 64
+        for (int r = 0; r < R; ++r) {
+          // |c·d| ≤ 15·128: pair sums ≤ 3840, lo + hi ≤ 7680: no int16 saturation
+          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], de),
+                                               _mm256_maddubs_epi16(hi[r], dd));
+          acc[r][t][l] = _mm256_add_epi32(acc[r][t][l], _mm256_madd_epi16(p16, ones));
+        }
+      }
+  }
+#pragma GCC unroll 64
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t) {
+      int64_t a = 0;
+      for (int l = L - 1; l >= 0; --l) {
+        __m128i q = _mm_add_epi32(_mm256_castsi256_si128(acc[r][t][l]),
+                                  _mm256_extracti128_si256(acc[r][t][l], 1));
+        q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0x4E));
+        q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1));
+        a = a * 256 + _mm_cvtsi128_si32(q);
+      }
+      finish(j, t0 + t, n + r, a);
+    }
+}
+
+template <int L>
+HQ_AVX2 static void run_avx2_l(const Job& j) {
+  int64_t n = j.n0;
+  if (j.T == 1) {
+    for (; n + 2 <= j.n1; n += 2) tile_avx2<2, 1, L>(j, n, 0);
+  }
+  for (; n < j.n1; ++n) {
+    int64_t t = 0;
+    for (; t + 2 <= j.T; t += 2) tile_avx2<1, 2, L>(j, n, t);
+    if (t < j.T) tile_avx2<1, 1, L>(j, n, t);
+  }
+}
+
+HQ_AVX2 static void run_avx2(const Job& j) {
+  if (j.L == 2) run_avx2_l<2>(j); else run_avx2_l<3>(j);
+}
+
+// ---------------------------------------------------------------- AVX-512 VNNI: vpdpbusd
+#if defined(HQ_SIMDE)
+#define HQ_VNNI
+#else
+#define HQ_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#endif
+template <int R, int TT, int L>
+HQ_VNNI static inline void tile_vnni(const Job& j, int64_t n, int64_t t0) {
+  const __m512i m15 = _mm512_set1_epi8(15);
+  __m512i acc[R][TT][L];
+#pragma GCC unroll 64
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 64
+      for (int l = 0; l < L; ++l) acc[r][t][l] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < j.kb; i += 64) {
+    const int64_t left = j.kb - i;
+    const __mmask64 mk = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+    __m512i lo[R], hi[R];
+#pragma GCC unroll 64
+    for (int r = 0; r < R; ++r) {
+      // rows R·pf ahead (pf tiles, >= ~12 KB) into L2; into L1 they would evict the digits
+      _mm_prefetch((const char*)(j.w + (n + R * j.pf + r) * j.rs + i), _MM_HINT_T1);
+      const __m512i v = _mm512_maskz_loadu_epi8(mk, j.w + (n + r) * j.rs + i);
+      lo[r] = _mm512_and_si512(v, m15);
+      hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+    }
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 64
+      for (int l = 0; l < L; ++l) {
+        const __m512i de = _mm512_loadu_si512(digits(j, t0 + t, l, 0) + i);
+        const __m512i dd = _mm512_loadu_si512(digits(j, t0 + t, l, 1) + i);
+#pragma GCC unroll 64
+        for (int r = 0; r < R; ++r) {
+          acc[r][t][l] = _mm512_dpbusd_epi32(acc[r][t][l], lo[r], de);
+          acc[r][t][l] = _mm512_dpbusd_epi32(acc[r][t][l], hi[r], dd);
+        }
+      }
+  }
+  if constexpr (R == 4) {
+    // Reduce the four rows of a digit plane together: 4 × 16 lanes → [r0, r1, r2, r3].
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t) {
+      __m256i tot = _mm256_setzero_si256();  // int64 per row: sum over planes of 256^l · plane
+#pragma GCC unroll 8
+      for (int l = 0; l < L; ++l) {
+        const __m512i a0 = acc[0][t][l], a1 = acc[1][t][l], a2 = acc[2][t][l], a3 = acc[3][t][l];
+        const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+        const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+        const __m512i q = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+        const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(q), _mm512_extracti64x4_epi64(q, 1));
+        const __m128i v = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        tot = _mm256_add_epi64(tot, _mm256_slli_epi64(_mm256_cvtepi32_epi64(v), 8 * l));
+      }
+      alignas(32) int64_t out[4];
+      _mm256_store_si256((__m256i*)out, tot);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) finish(j, t0 + t, n + r, out[r]);
+    }
+  } else {
+#pragma GCC unroll 64
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 64
+      for (int t = 0; t < TT; ++t) {
+        int64_t a = 0;
+        for (int l = L - 1; l >= 0; --l) a = a * 256 + _mm512_reduce_add_epi32(acc[r][t][l]);
+        finish(j, t0 + t, n + r, a);
+      }
+  }
+}
+
+template <int L>
+HQ_VNNI static void run_vnni_l(const Job& j) {
+  int64_t n = j.n0;
+  if (j.T == 1) {
+    for (; n + 4 <= j.n1; n += 4) tile_vnni<4, 1, L>(j, n, 0);
+  } else if (j.T == 2) {
+    for (; n + 2 <= j.n1; n += 2) tile_vnni<2, 2, L>(j, n, 0);
+  }
+  for (; n < j.n1; ++n) {
+    int64_t t = 0;
+    for (; t + 4 <= j.T; t += 4) tile_vnni<1, 4, L>(j, n, t);
+    switch (j.T - t) {
+      case 3: tile_vnni<1, 3, L>(j, n, t); break;
+      case 2: tile_vnni<1, 2, L>(j, n, t); break;
+      case 1: tile_vnni<1, 1, L>(j, n, t); break;
+      default: break;
+    }
+  }
+}
+
+HQ_VNNI static void run_vnni(const Job& j) {
+  if (j.L == 2) run_vnni_l<2>(j); else run_vnni_l<3>(j);
+}
+
+// ---------------------------------------------------------------- grouped, AVX2
+// Superblocks of 128 bytes: 4 chunks of 32 bytes, 8 blocks. Per chunk and token the digit planes
+// are combined by Horner in int32 lanes (exact: every lane and every block sum stays below 2^31):
+// the top plane enters through vpmaddwd by 256, then acc = (acc << 8) + plane — as many vector
+// operations as the per-channel kernel's three accumulations. The 4 chunks are reduced to the 8
+// block sums, put in block order, and s_b * A_b is added to the partials (blocks 0-3 of a
+// superblock to p[0..3], 4-7 to p[4..7]). Tried and slower here (Zen 3, in L3): one row per tile
+// (-10%), reducing each half superblock on its own (-4%).
+
+// Scales of the 8 blocks of a superblock (8 / gm bf16 values at s) as doubles: blocks 0-3, 4-7.
+HQ_AVX2 static inline void scales_avx2(const uint16_t* s, int gm, __m256d* out) {
+  __m256i v;
+  if (gm == 1) {
+    v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)s));
+  } else {
+    const __m128i u = gm == 2 ? _mm_loadl_epi64((const __m128i*)s)
+                              : _mm_cvtsi32_si128((int)(s[0] | (uint32_t)s[1] << 16));
+    const __m256i idx = gm == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
+                                : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    v = _mm256_permutevar8x32_epi32(_mm256_cvtepu16_epi32(u), idx);  // group of each block
+  }
+  const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));  // bf16 -> float
+  out[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+  out[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+}
+
+// Four chunk accumulators (lane 4h+i of chunk c: part of block 2c+h) -> the 8 block sums in order.
+HQ_AVX2 static inline __m256i blocks_avx2(const __m256i* a) {
+  const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[0], a[1]), _mm256_unpackhi_epi32(a[0], a[1]));
+  const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2], a[3]), _mm256_unpackhi_epi32(a[2], a[3]));
+  const __m256i q = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+  return _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // lane 4h+c -> 2c+h
+}
+
+template <int R, int TT, int L>
+HQ_AVX2 static inline void gtile_avx2(const Job& j, int64_t n, int64_t t0) {
+  constexpr int64_t SB = 128;
+  GTile<R, TT, L, SB> g(j, n, t0);
+  const __m256i m15 = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i c256 = _mm256_set1_epi16(256);
+  const int64_t ahead = R * j.pf * j.rs;
+  __m256d P[R][TT][2];  // partials 0-3 and 4-7
+#pragma GCC unroll 64
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t) P[r][t][0] = P[r][t][1] = _mm256_setzero_pd();
+  for (int64_t sb = 0; sb < j.kb; sb += SB) {
+    const uint8_t* w[R];
+    const uint16_t* s[R];
+    g.at(j, sb, w, s);
+    __m256i acc[R][TT][4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const int64_t i = 32 * c;
+      __m256i lo[R], hi[R];
+#pragma GCC unroll 64
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch((const char*)(g.w[r] + sb + i + ahead), _MM_HINT_T1);
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w[r] + i));
+        lo[r] = _mm256_and_si256(v, m15);
+        hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+      }
+#pragma GCC unroll 64
+      for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 8
+        for (int l = L - 1; l >= 0; --l) {
+          const __m256i de = _mm256_loadu_si256((const __m256i*)(g.d[t][l][0] + sb + i));
+          const __m256i dd = _mm256_loadu_si256((const __m256i*)(g.d[t][l][1] + sb + i));
+#pragma GCC unroll 64
+          for (int r = 0; r < R; ++r) {
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], de),
+                                                 _mm256_maddubs_epi16(hi[r], dd));
+            if (l == L - 1)
+              acc[r][t][c] = _mm256_madd_epi16(p16, c256);
+            else if (l == L - 2)
+              acc[r][t][c] = _mm256_add_epi32(acc[r][t][c], _mm256_madd_epi16(p16, ones));
+            else
+              acc[r][t][c] = _mm256_add_epi32(_mm256_slli_epi32(acc[r][t][c], 8),
+                                              _mm256_madd_epi16(p16, ones));
+          }
+        }
+    }
+#pragma GCC unroll 64
+    for (int r = 0; r < R; ++r) {
+      __m256d sc[2];
+      scales_avx2(s[r], j.gm, sc);
+#pragma GCC unroll 64
+      for (int t = 0; t < TT; ++t) {
+        const __m256i sx8 = _mm256_loadu_si256((const __m256i*)(g.sx8[t] + sb / BLK));
+        const __m256i a = _mm256_sub_epi32(blocks_avx2(acc[r][t]), sx8);
+        P[r][t][0] = _mm256_fmadd_pd(sc[0], _mm256_cvtepi32_pd(_mm256_castsi256_si128(a)), P[r][t][0]);
+        P[r][t][1] = _mm256_fmadd_pd(sc[1], _mm256_cvtepi32_pd(_mm256_extracti128_si256(a, 1)), P[r][t][1]);
+      }
+    }
+  }
+#pragma GCC unroll 64
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t) {
+      alignas(32) double p[NPART];
+      _mm256_store_pd(p, P[r][t][0]);
+      _mm256_store_pd(p + 4, P[r][t][1]);
+      finish_g(j, t0 + t, n + r, p);
+    }
+}
+
+struct GroupedAvx2 {
+  template <int R, int TT, int L>
+  HQ_AVX2 static void tile(const Job& j, int64_t n, int64_t t0) { gtile_avx2<R, TT, L>(j, n, t0); }
+};
+
+// ---------------------------------------------------------------- grouped, AVX-512 VNNI
+// Superblocks of 256 bytes: 4 chunks of 64 bytes, 16 blocks; Horner per chunk as in AVX2, the
+// 4 x 16 lanes reduced to 16 block sums (lane 4j+c holds block 4c+j), put in block order, and
+// s_b * A_b added to the 8 partials: blocks 0-7 of a superblock, then 8-15.
+
+// Scales of the 16 blocks of a superblock (16 / gm bf16 values at s) as doubles.
+HQ_VNNI static inline void scales_vnni(const uint16_t* s, int gm, __m512i gidx, __m512d& lo,
+                                       __m512d& hi) {
+  const __m256i u = gm == 1 ? _mm256_loadu_si256((const __m256i*)s)
+                  : gm == 2 ? _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)s))
+                            : _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i*)s));
+  const __m512i v = _mm512_permutexvar_epi32(gidx, _mm512_cvtepu16_epi32(u));  // group of block
+  const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));             // bf16 -> float
+  lo = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+  hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
+}
+
+HQ_VNNI static inline __m512i blocks_vnni(const __m512i* a) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+  const __m512i q = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_epi32(order, q);  // lane 4j+c -> block 4c+j
+}
+
+template <int R, int TT, int L>
+HQ_VNNI static inline void gtile_vnni(const Job& j, int64_t n, int64_t t0) {
+  constexpr int64_t SB = 256;
+  GTile<R, TT, L, SB> g(j, n, t0);
+  const __m512i m15 = _mm512_set1_epi8(15);
+  const __m512i gidx = _mm512_srlv_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(g.gshift));
+  const int64_t ahead = R * j.pf * j.rs;
+  __m512d P[R][TT];
+#pragma GCC unroll 64
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t) P[r][t] = _mm512_setzero_pd();
+  for (int64_t sb = 0; sb < j.kb; sb += SB) {
+    const uint8_t* w[R];
+    const uint16_t* s[R];
+    g.at(j, sb, w, s);
+    __m512i acc[R][TT][4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo[R], hi[R];
+#pragma GCC unroll 64
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch((const char*)(g.w[r] + sb + 64 * c + ahead), _MM_HINT_T1);
+        const __m512i v = _mm512_loadu_si512(w[r] + 64 * c);
+        lo[r] = _mm512_and_si512(v, m15);
+        hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+      }
+#pragma GCC unroll 64
+      for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 8
+        for (int l = L - 1; l >= 0; --l) {
+          const __m512i de = _mm512_loadu_si512(g.d[t][l][0] + sb + 64 * c);
+          const __m512i dd = _mm512_loadu_si512(g.d[t][l][1] + sb + 64 * c);
+#pragma GCC unroll 64
+          for (int r = 0; r < R; ++r) {
+            __m512i a = l == L - 1 ? _mm512_setzero_si512() : _mm512_slli_epi32(acc[r][t][c], 8);
+            a = _mm512_dpbusd_epi32(a, lo[r], de);
+            acc[r][t][c] = _mm512_dpbusd_epi32(a, hi[r], dd);
+          }
+        }
+    }
+#pragma GCC unroll 64
+    for (int r = 0; r < R; ++r) {
+      __m512d slo, shi;
+      scales_vnni(s[r], j.gm, gidx, slo, shi);
+#pragma GCC unroll 64
+      for (int t = 0; t < TT; ++t) {
+        const __m512i sx8 = _mm512_loadu_si512(g.sx8[t] + sb / BLK);
+        const __m512i a = _mm512_sub_epi32(blocks_vnni(acc[r][t]), sx8);
+        P[r][t] = _mm512_fmadd_pd(slo, _mm512_cvtepi32_pd(_mm512_castsi512_si256(a)), P[r][t]);
+        P[r][t] = _mm512_fmadd_pd(shi, _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(a, 1)), P[r][t]);
+      }
+    }
+  }
+#pragma GCC unroll 64
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 64
+    for (int t = 0; t < TT; ++t) {
+      alignas(64) double p[NPART];
+      _mm512_store_pd(p, P[r][t]);
+      finish_g(j, t0 + t, n + r, p);
+    }
+}
+
+struct GroupedVnni {
+  template <int R, int TT, int L>
+  HQ_VNNI static void tile(const Job& j, int64_t n, int64_t t0) { gtile_vnni<R, TT, L>(j, n, t0); }
+};
+#endif  // HQ_X86
+
+}  // namespace
