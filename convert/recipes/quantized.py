@@ -12,7 +12,7 @@ out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 
 | recipe | attention | absorbed | dense, shared | routed | router, embeddings, norms, MTP extras |
 |---|---|---|---|---|---|
-| ascend-hybrid | w8a8_dynamic | KEEP | w8a8_dynamic | int4_cpu_experts in ``cpu_experts/`` | KEEP |
+| ascend-hybrid | w8a8_dynamic | KEEP | w8a8_dynamic | int4_cpu* in ``cpu_experts/`` | KEEP |
 | ascend-w8a8 | w8a8_dynamic | KEEP | w8a8_dynamic | w8a8_dynamic | KEEP |
 | awq-w4a16 | awq_w4a16 | awq_w4a16 | awq_w4a16 | awq_w4a16 | KEEP |
 | fp4 | KEEP | KEEP | nvfp4_ascend / nvfp4 | nvfp4_ascend / nvfp4 | KEEP |
@@ -27,8 +27,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError
+from hetquant.formats.expert_repack import EXPERT_REPACKS, repack_target
 from hetquant.formats.families import TensorRole
 from hetquant.formats.families.roles import MTP
 
@@ -72,15 +74,27 @@ class RuleRecipe(Recipe):
         fmt = self.rules[role_class(role)]
         if fmt == KEEP:
             return keep(source_fmt)
-        target = self._target(fmt, role)
+        target = self._target(fmt, role, source_fmt)
         self._check_requantize(role, source_fmt, target)
         return target
+
+    def refine(self, target: Target, source_params: tuple[tuple[str, Any], ...]) -> Target:
+        """A lossless repack target takes the source variant's parameters it shares (the
+        compressed-tensors group size becomes the CPU group format's)."""
+        fmt = EXPERT_FORMATS.get(target.fmt)
+        if fmt is None or not source_params or target.params:
+            return target
+        names = {f.name for f in dataclasses.fields(fmt)}  # type: ignore[arg-type]
+        params = tuple((k, v) for k, v in source_params if k in names)
+        return dataclasses.replace(target, params=params) if params else target
 
     def _check_requantize(self, role: TensorRole, source_fmt: str, target: Target) -> None:
         """A low-bit source (INT4 codes and scales, e.g. Kimi K2 Thinking's QAT experts) written
         in another low-bit format is rounded a second time onto a grid it was not trained for:
         refused unless ``requantize`` was asked for."""
         if source_fmt == target.fmt or self.option("requantize"):
+            return
+        if (source_fmt, target.fmt) in EXPERT_REPACKS:  # codes and scales kept: no rounding
             return
         src, dst = density(source_fmt), density(target.fmt, target.params)
         if src is None or dst is None or src >= LOW_BITS or dst >= LOW_BITS:
@@ -93,8 +107,9 @@ class RuleRecipe(Recipe):
             "or a recipe that keeps it (bf16 dequantizes it exactly)"
         )
 
-    def _target(self, fmt: str, role: TensorRole) -> Target:
-        if fmt == "int4_cpu_experts":
+    def _target(self, fmt: str, role: TensorRole, source_fmt: str) -> Target:
+        if fmt == "int4_cpu*":  # the source's lossless CPU repack if it has one, else per-channel
+            fmt = repack_target(source_fmt) or "int4_cpu_experts"
             file = f"{CPU_EXPERTS}/layer_{role.layer:03d}.safetensors"
             return Target(fmt, CPU_EXPERTS, file=file)
         if fmt == "awq_w4a16":
@@ -123,13 +138,13 @@ _KEEPS = {"kept": KEEP, "router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_ex
 register_recipe(
     RuleRecipe(
         "ascend-hybrid",
-        "2×910B4 + Kunpeng: NPU W8A8_DYNAMIC (MLA, dense, shared) + routed experts in CPU INT4 per-channel",
+        "2×910B4 + Kunpeng: NPU W8A8_DYNAMIC (MLA, dense, shared) + routed experts in CPU INT4 per-channel (group-wise, repacked losslessly, from an INT4 group-quantized source)",
         rules={
             "attention": "w8a8_dynamic",
             "absorbed": KEEP,
             "dense": "w8a8_dynamic",
             "shared": "w8a8_dynamic",
-            "routed": "int4_cpu_experts",
+            "routed": "int4_cpu*",
             **_KEEPS,
         },
         choices=_MTP,

@@ -55,9 +55,10 @@ def test_links_inside_travel_links_outside_do_not(tmp_path: Path) -> None:
     os.symlink(src / "missing", src / "broken.json")
     got = aux_files(src)
     assert got.names == ["chat_template.jinja", "real.jinja"]
-    assert list(got.skipped) == ["tokenizer.json"] and "outside the source" in got.skipped[
-        "tokenizer.json"
-    ]
+    assert (
+        list(got.skipped) == ["tokenizer.json"]
+        and "outside the source" in got.skipped["tokenizer.json"]
+    )
 
 
 def test_hugging_face_cache_snapshot_links_into_blobs(tmp_path: Path) -> None:

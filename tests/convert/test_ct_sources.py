@@ -4,6 +4,7 @@ written), and a 4-bit source is not re-quantized into another 4-bit format unles
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 import torch
 from support import INDEX, make_kimi_k2, read_json, resave_shard, shard_of, st_bytes, write_json
 
+from hetquant.convert.plan import SourceItem, make_plan
+from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import get_format
 
@@ -145,3 +148,22 @@ def test_bf16_from_thinking_is_exact(cli, thinking: Path, tmp_path: Path) -> Non
     name = f"{EXPERT}.weight"
     got = st_bytes(out / read_json(out / INDEX)["weight_map"][name], name)
     assert got == want.view(torch.int16).numpy().tobytes()
+
+
+def test_hybrid_repack_takes_the_source_group(thinking: Path) -> None:
+    """The CPU group format's group is the source variant's (plan only: 32 here, 64 supposed)."""
+    src = SourceCheckpoint.open(thinking)
+    items = [SourceItem(t.name, t.role, t.dtype, t.fmt_name, t.fmt_params)
+             for t in src.tensors.values()]  # fmt: skip
+    cfg = src.config
+    for group in (32, 64):
+        given = [dataclasses.replace(i, params=(("group_size", group),)) if i.params else i
+                 for i in items]  # fmt: skip
+        plan = make_plan(given, get_recipe("ascend-hybrid"), 1 << 40)
+        scale = plan.file_of()["model.layers.1.mlp.experts.gate_up_scale"]
+        meta = {t.name: t.meta for t in scale.tensors}["model.layers.1.mlp.experts.gate_up_scale"]
+        want = (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size // group)
+        assert (meta.dtype, meta.shape) == ("BF16", want)
+        assert {j.target.fmt for j in plan.jobs if j.kind == "experts"} == {
+            "int4_cpu_group_experts"
+        }
