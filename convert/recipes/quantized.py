@@ -101,8 +101,8 @@ class RuleRecipe(Recipe):
             return
         where = f"layer {role.layer}" + ("" if role.expert is None else f" expert {role.expert}")
         raise HetquantError(
-            f"{role.role.name} ({where}): the source stores it as {source_fmt} "
-            f"({src:.2f} bits/weight); recipe {self.name} would re-quantize it to {target.fmt} "
+            f"{role.role.name} ({where}): the source stores it in {source_fmt}, a low-bit "
+            f"format; recipe {self.name} would re-quantize it to {target.fmt} "
             f"({dst:.2f} bits/weight), losing accuracy twice. Use --requantize to accept that, "
             "or a recipe that keeps it (bf16 dequantizes it exactly)"
         )
