@@ -25,7 +25,7 @@ from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_s
 from hetquant.convert.engine import convert
 from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
-from hetquant.runtime.run import local_model
+from hetquant.runtime.serving.run import local_model
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "examples" / "tiny-deepseek-v3-trained"

@@ -355,7 +355,7 @@ def _scope(name: str) -> str:
 def tp_bytes(root: Path, w: Worker, tp: int = TP) -> dict[str, Any]:
     """Per rank: bytes_read (measured) against sharded / tp + replicated, whole and per scope."""
     from hetquant.runtime import ParallelLayout, open_artifact
-    from hetquant.runtime.layout import split_of
+    from hetquant.runtime.parallel.layout import split_of
 
     art = open_artifact(root)
     whole = art.plan(ParallelLayout())

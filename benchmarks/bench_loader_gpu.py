@@ -10,7 +10,7 @@ For each ``--artifact DIR`` (standalone: needs torch and the ``hetquant`` packag
     timed from ``open_artifact`` to its return (``load`` synchronizes the device). The first load
     of the process is reported apart (``first_load_*``: CUDA caching allocator growth, pinned
     staging buffers); ``load_gbps`` is the median of ``--repeats`` loads after it, with up to 16
-    reader threads (``lanes``, runtime/_staging.py); ``load_1lane_gbps`` the same with one.
+    reader threads (``lanes``, runtime/loading/_staging.py); ``load_1lane_gbps`` the same with one.
     GB/s counts ``last_load.bytes_read`` (tensor bytes). The last GPU load is checked byte for
     byte against a CPU load of the same artifact.
 (c) For context, the same load to CPU (warm page cache) and a raw read of every file of the
@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE))
 
 from _measure import cached_fraction, read_files, warm_page_cache  # noqa: E402
 
-from hetquant.runtime import _staging  # noqa: E402
+from hetquant.runtime.loading import _staging  # noqa: E402
 
 GiB = 1 << 30
 RAW_BLOCK = 16 << 20

@@ -3,8 +3,8 @@
 Calibration and evaluation both run the model as ``N`` independent sequences of ``T`` tokens
 (positions 0..T-1 each, causal), layer by layer: only the current layer's tensors are held, as
 ``DenseWeights``-style state on the compute device, plus the hidden states [N, T, D]. The layer
-is composed from the runtime's own building blocks (``runtime/model.py``
-``DeepseekV3Reference.attention``, ``rms_norm``; ``runtime/moe.py`` ``route``, ``gated_mlp``),
+is composed from the runtime's own building blocks (``runtime/forward/model.py``
+``DeepseekV3Reference.attention``, ``rms_norm``; ``runtime/forward/moe.py`` ``route``, ``gated_mlp``),
 in the order of ``DeepseekV3Reference.decoder_layer``, with two changes that make it run on any
 device and deterministically:
 
@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
 from hetquant.formats.families import ModelFamily
-from hetquant.runtime.model import DeepseekV3Reference, rms_norm
-from hetquant.runtime.moe import gated_mlp, route
-from hetquant.runtime.rope import cos_sin
+from hetquant.runtime.forward.model import DeepseekV3Reference, rms_norm
+from hetquant.runtime.forward.moe import gated_mlp, route
+from hetquant.runtime.forward.rope import cos_sin
 
 __all__ = [
     "Capture",

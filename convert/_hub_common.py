@@ -10,10 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "hub_endpoint", "hub_offline", "redact"]
-
-INDEX_NAME = "model.safetensors.index.json"  # same names as convert/source.py
-SINGLE_NAME = "model.safetensors"
+__all__ = ["hub_endpoint", "hub_offline", "redact"]
 
 
 def hub_endpoint() -> str | None:

@@ -167,14 +167,18 @@ def convert(
     repo_id = parse_repo_spec(source)[0] if revision is not None else None
     src = SourceCheckpoint.open(root, revision, repo_id)
     size = parse_size(max_shard_size)
+    if calib_data is not None and not rec.calibrates:
+        raise HetquantError(f"recipe {rec.name} does not calibrate; drop --calib-data")
+    if dry_run:  # the plan from the headers alone: nothing calibrated, nothing written
+        plan = plan_for(src, rec, size)
+        _print_plan(plan, src, workers)
+        if calib_data is not None:
+            click.echo(f"calibration: AWQ on {calib_samples} x {calib_seq_len} tokens of {calib_data}, before the jobs")  # fmt: skip
+        click.echo(format_precision(precision_table(plan)))
+        return
     calibration = (
         _calibrate(src, rec, calib_data, calib_samples, calib_seq_len) if calib_data else None
     )
-    if dry_run:
-        plan = plan_for(src, rec, size)
-        _print_plan(plan, src, workers)
-        click.echo(format_precision(precision_table(plan)))
-        return
     progress = Progress(src.total_bytes)
     try:
         result = run_convert(
@@ -258,8 +262,6 @@ def verify(artifact: Path) -> None:
 
 def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
     """AWQ calibration of ``src`` on ``text`` (streaming, one layer at a time)."""
-    if not rec.calibrates:
-        raise HetquantError(f"recipe {rec.name} does not calibrate; drop --calib-data")
     from hetquant.calib.calibrate import AwqOptions, calibrate
     from hetquant.calib.data import load_tokenizer, token_blocks
 

@@ -23,19 +23,19 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError
+from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME, PARTIAL_DIR
 
 from .jobs import JobRunner
-from .manifest import MANIFEST_NAME, build_manifest, file_digest, write_json_atomic
+from .manifest import build_manifest, file_digest, write_json_atomic
 from .plan import Job, Plan, SourceItem, make_plan
 from .recipes import ROOT, Recipe
 from .recipes.metadata import artifact_metadata
-from .source import INDEX_NAME, SourceCheckpoint
+from .source import SourceCheckpoint
 
-__all__ = ["AUX_PATTERNS", "PARTIAL_DIR", "ConvertResult", "convert", "plan_for"]
+__all__ = ["AUX_PATTERNS", "ConvertResult", "convert", "plan_for"]
 
 log = logging.getLogger("hetquant.convert")
 
-PARTIAL_DIR = ".hetquant-partial"
 CALIBRATION_DIR = "calibration"
 JOURNAL = "journal"
 AUX_PATTERNS = (
@@ -168,20 +168,10 @@ def _open_work_files(plan: Plan, work: Path) -> set[int]:
         final = work.parent / f.name
         if final.exists() and not path.exists():
             continue  # renamed during an interrupted finalization
-        if not _header_matches(path, f.header, f.size):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "wb") as fh:
-                fh.write(f.header)
-                fh.truncate(f.size)
+        if not f.intact(path):
+            f.create(path)
             done -= {j.id for j in plan.jobs if any(file_of[o.tensor] is f for o in j.outputs)}
     return done
-
-
-def _header_matches(path: Path, header: bytes, size: int) -> bool:
-    if not path.exists() or path.stat().st_size != size:
-        return False
-    with open(path, "rb") as fh:
-        return fh.read(len(header)) == header
 
 
 # execution ---------------------------------------------------------------------------------------

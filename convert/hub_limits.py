@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from ._hub_common import INDEX_NAME, SINGLE_NAME
+from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
 
 __all__ = [
     "FOLDER_ENTRIES_MAX",

@@ -19,8 +19,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hetquant.formats import HetquantError
+from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
 
-from ._hub_common import INDEX_NAME, SINGLE_NAME, _first_line, hub_endpoint, hub_offline
+from ._hub_common import _first_line, hub_endpoint, hub_offline
 
 __all__ = ["SOURCE_META_PATTERNS", "parse_repo_spec", "resolve_source"]
 

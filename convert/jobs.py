@@ -11,8 +11,7 @@ the (4- or 8-bit) output however large the weight.
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,8 @@ from hetquant.formats import HetquantError, get_expert_format, get_format
 from hetquant.formats.base import check_finite
 from hetquant.formats.dtypes import st_dtype, torch_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
-from hetquant.formats.safetensors_io import write_at
 
+from .containers import PieceWriter
 from .plan import Job, OutPiece, Plan
 from .recipes import COPY
 from .source import SourceCheckpoint
@@ -41,13 +40,9 @@ class JobRunner:
     plan: Plan
     work_dir: Path
     calibration: Any = None  # calib.CalibrationResult: AWQ transforms applied before quantizing
-    _fds: dict[str, int] = field(default_factory=dict)
-    _where: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for f in self.plan.files:
-            for name, off in f.offsets().items():
-                self._where[name] = (f.name, off)
+        self._out = PieceWriter(self.plan.files, self.work_dir)
         self._handlers = {COPY: self._copy, "linear": self._linear, "experts": self._experts}
 
     def run(self, job: Job) -> int:
@@ -61,9 +56,7 @@ class JobRunner:
         return sum(self.source.tensors[name].nbytes for name in job.sources)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._out.close()
 
     def _copy(self, job: Job) -> None:
         data = self.source.weight(job.source)
@@ -166,11 +159,7 @@ class JobRunner:
 
     def _write(self, piece: OutPiece, data: torch.Tensor, rel: int = 0) -> None:
         """Write ``data`` into ``piece`` at ``rel`` bytes past the piece's start."""
-        file, off = self._where[piece.tensor]
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(self.work_dir / file, os.O_WRONLY)
-        write_at(fd, off + piece.offset + rel, data)
+        self._out.write(piece.tensor, piece.offset + rel, data)
 
 
 def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:

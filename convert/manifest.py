@@ -19,6 +19,7 @@ from typing import Any
 
 from hetquant.formats import get_format
 from hetquant.formats.base import identify
+from hetquant.formats.filenames import MANIFEST_NAME
 
 from .plan import Plan
 from .recipes import COPY, ROOT
@@ -33,7 +34,6 @@ __all__ = [
     "write_json_atomic",
 ]
 
-MANIFEST_NAME = "hetquant.json"
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # what verify and the loader accept
 _READ = 8 << 20

@@ -4,9 +4,10 @@
 headers, or replayed from a manifest), asks the recipe where each goes and the format what it
 stores, and lays the root part out in shards of at most ``max_shard_size`` bytes (a tensor larger
 than that gets a shard of its own, as ``transformers`` does). Routed experts sent to an
-expert-layer format are stacked: one file per layer, one job per expert writing its slice of every
-stacked tensor. Each job owns the byte ranges of its outputs (``OutPiece``), so jobs run in any
-order, in any process, and can be redone after a crash with identical results.
+expert-layer format are stacked: one file per layer (in the target's container, see
+``containers``), one job per expert writing its slice of every stacked tensor. Each job owns the
+byte ranges of its outputs (``OutPiece``), so jobs run in any order, in any process, and can be
+redone after a crash with identical results.
 """
 
 from __future__ import annotations
@@ -15,18 +16,17 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta, get_format
 from hetquant.formats.families import TensorRole
-from hetquant.formats.safetensors_io import build_header
 
+from .containers import SAFETENSORS, Container, OutTensor, SafetensorsFile, make_container
 from .recipes import COPY, DROP, ROOT, Recipe, Target
 
 __all__ = [
     "Job",
-    "OutFile",
     "OutPiece",
     "OutTensor",
     "Plan",
@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 WEIGHT_SUFFIX = ".weight"
-HEADER_METADATA = {"format": "pt"}
 EXPERT_PARTS = ("gate", "up", "down")  # a routed expert's gated MLP, as quantize_expert takes it
 
 
@@ -50,12 +49,6 @@ class SourceItem:
     dtype: str
     fmt: str
     params: tuple[tuple[str, Any], ...] = ()  # the source format variant's (group size, ...)
-
-
-@dataclass(frozen=True)
-class OutTensor:
-    name: str
-    meta: TensorMeta
 
 
 @dataclass(frozen=True)
@@ -88,43 +81,14 @@ class Job:
 
 
 @dataclass
-class OutFile:
-    """One output safetensors file: its tensors in data order, header bytes and offsets."""
-
-    name: str  # path relative to OUTPUT
-    part: str
-    tensors: list[OutTensor] = field(default_factory=list)
-
-    @property
-    def header(self) -> bytes:
-        return build_header(((t.name, t.meta) for t in self.tensors), HEADER_METADATA)
-
-    @property
-    def data_size(self) -> int:
-        return sum(t.meta.nbytes for t in self.tensors)
-
-    @property
-    def size(self) -> int:
-        return len(self.header) + self.data_size
-
-    def offsets(self) -> dict[str, int]:
-        """Absolute file offset of every tensor's first byte."""
-        pos, out = len(self.header), {}
-        for t in self.tensors:
-            out[t.name] = pos
-            pos += t.meta.nbytes
-        return out
-
-
-@dataclass
 class Plan:
     recipe: Recipe
     items: list[SourceItem]
     jobs: list[Job]
-    files: list[OutFile]
+    files: list[Container]
     max_shard_size: int
 
-    def file_of(self) -> dict[str, OutFile]:
+    def file_of(self) -> dict[str, Container]:
         """Output tensor name → the file holding it."""
         return {t.name: f for f in self.files for t in f.tensors}
 
@@ -141,7 +105,7 @@ class Plan:
             "fingerprint": fingerprint,
             "recipe": self.recipe.name,
             "options": self.recipe.options,
-            "files": [[f.name, hashlib.sha256(f.header).hexdigest()] for f in self.files],
+            "files": [[f.name, f.layout_digest()] for f in self.files],
             "jobs": [[j.kind, j.sources, j.target.fmt, j.target.params] for j in self.jobs],
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
@@ -168,7 +132,7 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
     """Lay out every output of converting ``items`` with ``recipe`` (shape-only)."""
     items = list(items)
     jobs: list[Job] = []
-    stacked: dict[str, OutFile] = {}
+    stacked: dict[str, Container] = {}
     experts: dict[tuple[str, int, int], dict[str, SourceItem]] = {}
     for item in items:
         target = recipe.refine(recipe.assign(item.role, item.fmt), item.params)
@@ -202,7 +166,7 @@ def _job(idx: int, item: SourceItem, target: Target) -> Job:
 
 def _expert_job(
     idx: int, file: str, layer: int, e: int, n_experts: int, members: dict[str, SourceItem], recipe: Recipe,
-    stacked: dict[str, OutFile],
+    stacked: dict[str, Container],
 ) -> Job:  # fmt: skip
     missing = [r for r in EXPERT_PARTS if r not in members]
     if missing or not file:
@@ -223,7 +187,7 @@ def _expert_job(
         raise HetquantError(f"{down.name}: not a routed expert; only routed experts are stacked")
     out = stacked.get(file)
     if out is None:
-        out = stacked[file] = OutFile(file, target.part)
+        out = stacked[file] = make_container(target.container, file, target.part)
     if not any(t.name.startswith(prefix + ".") for t in out.tensors):
         out.tensors.extend(OutTensor(f"{prefix}.{k}", m) for k, m in layer_metas.items())
     pieces = []
@@ -234,7 +198,7 @@ def _expert_job(
     return Job(idx, "experts", sources, target, tuple(pieces))
 
 
-def _shard_root(jobs: list[Job], max_shard_size: int) -> list[OutFile]:
+def _shard_root(jobs: list[Job], max_shard_size: int) -> list[Container]:
     groups: list[list[Job]] = [[]]
     size = 0
     for job in jobs:
@@ -244,6 +208,11 @@ def _shard_root(jobs: list[Job], max_shard_size: int) -> list[OutFile]:
                     f"recipe sent {job.source} to part {job.target.part}, which only takes stacked experts"
                 )
             continue
+        if job.target.container != SAFETENSORS:
+            raise HetquantError(
+                f"recipe sent {job.source} to the root part in a {job.target.container} container; "
+                "the root part is an HF model directory of safetensors shards"
+            )
         if groups[-1] and size + job.nbytes > max_shard_size:
             groups.append([])
             size = 0
@@ -251,7 +220,7 @@ def _shard_root(jobs: list[Job], max_shard_size: int) -> list[OutFile]:
         size += job.nbytes
     n = len(groups)
     return [
-        OutFile(
+        SafetensorsFile(
             f"model-{i + 1:05d}-of-{n:05d}.safetensors",
             ROOT,
             [OutTensor(o.tensor, o.meta) for j in js for o in j.outputs],

@@ -67,6 +67,11 @@ def available_memory() -> int | None:
     "--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True
 )
 @click.option(
+    "--dist-backend",
+    help="Collectives between ranks: gloo, nccl or hccl [default: the device's own: gloo on cpu, "
+    "nccl on cuda, hccl on npu; gloo serves every device, through host copies].",
+)
+@click.option(
     "--save-logits",
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write float32 logits [T, vocab] (.npy).",
@@ -86,6 +91,7 @@ def run(
     ep: int,
     subpools: int,
     device: str,
+    dist_backend: str | None,
     save_logits: Path | None,
     generate: int,
 ) -> None:
@@ -95,7 +101,7 @@ def run(
     """
     import numpy as np
 
-    from hetquant.runtime.run import RunSpec, run_artifact
+    from hetquant.runtime.serving.run import RunSpec, run_artifact
 
     must_exist(artifact)
     try:
@@ -107,8 +113,9 @@ def run(
     if save_logits is not None:
         writable_output(save_logits, "--save-logits")
     spec = RunSpec(
-        str(artifact), ids, tp=tp, pp=pp, ep=ep, subpools=subpools, device=device, generate=generate
-    )
+        str(artifact), ids, tp=tp, pp=pp, ep=ep, subpools=subpools, device=device,
+        generate=generate, dist_backend=dist_backend,
+    )  # fmt: skip
     logits, generated = run_artifact(spec)
     if save_logits is not None:
         buf = io.BytesIO()
@@ -168,7 +175,7 @@ def eval_(
     from hetquant.calib.data import load_tokenizer, token_blocks
     from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
     from hetquant.formats.families import load_json
-    from hetquant.runtime.run import local_model
+    from hetquant.runtime.serving.run import local_model
 
     from .hub import resolve_source
     from .source import SourceCheckpoint

@@ -14,7 +14,6 @@ from typing import Any
 
 from hetquant.formats import HetquantError
 from hetquant.formats.families import TensorRole, expected_tensors, load_config, load_json
-from hetquant.formats.safetensors_io import read_header
 
 from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, file_digest, module_formats
 from .plan import Plan, SourceItem, make_plan
@@ -123,19 +122,8 @@ def _check_structure(root: Path, manifest: dict[str, Any]) -> list[str]:
     except (HetquantError, KeyError) as e:
         return [f"cannot replay the plan from the manifest: {e}"]
     for f in plan.files:
-        path = root / f.name
-        if not path.is_file():
-            continue  # already reported as missing
-        try:
-            read_header(path)
-        except HetquantError as e:
-            problems.append(str(e))
-            continue
-        with open(path, "rb") as fh:
-            if fh.read(len(f.header)) != f.header:
-                problems.append(
-                    f"{f.name}: header differs from the plan (tensor names, dtypes or shapes)"
-                )
+        if (root / f.name).is_file():  # a missing one is already reported
+            problems += f.check(root / f.name)  # its container's structure (e.g. the header)
     try:  # a corrupt index is a failed check (exit 1), not bad input
         index = load_json(root / INDEX_NAME) if (root / INDEX_NAME).exists() else {}
     except HetquantError as e:

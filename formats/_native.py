@@ -1,7 +1,7 @@
 """Compile a C++ source into a cached shared object on first use and load it with ctypes.
 
 The kernels of hetquant are C++ files shipped as package data beside their Python wrappers
-(``runtime/int4_gemv.cpp``, ``formats/_quant_native.cpp``). :class:`NativeLibrary` builds one
+(``runtime/kernels/int4_gemv.cpp``, ``formats/_quant_native.cpp``). :class:`NativeLibrary` builds one
 with the system C++ compiler (``$CXX``, else ``g++``, ``c++`` or ``clang++``) into
 ``$HETQUANT_CACHE_DIR`` (default ``~/.cache/hetquant``; a directory under the system temp dir
 when that one is not writable):

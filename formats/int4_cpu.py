@@ -380,19 +380,13 @@ class Int4CpuExperts(ExpertLayerFormat):
     ) -> dict[str, torch.Tensor]:
         return quantize_expert(gate, up, down, clip_search=self.clip_search)
 
-    @classmethod
-    def identify(
-        cls, metas: Mapping[str, TensorMeta]
-    ) -> tuple[Int4CpuExperts, tuple[int, int, int]] | None:
-        """(format, (E, H, I)) when ``metas`` are a layer of this layout, else None."""
-        gu, down = metas.get("gate_up_packed"), metas.get("down_packed")
-        if gu is None or down is None or len(gu.shape) != 3 or len(down.shape) != 3:
-            return None
-        dims = (gu.shape[0], 2 * gu.shape[2], 2 * down.shape[2])
-        try:
-            return (cls(), dims) if dict(metas) == layer_stored(*dims) else None
-        except HetquantError:
-            return None
+    def from_stored(
+        self, metas: Mapping[str, TensorMeta]
+    ) -> tuple[Int4CpuExperts, tuple[int, int, int]]:
+        """The variant and (E, H, I) whose ``stored`` would be ``metas`` (a layer's header), read
+        from shapes alone; callers check ``stored(*dims) == metas`` (it may not be this layout)."""
+        gu, down = metas["gate_up_packed"].shape, metas["down_packed"].shape
+        return self, (gu[0], 2 * gu[2], 2 * down[2])
 
     def check_subpools(self, inter: int, num_subpools: int) -> None:
         check_subpools(inter, num_subpools)

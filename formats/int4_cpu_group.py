@@ -12,7 +12,7 @@ Codes and dequantization. Row ``r`` of a weight [out, in], input ``k`` in group 
 
 with codes ``c ∈ 0..15`` (``q = c − 8 ∈ [−8, 7]``; our own quantizer writes 1..15, a
 compressed-tensors source may hold 0) and ``s`` BF16. ``g ∈ GROUP_SIZES`` = 32, 64, 128: whole
-32-element blocks, the unit of the native GEMV's exact integer sums (``runtime/int4_gemv.py``).
+32-element blocks, the unit of the native GEMV's exact integer sums (``runtime/kernels/int4_gemv.py``).
 
 Round-to-nearest (:meth:`Int4CpuGroup.quantize`): ``s = amax(|W[r, group]|) / 7`` rounded *up*
 to BF16 (1 for an all-zero group), ``c = clamp(round_half_even(W / s), −7, 7) + 8``, so
@@ -35,7 +35,7 @@ name                dtype  shape             content
 ==================  =====  ================  ===============================================
 
 Expert ``e`` computes ``y = down · (silu(gate · x) ⊙ (up · x))``. The pool tells the two layer
-formats apart by ``gate_up_scale`` (F32 [E, 2I] or BF16 [E, 2I, H/g]): :meth:`identify`.
+formats apart by ``gate_up_scale`` (F32 [E, 2I] or BF16 [E, 2I, H/g]): ``from_stored``.
 
 From compressed-tensors pack-quantized (``formats/ct_pack_quantized.py``; symmetric, no zero
 point, no act-order, BF16 scales): its ``weight_packed`` I32 [out, in/8] holds input ``8c + i`` at
@@ -141,7 +141,8 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Int4CpuGroup(WeightFormat):
-    """Symmetric INT4 with one BF16 scale per row and group (see module docstring)."""
+    """Symmetric INT4 with one BF16 scale per row and group (see module docstring); not
+    registered as a linear format yet (see the end of this module)."""
 
     name: ClassVar[str] = "int4_cpu_group"
     keys: ClassVar[frozenset[str]] = frozenset({"weight_packed", "weight_scale"})
@@ -154,11 +155,10 @@ class Int4CpuGroup(WeightFormat):
             )
 
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Int4CpuGroup, tuple[int, int]]:
+        """The variant (group size) and weight shape whose ``stored`` would be ``metas``."""
         n, half = metas["weight_packed"].shape  # two codes per byte
-        groups = metas["weight_scale"].shape[-1] if metas["weight_scale"].shape else 0
-        group = 2 * half // groups if groups else self.group_size
-        variant = self if group not in GROUP_SIZES else dataclasses.replace(self, group_size=group)
-        return variant, (n, 2 * half)
+        group = 2 * half // metas["weight_scale"].shape[1]
+        return dataclasses.replace(self, group_size=group), (n, 2 * half)
 
     def streaming(self, shape: tuple[int, int]) -> Streaming:
         return Streaming(self, dict.fromkeys(self.stored(shape), 0))
@@ -305,6 +305,12 @@ class Int4CpuGroupExperts(ExpertLayerFormat):
     name: ClassVar[str] = "int4_cpu_group_experts"
     group_size: int = 32
 
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise HetquantError(
+                f"int4_cpu_group_experts: group_size {self.group_size} not in {list(GROUP_SIZES)}"
+            )
+
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
         return layer_stored(num_experts, hidden, inter, self.group_size)
 
@@ -329,22 +335,14 @@ class Int4CpuGroupExperts(ExpertLayerFormat):
             "down_scale": d_scale,
         }
 
-    @classmethod
-    def identify(
-        cls, metas: Mapping[str, TensorMeta]
-    ) -> tuple[Int4CpuGroupExperts, tuple[int, int, int]] | None:
-        """(format, (E, H, I)) when ``metas`` are a layer of this layout, else None."""
-        gus = metas.get("gate_up_scale")
-        gu, down = metas.get("gate_up_packed"), metas.get("down_packed")
-        if gus is None or gu is None or down is None or gus.dtype != "BF16" or len(gus.shape) != 3:
-            return None
-        if len(gu.shape) != 3 or len(down.shape) != 3 or not gus.shape[2]:
-            return None
-        dims = (gu.shape[0], 2 * gu.shape[2], 2 * down.shape[2])
-        group = dims[1] // gus.shape[2]
-        if group not in GROUP_SIZES or dict(metas) != layer_stored(*dims, group):
-            return None
-        return cls(group_size=group), dims
+    def from_stored(
+        self, metas: Mapping[str, TensorMeta]
+    ) -> tuple[Int4CpuGroupExperts, tuple[int, int, int]]:
+        """The variant (group size) and (E, H, I) whose ``stored`` would be ``metas``, read from
+        shapes alone; callers check ``stored(*dims) == metas`` (it may not be this layout)."""
+        gu, gus, down = (metas[k].shape for k in ("gate_up_packed", "gate_up_scale", "down_packed"))
+        dims = (gu[0], 2 * gu[2], 2 * down[2])
+        return dataclasses.replace(self, group_size=dims[1] // gus[2]), dims
 
     def check_subpools(self, inter: int, num_subpools: int) -> None:
         """Raise unless ``num_subpools`` slices of ``inter`` fall on whole groups."""
@@ -377,5 +375,5 @@ class Int4CpuGroupExperts(ExpertLayerFormat):
         }
 
 
-register(Int4CpuGroup())
+register(Int4CpuGroup())  # served by runtime/kernels/ops.py (tinygemm on cpu/cuda; npu refuses)
 register_expert_format(Int4CpuGroupExperts())

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .layout import ParallelLayout
+from .parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
-    from .loader import Artifact, open_artifact
+    from .loading.loader import Artifact, open_artifact
 
 __all__ = ["Artifact", "ParallelLayout", "open_artifact"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("Artifact", "open_artifact"):
-        from . import loader
+        from .loading import loader
 
         return getattr(loader, name)
     raise AttributeError(f"module 'hetquant.runtime' has no attribute {name!r}")

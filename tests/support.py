@@ -5,8 +5,9 @@
   root logger set up exactly as the real command sets it up (so log lines land on stderr as they
   would in a terminal).
 - ``hetquant_proc``: starts ``hetquant.convert.cli:main`` (what the ``hetquant`` script runs) in a
-  subprocess, for SIGKILL and for one end-to-end check of stderr; ``slow_jobs`` wraps
-  ``JobRunner.run`` with a sleep inside that child only, so the tiny model can be killed mid-run.
+  subprocess, for signals and for end-to-end checks of stderr; ``slow_jobs`` wraps
+  ``JobRunner.run`` with a sleep inside that child and its workers only (``tests/slow_jobs``), so
+  the tiny model can be killed mid-run.
 - ``tiny_ro``: one session-wide copy of the example, the source of ``tiny_artifact`` /
   ``tiny_artifact_1mb`` (the bf16 artifact, default and 1 MB shards, converted once per session)
   and of every run compared with them. All three are read-only: copy before corrupting.
@@ -24,6 +25,7 @@ import logging
 import os
 import runpy
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -215,39 +217,30 @@ def cli() -> Callable[..., CliResult]:
 
 
 HETQUANT_MAIN = "import sys; from hetquant.convert.cli import main; sys.exit(main())"
-
-# The tiny model converts in about a second; to SIGKILL it mid-run the child wraps
-# JobRunner.run with a sleep on both sides of the real work (so the kill may land after a job's
-# bytes are written but before the journal records it). Test code only: the source is unchanged.
-SLOW_JOBS_MAIN = """
-import os, sys, time
-from hetquant.convert import jobs
-_run, _delay = jobs.JobRunner.run, float(os.environ["HETQUANT_TEST_SLOW_JOBS"])
-def run(self, job):
-    time.sleep(_delay / 2)
-    n = _run(self, job)
-    time.sleep(_delay / 2)
-    return n
-jobs.JobRunner.run = run
-from hetquant.convert.cli import main
-sys.exit(main())
-"""
+# The tiny model converts in about a second; to kill it mid-run, ``slow_jobs`` puts
+# tests/slow_jobs/sitecustomize.py on the child's PYTHONPATH: it slows every JobRunner.run in the
+# child and in the worker processes the child spawns. Test code only: the source is unchanged.
+SLOW_JOBS_DIR = REPO / "tests" / "slow_jobs"
 
 
-def start_hetquant(args: Sequence[object], slow_jobs: float | None = None) -> subprocess.Popen:
-    """Start ``hetquant ARGS`` as a separate process (stdout/stderr piped)."""
+def start_hetquant(
+    args: Sequence[object], slow_jobs: float | None = None, setup: str = ""
+) -> subprocess.Popen:
+    """Start ``hetquant ARGS`` as a separate process (stdout/stderr piped); ``setup``: Python
+    statements the child runs first (e.g. registering a test recipe)."""
     env = dict(os.environ)
-    code = HETQUANT_MAIN
     if slow_jobs is not None:
         env["HETQUANT_TEST_SLOW_JOBS"] = str(slow_jobs)
-        code = SLOW_JOBS_MAIN
+        paths = [str(SLOW_JOBS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
     return subprocess.Popen(
-        [sys.executable, "-c", code, *map(str, args)],
+        [sys.executable, "-c", f"{setup}\n{HETQUANT_MAIN}", *map(str, args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
         cwd=REPO,
+        start_new_session=True,  # its own process group: the fixture can end every process it started
     )
 
 
@@ -255,15 +248,19 @@ def start_hetquant(args: Sequence[object], slow_jobs: float | None = None) -> su
 def hetquant_proc() -> Callable[..., subprocess.Popen]:
     procs: list[subprocess.Popen] = []
 
-    def start(args: Sequence[object], slow_jobs: float | None = None) -> subprocess.Popen:
-        p = start_hetquant(args, slow_jobs)
+    def start(
+        args: Sequence[object], slow_jobs: float | None = None, setup: str = ""
+    ) -> subprocess.Popen:
+        p = start_hetquant(args, slow_jobs, setup)
         procs.append(p)
         return p
 
     yield start
-    for p in procs:  # never leave a child behind, even when the test failed
-        if p.poll() is None:
-            p.kill()
+    for p in procs:  # never leave a process behind (workers included), even when the test failed
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         p.communicate()
 
 

@@ -2,7 +2,7 @@
 or AVX-512 here: this counts work instead).
 
 Method. The kernel's translation unit (``int4_gemv._CPP_SOURCE``) and the test driver
-(``tests/runtime/int4_gemv_driver.cpp``) are built statically with the kernel's own flags
+(``tests/runtime/kernels/int4_gemv_driver.cpp``) are built statically with the kernel's own flags
 (``g++ -O3``; ``aarch64-linux-gnu-g++ -O3``) and run on one case (N rows × K, one token, 22-bit
 activations, one thread) under qemu user mode with ``-d in_asm,exec,nochain``: every executed
 translation block is logged, and the instructions of the blocks whose address lies in the
@@ -13,7 +13,9 @@ a dynamic count, divided by N·K/2 / 64. x86: ``qemu-x86_64 -cpu max`` (AVX2, no
 aarch64: ``qemu-aarch64 -cpu max`` (FEAT_DotProd). The AVX-512 VNNI paths cannot run under
 qemu 7.2, so for them the steady-state loop is counted in the disassembly (``objdump``): the
 loop (backward branch) holding the most ``vpdpbusd``, head to back-edge, plus for the grouped
-kernel nothing else (its per-superblock epilogue is inside that loop).
+kernel nothing else (its per-superblock epilogue is inside that loop). Beside every dynamic count
+is the count of vector operations alone: SIMD instructions that compute (x86: ``v*`` but moves
+and broadcasts; aarch64: instructions on ``v`` registers but loads, stores, moves and dups).
 
 Usage: ``python benchmarks/probes/gemv_insn_count.py`` (needs g++, aarch64-linux-gnu-g++,
 qemu-user, binutils; about a minute) → ``benchmarks/results/gemv_insn_count.json``.
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 
 from hetquant.formats._native import DEFAULT_FLAGS
-from hetquant.runtime import int4_gemv as G
+from hetquant.runtime.kernels import int4_gemv as G
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests" / "runtime" / "int4_gemv_driver.cpp"
@@ -91,8 +93,30 @@ def kernel_ranges(exe: Path, machine: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def dynamic_count(exe: Path, machine: str, grouped: bool, isa: int, tmp: Path) -> int:
-    """Instructions executed in the kernel's compute functions for one case."""
+_MOVES = ("mov", "vmov", "vzero", "vbroadcast", "ld", "st", "dup", "fmov", "umov", "ins", "prfm")
+
+
+def _is_vector_op(line: str, machine: str) -> bool:
+    """A SIMD data-processing instruction (not a load, store or register move). qemu 7.2's
+    disassembler prints aarch64 ``sdot`` / ``udot`` as ``.byte``: they are recognised by their
+    encoding (``insn & 0xbfe0fc00`` = ``0x0e809400`` / ``0x2e809400``)."""
+    tokens = line.split(":", 1)[1].split()  # encoding (hex bytes or word), mnemonic, operands
+    word = tokens[0] if tokens and re.fullmatch(r"[0-9a-f]{8}", tokens[0]) else None
+    while tokens and re.fullmatch(r"[0-9a-f]{2}|[0-9a-f]{8}", tokens[0]):
+        tokens.pop(0)
+    op, asm = (tokens[0], " ".join(tokens)) if tokens else ("", "")
+    if op.startswith(_MOVES):
+        return False
+    if machine == "x86_64":
+        return op.startswith("v") or "%xmm" in asm
+    if op == ".byte" and word is not None:
+        return (int(word, 16) & 0xBFE0FC00) in (0x0E809400, 0x2E809400)
+    return bool(re.search(r"\bv\d+\.", asm))
+
+
+def dynamic_count(exe: Path, machine: str, grouped: bool, isa: int, tmp: Path) -> tuple[int, int]:
+    """(instructions, vector operations) executed in the kernel's compute functions for one
+    case."""
     inp, out, log = tmp / "in.bin", tmp / "out.bin", tmp / "qemu.log"
     case_file(inp, grouped, isa)
     qemu = f"qemu-{machine}"
@@ -101,6 +125,7 @@ def dynamic_count(exe: Path, machine: str, grouped: bool, isa: int, tmp: Path) -
     data = out.read_bytes()
     assert struct.unpack_from("<q", data, 12)[0] == isa, "the driver ran another path"
     sizes: dict[int, int] = {}
+    vector: dict[int, int] = {}
     execs: dict[int, int] = {}
     block: int | None = None
     insn = re.compile(r"^0x([0-9a-f]+):\s")
@@ -114,8 +139,9 @@ def dynamic_count(exe: Path, machine: str, grouped: bool, isa: int, tmp: Path) -
             if m and block is not None:
                 if block == -1:
                     block = int(m.group(1), 16)
-                    sizes[block] = 0
+                    sizes[block] = vector[block] = 0
                 sizes[block] += 1
+                vector[block] += _is_vector_op(line, machine)
                 continue
             if not line.strip():
                 block = None
@@ -125,8 +151,11 @@ def dynamic_count(exe: Path, machine: str, grouped: bool, isa: int, tmp: Path) -
                 pc = int(m.group(1), 16)
                 execs[pc] = execs.get(pc, 0) + 1
     ranges = kernel_ranges(exe, machine)
-    inside = (pc for pc in execs if any(a <= pc < b for a, b in ranges))
-    return sum(execs[pc] * sizes.get(pc, 0) for pc in inside)
+    inside = [pc for pc in execs if any(a <= pc < b for a, b in ranges)]
+    return (
+        sum(execs[pc] * sizes.get(pc, 0) for pc in inside),
+        sum(execs[pc] * vector.get(pc, 0) for pc in inside),
+    )
 
 
 def static_vnni(exe: Path, symbol: str) -> dict[str, int]:
@@ -158,10 +187,14 @@ def main() -> int:
         units = N * K // 2 / 64
         for name, (machine, isa) in PATHS.items():
             for grouped in (False, True):
-                count = dynamic_count(exes[machine], machine, grouped, isa, tmp)
+                count, vec = dynamic_count(exes[machine], machine, grouped, isa, tmp)
                 key = "group32" if grouped else "per_channel"
                 res.setdefault(name, {})[key] = round(count / units, 1)
-                print(f"{name:22s} {key:12s} {count / units:7.1f} instructions / 64 weight bytes")
+                res.setdefault(name + " (vector ops)", {})[key] = round(vec / units, 1)
+                print(
+                    f"{name:22s} {key:12s} {count / units:7.1f} instructions, "
+                    f"{vec / units:6.1f} vector operations / 64 weight bytes"
+                )
         # AVX-512 VNNI, static: per 64 B of one row, one token, 3 digit planes: 6 vpdpbusd
         for key, sym, rows in (
             ("per_channel", "<void (anonymous namespace)::tile_vnni<4, 1, 3>", 4),

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hetquant.runtime.int4_gemv import int4_gemv
+from hetquant.runtime.kernels.int4_gemv import int4_gemv
 
 torch.set_num_threads(1)
 N, K, COPIES = 4096, 7168, 18

@@ -11,7 +11,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _measure import warm_page_cache
 
-from hetquant.runtime import ParallelLayout, _reader, _staging, open_artifact
+from hetquant.runtime import ParallelLayout, open_artifact
+from hetquant.runtime.loading import _reader, _staging
 
 root = Path(sys.argv[1])
 files = sorted(p for p in root.rglob("*") if p.is_file())

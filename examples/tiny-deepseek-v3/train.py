@@ -22,7 +22,7 @@ over 1024; one MTP layer (MoE). 14.6 M parameters in the main model (8.4 M activ
 rather than 512 keeps the checkpoint under 30 MB: at 512 the four [4096, H] BF16 matrices alone
 take 16.8 MB.
 
-Training: a batched module (``Model``) equivalent to ``hetquant.runtime.model`` — tokens sorted
+Training: a batched module (``Model``) equivalent to ``hetquant.runtime.forward.model`` — tokens sorted
 by expert, one matmul pair per expert — trained with AdamW (fp32 master weights, bf16 autocast
 on CUDA), next-token loss + 0.3 × the MTP loss (DeepSeek-V3's λ for most of its pre-training),
 and DeepSeek's auxiliary-loss-free balancing: after every step each MoE layer's
@@ -34,7 +34,7 @@ model's. Samples are ``[BOS] + 512`` tokens of the text, non-overlapping windows
 offset per epoch, shuffled (``--seed``).
 
 After training, mandatory check: ``DeepseekV3Reference(cfg, DenseWeights(trained fp32 state))``
-from ``hetquant.runtime.model`` gives the training module's logits within float32
+from ``hetquant.runtime.forward.model`` gives the training module's logits within float32
 summation-order tolerance (the run stops before writing otherwise). Then the checkpoint is
 written, read back through ``hetquant.convert.source.SourceCheckpoint``, dequantized with
 DeepSeek's formula, and the held-out perplexity of (a) the float model (training module, fp32)
@@ -289,7 +289,7 @@ def _finish(result: Result, h: Hyper, args: argparse.Namespace, device, f: dict)
     verify = checks.verify_runtime(model, heldout[: args.verify_windows])
     log(f"runtime check (float weights): {verify}")
     if not verify["ok"]:
-        raise SystemExit("runtime/model.py disagrees with the training module; not writing")
+        raise SystemExit("runtime/forward/model.py disagrees with the training module; not writing")
     state = model.hf_state()
     sizes = ckpt.write_checkpoint(args.out, config, state, f["tokenizer_json"])
     cfg_read, deq = read_checkpoint(args.out)

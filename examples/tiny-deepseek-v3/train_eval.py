@@ -1,4 +1,4 @@
-"""``train.py``'s checks and scores: the training module against ``hetquant.runtime.model``,
+"""``train.py``'s checks and scores: the training module against ``hetquant.runtime.forward.model``,
 held-out NLL of either, and the written checkpoint read back through hetquant's reader."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats.families import ModelConfig
-from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
+from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
 
 __all__ = [
     "autocast",
@@ -50,7 +50,7 @@ def module_nll(
 
 @torch.no_grad()
 def runtime_logits(cfg: ModelConfig, state: dict, samples: torch.Tensor) -> list[torch.Tensor]:
-    """``hetquant.runtime.model.DeepseekV3Reference`` logits [T, V] for each sample's input."""
+    """``hetquant.runtime.forward.model.DeepseekV3Reference`` logits [T, V] for each sample's input."""
     ref = DeepseekV3Reference(cfg, DenseWeights(state, cfg.family))
     return [ref(s[:-1]) for s in samples]
 
@@ -67,7 +67,7 @@ def runtime_nll(cfg: ModelConfig, state: dict, samples: torch.Tensor) -> float:
 
 def summation_tolerance(cfg: ModelConfig, seq_len: int) -> float:
     """Relative float32 logit tolerance between two forwards that differ in summation order only:
-    ``4 · K_max · 2^-24`` with K_max the longest reduction (tests/runtime/test_model.py's rule)."""
+    ``4 · K_max · 2^-24`` with K_max the longest reduction (tests/runtime/forward/test_model.py's rule)."""
     c = cfg
     k_max = max(
         c.hidden_size,
@@ -84,7 +84,7 @@ def summation_tolerance(cfg: ModelConfig, seq_len: int) -> float:
 
 @torch.no_grad()
 def verify_runtime(model: Any, samples: torch.Tensor) -> dict:
-    """The mandatory check: runtime/model.py on the trained float32 weights = this module."""
+    """The mandatory check: runtime/forward/model.py on the trained float32 weights = this module."""
     state = model.hf_state()
     cpu = type(model)(model.raw)
     cpu.load_hf_state(state)

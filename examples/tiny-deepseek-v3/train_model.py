@@ -1,6 +1,6 @@
 """The training module of ``train.py``: DeepSeek-V3 (MLA, YaRN, noaux_tc MoE, MTP) over a batch.
 
-``Model`` computes what ``hetquant.runtime.model.DeepseekV3Reference`` computes, batched and with
+``Model`` computes what ``hetquant.runtime.forward.model.DeepseekV3Reference`` computes, batched and with
 the routed experts stacked (tokens sorted by expert, one matmul pair per expert), so that it
 trains at a useful speed; ``train.py`` checks the two agree before it writes a checkpoint.
 Parameters are created as zeros (norms: ones); ``train.init_weights`` draws the initial values.
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetquant.formats.families import ModelConfig
-from hetquant.runtime.model import rms_norm
-from hetquant.runtime.rope import RopeSpec, cos_sin
+from hetquant.runtime.forward.model import rms_norm
+from hetquant.runtime.forward.rope import RopeSpec, cos_sin
 
 __all__ = ["Model", "rope_batched"]
 

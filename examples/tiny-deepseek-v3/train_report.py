@@ -62,7 +62,7 @@ def readme(r: dict) -> str:
         "|---|---|---|",
         f"| float32 weights, training module | {r['heldout_nll_float']:.4f} | "
         f"{r['heldout_ppl_float']:.3f} |",
-        "| this FP8 checkpoint, dequantized, `hetquant.runtime.model.DeepseekV3Reference` | "
+        "| this FP8 checkpoint, dequantized, `hetquant.runtime.forward.model.DeepseekV3Reference` | "
         f"{r['heldout_nll_fp8_runtime']:.4f} | {r['heldout_ppl_fp8_runtime']:.3f} |",
         "",
         f"{r['heldout_tokens_evaluated']:,} held-out tokens in windows of {h['seq_len']} "

@@ -13,6 +13,7 @@ from .base import (
     load_json,
     parse_config,
     register_family,
+    unregister_family,
 )
 from .mappings import AwqMappings, Balance
 from .roles import SCALE_SUFFIX, GatedMlp, Located, Role, TensorRole
@@ -35,4 +36,5 @@ __all__ = [
     "load_json",
     "parse_config",
     "register_family",
+    "unregister_family",
 ]

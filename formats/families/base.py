@@ -62,6 +62,7 @@ __all__ = [
     "load_json",
     "parse_config",
     "register_family",
+    "unregister_family",
 ]
 
 
@@ -287,6 +288,12 @@ def register_family(family: ModelFamily) -> ModelFamily:
     family.config_type.family_name = family.name
     FAMILIES[family.name] = family
     return family
+
+
+def unregister_family(name: str) -> None:
+    """Remove family ``name`` and unbind its config type (tests that define a family of their own)."""
+    family = FAMILIES.pop(name)
+    del family.config_type.family_name
 
 
 def get_family(name: str) -> ModelFamily:

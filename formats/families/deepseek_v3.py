@@ -143,7 +143,7 @@ def _int(raw: dict[str, Any], key: str, origin: str) -> int:
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """The routing fields of a DeepSeek config (``runtime/moe.py`` ``route`` documents them)."""
+    """The routing fields of a DeepSeek config (``runtime/forward/moe.py`` ``route`` documents them)."""
 
     n_experts: int  # n_routed_experts
     top_k: int  # num_experts_per_tok

@@ -7,7 +7,7 @@ import torch
 
 from hetquant.calib import awq
 from hetquant.formats.awq_w4a16 import AwqW4A16
-from hetquant.runtime.model import rms_norm
+from hetquant.runtime.forward.model import rms_norm
 
 
 def _gen(seed: int) -> torch.Generator:

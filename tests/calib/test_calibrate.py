@@ -38,8 +38,8 @@ from hetquant.calib.eval import (
 )
 from hetquant.calib.forward import Capture, LayerRunner, LayerWeights, layer_names
 from hetquant.formats.awq_w4a16 import AwqW4A16
-from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
-from hetquant.runtime.moe import routed_experts
+from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
+from hetquant.runtime.forward.moe import routed_experts
 
 U = 2.0**-24
 K_MAX = 512

@@ -115,7 +115,7 @@ def test_run_shows_progress(cli, arts, tmp_path: Path, capfd: pytest.CaptureFixt
     log = res.stderr + capfd.readouterr().err  # the ranks log from their own processes
     for line in [
         f"INFO hetquant.run: checked {arts['ascend-hybrid']}: 1 root shard(s), 3 cpu_experts file(s)",
-        "INFO hetquant.run: starting 2 rank(s) (tp=2 pp=1 ep=1) on this host",
+        "INFO hetquant.run: starting 2 rank(s) (tp=2 pp=1 ep=1, gloo) on this host",
         "INFO hetquant.run: running 2 tokens",
     ]:
         assert line in log.splitlines(), (line, log)
@@ -128,7 +128,7 @@ def test_outputs_are_checked_before_the_compute(
     cli, arts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: str
 ) -> None:
     from hetquant.calib import eval as calib_eval
-    from hetquant.runtime import run as runtime_run
+    from hetquant.runtime.serving import run as runtime_run
 
     def never(*a: object, **k: object) -> None:
         raise AssertionError("computed before checking the output path")

@@ -6,9 +6,9 @@ then:
 - the loss falls;
 - the checkpoint opens with ``SourceCheckpoint`` and is laid out as DeepSeek ships V3 / R1;
 - every stored weight is its trained float value up to the rounding of its stored format;
-- ``hetquant.runtime.model`` on the dequantized checkpoint equals the training module on the same
+- ``hetquant.runtime.forward.model`` on the dequantized checkpoint equals the training module on the same
   dequantized weights (float32 summation-order tolerance: the module *is* the runtime's model);
-- ``hetquant.runtime.model`` on the dequantized checkpoint matches the training module on the
+- ``hetquant.runtime.forward.model`` on the dequantized checkpoint matches the training module on the
   *float* weights within the FP8 rounding tolerance, derived below;
 - a second run with the same seed writes the same bytes.
 
@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from hetquant.convert.source import SourceCheckpoint
-from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
+from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-deepseek-v3"
 FP8_U = 2.0**-4  # E4M3 round-to-nearest, relative, normal values

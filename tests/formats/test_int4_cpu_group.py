@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta, get_format
+from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError, TensorMeta
 from hetquant.formats.ct_pack_quantized import CtPackQuantized
 from hetquant.formats.dtypes import st_dtype
 from hetquant.formats.int4_cpu import LAYER_KEYS, Int4CpuExperts
@@ -107,8 +107,9 @@ def test_golden_bytes_ct_repack() -> None:
 
 
 def test_registry_and_shapes() -> None:
-    assert get_format("int4_cpu_group") == FMT and FMT.group_size == 32
-    f64 = get_format("int4_cpu_group", group_size=64)
+    assert "int4_cpu_group" not in FORMATS  # until runtime/ops.py serves it (module end)
+    assert FMT.group_size == 32
+    f64 = Int4CpuGroup(64)
     assert f64.stored((7168, 2048)) == {
         "weight_packed": TensorMeta("U8", (7168, 1024)),
         "weight_scale": TensorMeta("BF16", (7168, 32)),
@@ -123,15 +124,28 @@ def test_registry_and_shapes() -> None:
     assert per_expert == 3 * 2048 * 7168 // 2 + 2 * 3 * 2048 * 7168 // 32
 
 
-def test_identify_tells_the_layouts_apart() -> None:
+def test_from_stored_inverts_stored() -> None:
     group = _metas(_layer(2, 64, 128, group=64))
-    assert Int4CpuGroupExperts.identify(group) == (Int4CpuGroupExperts(64), (2, 64, 128))
-    assert Int4CpuExperts.identify(group) is None
+    fmt, dims = Int4CpuGroupExperts().from_stored(group)
+    assert (fmt, dims) == (Int4CpuGroupExperts(64), (2, 64, 128))
+    assert fmt.stored(*dims) == group
+    fmt, dims = Int4CpuExperts().from_stored(group)  # another layout's answer does not fit
+    assert fmt.stored(*dims) != group
     per_channel = dict(per_channel_layer_stored(2, 64, 128))
-    assert Int4CpuExperts.identify(per_channel) == (Int4CpuExperts(), (2, 64, 128))
-    assert Int4CpuGroupExperts.identify(per_channel) is None
-    odd = dict(group, down_scale=TensorMeta("BF16", (2, 64, 3)))  # 128 / 3: no group size
-    assert Int4CpuGroupExperts.identify(odd) is None
+    fmt, dims = Int4CpuExperts().from_stored(per_channel)
+    assert fmt.stored(*dims) == per_channel
+    with pytest.raises(IndexError):  # F32 [E, 2I] scales have no group dim
+        Int4CpuGroupExperts().from_stored(per_channel)
+    with pytest.raises(HetquantError, match="group_size 21"):  # 64 / 3: no group size
+        Int4CpuGroupExperts().from_stored(
+            dict(group, gate_up_scale=TensorMeta("BF16", (2, 256, 3)))
+        )
+    linear = FMT.stored((64, 256))
+    assert FMT.from_stored(linear) == (Int4CpuGroup(32), (64, 256))
+    assert Int4CpuGroup(128).from_stored(Int4CpuGroup(128).stored((8, 512))) == (
+        Int4CpuGroup(128),
+        (8, 512),
+    )
 
 
 # --- round trips and error bounds ----------------------------------------------------------------

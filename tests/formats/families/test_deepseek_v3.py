@@ -226,7 +226,7 @@ def test_awq_mappings_name_roles_of_the_table() -> None:
 def test_o_fold_rows_leave_attention_unchanged() -> None:
     """Dividing kv_b_proj's rows ``_v_rows`` by s and multiplying o_proj's columns by s leaves
     the attention output unchanged (the ``fold_o_proj`` mapping is exact)."""
-    from hetquant.runtime.model import DeepseekV3Reference, DenseWeights
+    from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
 
     raw = copy.deepcopy(_raw())
     raw.pop("quantization_config")

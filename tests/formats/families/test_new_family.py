@@ -22,7 +22,6 @@ from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.convert.verify import verify_artifact
 from hetquant.formats.families import (
-    FAMILIES,
     AwqMappings,
     Balance,
     ModelConfig,
@@ -30,6 +29,7 @@ from hetquant.formats.families import (
     Role,
     expected_tensors,
     register_family,
+    unregister_family,
 )
 from hetquant.formats.families.roles import GLOBAL, GLOBAL_LAST
 from hetquant.runtime import ParallelLayout, open_artifact
@@ -169,7 +169,7 @@ def toy(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-de
         root = tmp_path_factory.mktemp("toy") / "src"
         yield root, write_toy_checkpoint(root)
     finally:
-        FAMILIES.pop(TOY.name)
+        unregister_family(TOY.name)
 
 
 def test_role_table_matches_the_generator(toy) -> None:  # type: ignore[no-untyped-def]
@@ -221,7 +221,7 @@ def test_converts_verifies_and_loads_sharded(toy, tmp_path: Path, recipe: str) -
 
 def test_place_asks_for_the_family_where_families_disagree(toy) -> None:  # type: ignore[no-untyped-def]
     from hetquant.formats import HetquantError
-    from hetquant.runtime.shard_rules import place
+    from hetquant.runtime.parallel.shard_rules import place
 
     other = dataclasses.replace(
         TOY,
@@ -240,4 +240,4 @@ def test_place_asks_for_the_family_where_families_disagree(toy) -> None:  # type
         with pytest.raises(HetquantError, match="not a module of model family toy_moe"):
             place("model.layers.0.self_attn.kv_b_proj", TOY)
     finally:
-        FAMILIES.pop(other.name)
+        unregister_family(other.name)

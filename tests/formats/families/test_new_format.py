@@ -21,7 +21,7 @@ from hetquant.convert.source import SourceCheckpoint
 from hetquant.convert.verify import verify_artifact
 from hetquant.formats import FORMATS, TensorMeta, WeightFormat
 from hetquant.formats.base import identify
-from hetquant.formats.families import FAMILIES, TensorRole, register_family
+from hetquant.formats.families import TensorRole, register_family, unregister_family
 from hetquant.runtime import ParallelLayout, open_artifact
 
 
@@ -69,7 +69,7 @@ def toy_source(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
         root = tmp_path_factory.mktemp("toy") / "src"
         yield root, write_toy_checkpoint(root)
     finally:
-        FAMILIES.pop(TOY.name)
+        unregister_family(TOY.name)
         mp.undo()
 
 

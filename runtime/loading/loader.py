@@ -1,0 +1,309 @@
+"""``open_artifact``: an artifact's modules from its manifest, config, index and headers, and
+``Artifact.load``: one rank's tensors, reading only the bytes it keeps.
+
+Which format each stored module is in: ``hetquant.json`` ``module_formats`` (prefix →
+``{"format": name, "params": {...}, "shape": [out, in]}``, schema 2) for artifacts hetquant
+wrote; otherwise (schema-1 manifests, checkpoints hetquant did not write) the module's stored
+tensors are recognised by ``hetquant.formats.identify`` — each format's own inverse of
+``stored`` — and a lone ``weight`` no format claims (a norm, an F32 copy) is a plain tensor.
+
+Every module is checked against ``fmt.stored(shape)``; keys the format does not own
+(``e_score_correction_bias``) are plain tensors of their own.
+
+``plan`` is shape-only: for every kept tensor, the ``Span`` of file bytes its piece occupies (the
+piece is a slice along one dim of the format's ``shard_view``); ``load`` reads them (_reader.py),
+applies ``shard_fixup`` and the ``repack`` hook per module. ``bytes_read`` / ``last_load`` count
+the tensor bytes read from files (headers not included).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetquant.formats import WeightFormat, get_format
+from hetquant.formats.base import identify
+from hetquant.formats.dtypes import itemsize, torch_dtype
+from hetquant.formats.errors import HetquantError
+from hetquant.formats.safetensors_io import HeaderEntry, read_header
+
+from ..parallel.layout import ParallelLayout, split_of
+from ..parallel.shard_rules import (
+    ModelFacts,
+    ModuleInfo,
+    Piece,
+    Placement,
+    place,
+    shard_pieces,
+    split_range,
+)
+from ._reader import LoadStats, Span, read_spans
+
+__all__ = ["Artifact", "LoadStats", "Span", "TensorRead", "open_artifact"]
+
+MANIFEST, INDEX = "hetquant.json", "model.safetensors.index.json"
+Repack = Callable[[str, WeightFormat | None, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _identify(prefix: str, metas: dict[str, HeaderEntry], named: Any, trusted: bool):
+    """(format or None, weight shape, keys it covers) of one module's stored tensors.
+
+    ``named``: the manifest's ``{"format", "params", "shape"}`` for this module, if any;
+    ``trusted``: the manifest lists every module's format, so one it does not name is plain.
+    """
+    if named is not None:
+        return _checked(prefix, metas, lambda: _named(named))
+    got = None if trusted else identify({k: e.meta for k, e in metas.items()}, name=prefix)
+    if got is not None:
+        return got.fmt, got.shape, got.keys
+    if "weight" in metas:  # a norm, a bias, an F32 copy: plain
+        return None, metas["weight"].shape, frozenset({"weight"})
+    return None, (), frozenset()
+
+
+def _named(named: Mapping[str, Any]) -> tuple[WeightFormat, tuple[int, ...]]:
+    return get_format(named["format"], **named.get("params", {})), tuple(named["shape"])
+
+
+def _checked(prefix: str, metas: Mapping[str, HeaderEntry], infer: Callable[[], tuple]):
+    try:
+        fmt, shape = infer()
+        want = fmt.stored(tuple(shape))
+    except (HetquantError, ZeroDivisionError, IndexError, KeyError, TypeError) as e:
+        raise HetquantError(
+            f"{prefix}: stored tensors {sorted(metas)} fit no format: {e}"
+        ) from None
+    got = {k: metas[k].meta for k in want if k in metas}
+    if got != want:
+        raise HetquantError(
+            f"{prefix}: stored as {fmt.name} for weight {list(shape)}, but the tensors are "
+            f"{_show(got)}; {fmt.name} stores {_show(want)}"
+        )
+    return fmt, tuple(shape), frozenset(want)
+
+
+def _show(metas: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}: {m.dtype}{list(m.shape)}" for k, m in sorted(metas.items()))
+
+
+@dataclass(frozen=True)
+class TensorRead:
+    """One stored tensor of this rank: where its bytes are and what they become."""
+
+    name: str
+    module: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    span: Span
+    bounds: tuple[tuple[int, int], tuple[int, int]] | None  # (out, in) ranges when split
+
+    @property
+    def nbytes(self) -> int:
+        return self.span.nbytes
+
+
+def _span(entry: HeaderEntry, piece: Piece) -> Span:
+    if piece.axis is None:
+        return Span(entry.start, entry.nbytes, entry.nbytes)
+    v, a = piece.view, piece.axis
+    inner = math.prod(v[a + 1 :]) * itemsize(entry.dtype)  # bytes per entry along the axis
+    run, stride, outer = (piece.stop - piece.start) * inner, v[a] * inner, math.prod(v[:a])
+    start = entry.start + piece.start * inner
+    if outer == 1 or run == stride:
+        return Span(start, run * outer, run * outer)
+    return Span(start, run, stride, outer)
+
+
+@dataclass
+class Artifact:
+    """An opened artifact (headers only; see ``open_artifact``)."""
+
+    root: Path
+    manifest: dict[str, Any]
+    config: dict[str, Any]
+    modules: dict[str, ModuleInfo]  # module id (prefix, or prefix.key for extras) → info
+    bytes_read: int = 0
+    last_load: LoadStats | None = None
+    facts: ModelFacts = field(init=False)
+    placements: dict[str, Placement] = field(init=False)  # module id → role (shard_rules)
+
+    def __post_init__(self) -> None:
+        self.facts = ModelFacts.from_config(self.config)
+        fam = self.facts.family
+        self.placements = {mid: place(info.prefix, fam) for mid, info in self.modules.items()}
+
+    @property
+    def cpu_expert_files(self) -> dict[int, Path]:
+        """MoE layer → its ``cpu_experts/layer_XXX.safetensors`` (for the CPU expert pool)."""
+        files = self.manifest.get("parts", {}).get("cpu_experts", {}).get("files", [])
+        return {int(Path(f).stem.split("_")[-1]): self.root / f for f in files}
+
+    def cpu_expert_pool(self, subpools: int = 1, **options: Any) -> Any:
+        """The ``cpu_experts/`` part as a ``CpuExpertPool`` (runtime/experts/expert_pool.py); ``load``
+        never reads those files."""
+        from ..experts.expert_pool import (
+            CpuExpertPool,  # lazily: only artifacts with a pool need it
+        )
+
+        return CpuExpertPool.open(self.root, subpools, **options)
+
+    def plan(self, layout: ParallelLayout, *, mtp: bool = False) -> list[TensorRead]:
+        """This rank's reads, shape-only, in file order; ``mtp`` adds the MTP layers (last stage)."""
+        layout.validate(self.config, self.modules)
+        self._check_accel(layout)
+        reads = []
+        for mid, info in self.modules.items():
+            pl = self.placements[mid]
+            if not self._keeps(pl, layout, mtp):
+                continue
+            dim = split_of(pl, layout)
+            bounds, pieces = None, shard_pieces(info, None, 0, 0)
+            if dim is not None:
+                rng = split_range(pl, info.shape[dim], layout.tp_size, layout.tp_rank)
+                pieces = shard_pieces(info, dim, *rng)
+                bounds = (rng, (0, info.shape[1])) if dim == 0 else ((0, info.shape[0]), rng)
+            for key, piece in pieces.items():
+                file, entry = info.entries[key]
+                span = _span(entry, piece)
+                reads.append(
+                    TensorRead(entry.name, mid, file, entry.dtype, piece.shape, span, bounds)
+                )
+        return sorted(reads, key=lambda r: (r.file, r.span.start))
+
+    def _keeps(self, pl: Placement, layout: ParallelLayout, mtp: bool) -> bool:
+        f, g = self.facts, pl.rule.group
+        if g == "cpu":
+            return False
+        if pl.layer is None:
+            return layout.is_first_stage if g == "embed" else layout.is_last_stage
+        if pl.layer >= f.num_layers:
+            if not (mtp and layout.is_last_stage):
+                return False
+        elif pl.layer not in layout.stage_layers(f.num_layers):
+            return False
+        if g != "routed":
+            return True
+        ids = layout.accel_ids(pl.layer, f.n_routed)
+        if ids is not None and pl.expert not in ids:
+            return False
+        if pl.layer not in f.moe_layers:
+            raise HetquantError(f"config.json makes layer {pl.layer} dense, but it stores experts")
+        return pl.expert in layout.owned_experts(f.moe_layers.index(pl.layer), f.n_routed)
+
+    def _check_accel(self, layout: ParallelLayout) -> None:
+        """Refuse ``accel_experts`` that asks for routed experts the root part does not store."""
+        f = self.facts
+        stored = {pl.layer for pl in self.placements.values() if pl.rule.group == "routed"}
+        for layer in set(layout.stage_layers(f.num_layers)) & set(f.moe_layers) - stored:
+            if want := layout.accel_ids(layer, f.n_routed):
+                raise HetquantError(
+                    f"accel_experts puts experts {sorted(want)[:8]} of layer {layer} on the "
+                    "accelerator, but the artifact's root part stores no routed experts of that "
+                    "layer (the CPU expert pool has them: cpu_experts/); use accel_experts=0"
+                )
+
+    def load(
+        self,
+        layout: ParallelLayout,
+        device: str | torch.device = "cpu",
+        *,
+        repack: Repack | None = None,
+        mtp: bool = False,
+        copy: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """This rank's tensors under their stored names, sliced per the shard rules.
+
+        ``repack(prefix, fmt, {key: tensor})`` (fmt None for a plain tensor) runs per module
+        after the tensors reach ``device`` and returns the backend's tensors (local keys).
+        On the CPU, tensors that are whole byte ranges of a file are views of its private memory
+        map with their pages read in (``_reader``); ``copy=True`` gives every tensor its own
+        memory instead (for files that may be rewritten while the tensors live).
+        """
+        reads, stats = self.plan(layout, mtp=mtp), LoadStats()
+        target = torch.device(device)
+        items = [(r.name, r.file, r.span) for r in reads]
+        flat = read_spans(self.root, items, target, stats, copy=copy)
+        out: dict[str, torch.Tensor] = {}
+        for r in reads:
+            out[r.name] = flat.pop(r.name).view(torch_dtype(r.dtype)).reshape(r.shape)
+        if target.type == "cuda":
+            torch.cuda.synchronize(target)
+        _finish_modules(self.modules, reads, out, repack)
+        self.last_load = stats
+        self.bytes_read += stats.bytes_read
+        return out
+
+
+def _finish_modules(
+    modules: dict[str, ModuleInfo], reads: list[TensorRead], out: dict, repack: Repack | None
+) -> None:
+    by_module: dict[str, list[TensorRead]] = {}
+    for r in reads:
+        by_module.setdefault(r.module, []).append(r)
+    for mid, rs in by_module.items():
+        info = modules[mid]
+        local = {r.name[len(info.prefix) + 1 :]: out.pop(r.name) for r in rs}
+        if rs[0].bounds is not None and info.fmt is not None:
+            local = info.fmt.shard_fixup(local, *rs[0].bounds)
+        if repack is not None:
+            local = repack(info.prefix, info.fmt, local)
+        out.update({f"{info.prefix}.{k}": t for k, t in local.items()})
+
+
+def open_artifact(path: str | os.PathLike[str]) -> Artifact:
+    """Open the artifact at ``path``: manifest, config.json, index and headers; no tensor data."""
+    root = Path(path)
+    manifest, config = _json(root / MANIFEST), _json(root / "config.json")
+    if manifest.get("complete") is not True:
+        raise HetquantError(
+            f"{root}: {MANIFEST} is not marked complete; the conversion did not finish"
+        )
+    weight_map = _json(root / INDEX).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise HetquantError(f"{root / INDEX}: no weight_map; re-run the conversion")
+    headers = {}
+    for file in sorted(set(weight_map.values())):
+        if Path(file).is_absolute() or ".." in Path(file).parts:
+            raise HetquantError(f"{root / INDEX}: unsafe shard path {file!r}")
+        headers[file] = read_header(root / file).entries
+    grouped: dict[str, dict[str, tuple[str, HeaderEntry]]] = {}
+    for name, file in weight_map.items():
+        if name not in headers[file]:
+            raise HetquantError(f"{root / INDEX}: {name} is not in {file}; the index is corrupt")
+        prefix, _, key = name.rpartition(".")
+        grouped.setdefault(prefix, {})[key] = (file, headers[file][name])
+    named = manifest.get("module_formats")
+    trusted = isinstance(named, dict)
+    named = named if trusted else {}
+    modules = {}
+    for prefix, entries in grouped.items():
+        metas = {k: e for k, (_, e) in entries.items()}
+        fmt, shape, keys = _identify(prefix, metas, named.get(prefix), trusted)
+        if keys:
+            modules[prefix] = ModuleInfo(prefix, fmt, shape, {k: entries[k] for k in keys})
+        extras = sorted(entries.keys() - keys)  # plain tensors of their own
+        for key in extras:
+            mid = prefix if not keys and len(extras) == 1 else f"{prefix}.{key}"
+            modules[mid] = ModuleInfo(prefix, None, entries[key][1].shape, {key: entries[key]})
+    order = sorted(modules, key=lambda m: min((f, e.start) for f, e in modules[m].entries.values()))
+    return Artifact(root, manifest, config, {m: modules[m] for m in order})
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HetquantError(f"{path}: missing; not a (complete) hetquant artifact") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HetquantError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise HetquantError(f"{path}: not a JSON object")
+    return doc

@@ -1,0 +1,285 @@
+"""``hetquant run``: spawn the ranks of a layout on this host, load, run a token sequence.
+
+World = ``pp_size × g`` processes, ``g = max(tp_size, ep_size)`` (tp and ep, when both > 1, are
+the same group, as vLLM's EP runs over the TP group). Rank ``r`` is stage ``r // g``, group rank
+``r % g``; each stage's group does its collectives, and a stage hands its hidden states to the
+same group rank of the next stage. The collectives' backend is the device's own — gloo on the
+CPU, nccl on CUDA (each rank on its own GPU, ``cuda:{r}``: tensors never leave it), hccl on
+Ascend — or the one named in ``RunSpec.dist_backend`` (gloo on a GPU: ranks may share it,
+collectives go through host copies); see ``collectives.py``. One rank makes no process group
+unless a backend is named. The last stage's group rank 0 writes the float32 logits ``[T, vocab]``;
+with ``generate`` the next token (greedy, full re-prefill per step) is broadcast to every rank. A
+hybrid artifact's routed experts come from the CPU expert pool (``subpools``), run on the host
+by group rank 0 of each stage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hetquant.formats import HetquantError
+from hetquant.formats.families import parse_config
+
+from .collectives import CollectiveBackend, choose_backend
+
+__all__ = ["RunSpec", "local_model", "run_artifact"]
+
+log = logging.getLogger("hetquant.run")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    artifact: str
+    tokens: tuple[int, ...]
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    subpools: int = 1
+    device: str = "cpu"
+    generate: int = 0
+    dtype: str | None = None  # activations; default float32, bfloat16 on npu (as vllm-ascend)
+    dist_backend: str | None = None  # torch.distributed backend; default the device's own
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.group
+
+    def collective_backend(self) -> CollectiveBackend | None:
+        """The ranks' backend (refused here when it cannot run); None: one rank, none named,
+        no process group."""
+        if self.world == 1 and self.dist_backend is None:
+            return None
+        return choose_backend(self.device, self.dist_backend, self.world)
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype or ("bfloat16" if self.device == "npu" else "float32"))
+
+    @property
+    def group(self) -> int:
+        if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
+            raise HetquantError(
+                f"tp {self.tp} and ep {self.ep}: with both > 1 they must be equal (one group)"
+            )
+        return max(self.tp, self.ep)
+
+
+def run_artifact(
+    spec: RunSpec, *, timings: list[dict[str, Any]] | None = None
+) -> tuple[np.ndarray, list[int]]:
+    """(float32 logits [T, vocab] of ``spec.tokens``, generated token ids) — spawning the ranks.
+
+    Everything a rank would refuse is checked here first (backend, layout, token ids, every
+    file's header); a rank that fails anyway re-raises its HetquantError or OSError in this
+    process. ``timings``, when given, receives one dict per rank (``RankTiming``).
+    """
+    world = spec.world
+    backend = _check_inputs(spec, world)
+    log.info(
+        "starting %d rank(s) (tp=%d pp=%d ep=%d, %s) on this host",
+        world, spec.tp, spec.pp, spec.ep, backend.name if backend else "no process group",
+    )  # fmt: skip
+    level = logging.getLogger("hetquant").getEffectiveLevel()
+    with tempfile.TemporaryDirectory(prefix="hetquant-run-") as tmp:
+        out = Path(tmp)
+        if backend is None:
+            _rank_main(0, spec, 1, _free_port(), out, time.time())
+        else:
+            _spawn(spec, world, out, level)
+        logits = np.load(out / "logits.npy")
+        generated = [int(x) for x in np.load(out / "generated.npy")]
+        if timings is not None:
+            timings.extend(json.loads((out / f"timing-{r}.json").read_text()) for r in range(world))
+    return logits, generated
+
+
+def _check_inputs(spec: RunSpec, world: int) -> CollectiveBackend | None:
+    """Refuse what a rank would: no tokens, a backend that cannot run here, ids outside the
+    vocab, a layout the shapes do not allow, a missing or truncated file (every header is read,
+    cpu_experts/ included). Returns the ranks' backend (None: one rank, no process group)."""
+    if not spec.tokens:
+        raise HetquantError("run: give at least one token id (--tokens 5,17,42)")
+    backend = spec.collective_backend()
+    from ..experts._expert_files import _select_layers
+    from ..experts._subpool import _check_split
+    from ..forward.model import check_runnable
+    from ..loading.loader import open_artifact
+
+    art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
+    check_runnable(parse_config(art.config))
+    vocab = int(art.config.get("vocab_size", 0))
+    bad = [t for t in spec.tokens if not 0 <= t < vocab]
+    if bad:
+        raise HetquantError(
+            f"token ids must lie in [0, {vocab}) (vocab_size of {spec.artifact}); got {bad[:5]}"
+        )
+    for rank in range(world):
+        _layout(spec, rank).validate(art.config, art.modules)
+    experts = art.cpu_expert_files
+    if experts:  # every layer file's header, as CpuExpertPool.open reads them in each rank
+        _check_split(_select_layers(art.root, None), spec.subpools, "inter")
+    log.info(
+        "checked %s: %d root shard(s), %d cpu_experts file(s)",
+        spec.artifact,
+        len({f for m in art.modules.values() for f, _ in m.entries.values()}),
+        len(experts),
+    )
+    return backend
+
+
+def _spawn(spec: RunSpec, world: int, out: Path, level: int) -> None:
+    """``world`` ranks via torch.multiprocessing; a failed rank's error is raised here."""
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+
+    try:
+        args = (spec, world, _free_port(), out, level, time.time())
+        mp.spawn(_rank_entry, args=args, nprocs=world)
+    except ProcessException as e:
+        failed = sorted(out.glob("error-*.pkl"), key=lambda p: int(p.stem.split("-")[1]))
+        if failed:
+            raise pickle.loads(failed[0].read_bytes()) from None
+        if isinstance(e, ProcessExitedException):  # killed (OOM killer, a signal)
+            how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
+            raise HetquantError(f"run: rank {e.error_index} of {world} died ({how})") from None
+        raise
+
+
+def _rank_entry(
+    rank: int, spec: RunSpec, world: int, port: int, out: Path, level: int, t0: float
+) -> None:
+    """A spawned rank: logs like the parent; a HetquantError / OSError goes back to it."""
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        _rank_main(rank, spec, world, port, out, t0)
+    except (HetquantError, OSError) as e:
+        (out / f"error-{rank}.pkl").write_bytes(pickle.dumps(e))
+        raise SystemExit(2) from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: float) -> None:
+    """Rank ``rank`` of ``world``: load its shards, run the stages; ``t0``: when the ranks were
+    started (time.time()), for the progress log. Writes the logits and generated ids (last
+    stage's group rank 0) and its ``RankTiming`` into ``out``."""
+    import torch.distributed as dist
+
+    from ..forward.model import DeepseekV3Reference
+    from ..loading.loader import open_artifact
+    from .collectives import Comm, init_groups, rank_device
+    from .pipeline import RankTiming, StagePlace, generate
+    from .rank import RankWeights
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = spec.collective_backend()
+    place = StagePlace(rank // spec.group, spec.pp, rank % spec.group, spec.group)
+    device = rank_device(spec.device, rank, place.grank, backend)
+    tick = time.perf_counter()
+    comm, link = Comm(), device
+    if backend is not None:
+        comm, link = init_groups(backend, port, rank, spec.pp, spec.group, device)
+    init_s, tick = time.perf_counter() - tick, time.perf_counter()
+    layout = _layout(spec, rank)
+    art = open_artifact(spec.artifact)
+    cfg = parse_config(art.config)
+    tensors = art.load(layout, device=device)
+    pool = art.cpu_expert_pool(subpools=spec.subpools) if art.cpu_expert_files else None
+    load_s = time.perf_counter() - tick
+    weights = RankWeights(
+        tensors,
+        art.modules,
+        layout,
+        cfg,
+        backend=spec.device,
+        comm=comm,
+        pool=pool,
+        npu_ops=_npu_ops(spec.device),
+    )
+    model = DeepseekV3Reference(cfg, weights, dtype=spec.act_dtype)
+    nbytes = sum(t.nbytes for t in tensors.values())
+    log.info(
+        "rank %d of %d: loaded %d tensors (%.1f MB) onto %s%s, %.1f s after start",
+        rank, world, len(tensors), nbytes / 1e6, device, " and the CPU expert pool" if pool else "",
+        time.time() - t0,
+    )  # fmt: skip
+    if rank == 0:
+        more = f", then generating {spec.generate}" if spec.generate else ""
+        log.info("running %d tokens%s", len(spec.tokens), more)
+    layers = layout.stage_layers(cfg.num_hidden_layers)
+    grouped = backend is not None
+    logits, seq, steps = generate(model, layers, spec.tokens, spec.generate, place, link, grouped)
+    if logits is not None:
+        np.save(out / "logits.npy", logits.cpu().numpy())
+        np.save(out / "generated.npy", seq[len(spec.tokens) :].cpu().numpy())
+    name = backend.name if backend else None
+    timing = RankTiming(rank, name, str(device), init_s, load_s, tuple(steps))
+    (out / f"timing-{rank}.json").write_text(json.dumps(asdict(timing)))
+    if pool is not None:
+        pool.close()
+    if grouped:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _layout(spec: RunSpec, rank: int) -> Any:
+    from ..parallel.layout import ParallelLayout
+
+    stage, grank = divmod(rank, spec.group)
+    return ParallelLayout(
+        tp_size=spec.tp, tp_rank=grank if spec.tp > 1 else 0, pp_size=spec.pp, pp_rank=stage,
+        ep_size=spec.ep, ep_rank=grank if spec.ep > 1 else 0,
+    )  # fmt: skip
+
+
+def _npu_ops(device: str) -> Any:
+    if device != "npu":
+        return None
+    if (
+        os.environ.get("HETQUANT_NPU_EMULATION") == "1"
+    ):  # tests: torch_npu's documented contracts, on CPU
+        from ..kernels import npu_emulation
+
+        return npu_emulation
+    return None  # the npu backend imports the real torch_npu
+
+
+def local_model(
+    artifact: str | Path, *, device: str = "cpu", subpools: int = 1, dtype: str | None = None
+) -> Any:
+    """The whole artifact on one rank of this process, run through its quantized ops (W8A8
+    activation quantization included): a ``DeepseekV3Reference`` whose ``forward`` maps tokens
+    [T] to float32 logits [T, vocab]."""
+    from ..forward.model import DeepseekV3Reference
+    from ..loading.loader import open_artifact
+    from ..parallel.layout import ParallelLayout
+    from .collectives import rank_device
+    from .rank import RankWeights
+
+    spec = RunSpec(str(artifact), (0,), device=device, subpools=subpools, dtype=dtype)
+    art = open_artifact(artifact)
+    layout = ParallelLayout()
+    layout.validate(art.config, art.modules)
+    cfg = parse_config(art.config)
+    tensors = art.load(layout, device=rank_device(device, 0, 0, None))
+    pool = art.cpu_expert_pool(subpools=subpools) if art.cpu_expert_files else None
+    weights = RankWeights(
+        tensors, art.modules, layout, cfg, backend=device, pool=pool, npu_ops=_npu_ops(device)
+    )
+    return DeepseekV3Reference(cfg, weights, dtype=spec.act_dtype)
