@@ -74,7 +74,9 @@ class RuleRecipe(Recipe):
         fmt = self.rules[role_class(role)]
         if fmt == KEEP:
             return keep(source_fmt)
-        target = self._target(fmt, role, source_fmt)
+        if fmt == "int4_cpu*":  # the source's lossless CPU repack if it has one, else per-channel
+            fmt = repack_target(source_fmt) or "int4_cpu_experts"
+        target = self._target(fmt, role)
         self._check_requantize(role, source_fmt, target)
         return target
 
@@ -107,9 +109,8 @@ class RuleRecipe(Recipe):
             "or a recipe that keeps it (bf16 dequantizes it exactly)"
         )
 
-    def _target(self, fmt: str, role: TensorRole, source_fmt: str) -> Target:
-        if fmt == "int4_cpu*":  # the source's lossless CPU repack if it has one, else per-channel
-            fmt = repack_target(source_fmt) or "int4_cpu_experts"
+    def _target(self, fmt: str, role: TensorRole) -> Target:
+        if fmt in EXPERT_FORMATS:
             file = f"{CPU_EXPERTS}/layer_{role.layer:03d}.safetensors"
             return Target(fmt, CPU_EXPERTS, file=file)
         if fmt == "awq_w4a16":

@@ -44,7 +44,7 @@ def test_cpu_experts_are_the_source_codes_and_scales(built) -> None:
     assert manifest["recipe"]["options"] == {}  # no --requantize needed: nothing re-quantized
     layer = load_file(art / "cpu_experts" / f"layer_{LAYER:03d}.safetensors")
     layer = {k.rpartition(".")[2]: v for k, v in layer.items()}
-    assert Int4CpuGroupExperts.identify(stored_metas(layer))[0].group_size == 32
+    assert Int4CpuGroupExperts().from_stored(stored_metas(layer))[0].group_size == 32
     for e in range(src.config.num_experts):
         got = dequantize_expert(layer, e)
         for g, want in zip(got, _source_expert(src, e), strict=True):
