@@ -26,48 +26,53 @@ LINE = re.compile(r"^\s+(\S+)\s+([\d,]+) bytes")
 TOTAL = re.compile(r"^total\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)$")
 
 
-def main() -> None:
+def load_make_layout():  # type: ignore[no-untyped-def]
+    """``examples/deepseek-v3-layout/make_layout.py`` as a module."""
     spec = importlib.util.spec_from_file_location(
         "ml", REPO / "examples/deepseek-v3-layout/make_layout.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        src = mod.write_layout(Path(tmp) / "DeepSeek-R1")
-        for recipe, extra in RECIPES:
-            t = time.perf_counter()
-            cmd = [
-                "hetquant",
-                "convert",
-                str(src),
-                str(Path(tmp) / "out"),
-                "--recipe",
-                recipe,
-                *extra,
-                "--dry-run",
-            ]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            secs = time.perf_counter() - t
-            parts: dict[str, int] = {}
-            for line in out.splitlines():
-                if m := LINE.match(line):
-                    part = "cpu_experts" if m.group(1).startswith("cpu_experts/") else "root"
-                    parts[part] = parts.get(part, 0) + int(m.group(2).replace(",", ""))
-            bits = next(float(m.group(3)) for ln in out.splitlines() if (m := TOTAL.match(ln)))
-            rows.append(
-                {
-                    "recipe": " ".join([recipe, *extra]),
-                    "seconds": round(secs, 1),
-                    "parts": parts,
-                    "bits_per_weight": bits,
-                }
-            )
+    return mod
+
+
+def dry_run(src: Path, out: Path, recipe: str, extra: list[str]) -> dict:
+    """``hetquant convert SRC OUT --recipe R EXTRA --dry-run``: seconds, bytes per part, bits/w
+    (a refusal, exit 2, is recorded with its error line)."""
+    t = time.perf_counter()
+    cmd = ["hetquant", "convert", str(src), str(out), "--recipe", recipe, *extra, "--dry-run"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    row: dict = {"recipe": " ".join([recipe, *extra]), "seconds": round(time.perf_counter() - t, 1)}
+    if res.returncode == 2:
+        return {**row, "refused": res.stderr.strip()}
+    res.check_returncode()
+    parts: dict[str, int] = {}
+    for line in res.stdout.splitlines():
+        if m := LINE.match(line):
+            part = "cpu_experts" if m.group(1).startswith("cpu_experts/") else "root"
+            parts[part] = parts.get(part, 0) + int(m.group(2).replace(",", ""))
+    bits = next(float(m.group(3)) for ln in res.stdout.splitlines() if (m := TOTAL.match(ln)))
+    return {**row, "parts": parts, "bits_per_weight": bits}
+
+
+def print_rows(rows: list[dict]) -> None:
     print(f"{'recipe':<32} {'root GB':>9} {'cpu_experts GB':>15} {'bits/w':>7} {'dry-run s':>10}")
     for r in rows:
+        if "refused" in r:
+            print(f"{r['recipe']:<32} refused: {r['refused'][:90]}")
+            continue
+        root, cpu = r["parts"].get("root", 0) / 1e9, r["parts"].get("cpu_experts", 0) / 1e9
         print(
-            f"{r['recipe']:<32} {r['parts'].get('root', 0) / 1e9:>9.1f} {r['parts'].get('cpu_experts', 0) / 1e9:>15.1f} {r['bits_per_weight']:>7.3f} {r['seconds']:>10.1f}"
+            f"{r['recipe']:<32} {root:>9.1f} {cpu:>15.1f} {r['bits_per_weight']:>7.3f} {r['seconds']:>10.1f}"
         )
+
+
+def main() -> None:
+    mod = load_make_layout()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = mod.write_layout(Path(tmp) / "DeepSeek-R1")
+        rows = [dry_run(src, Path(tmp) / "out", recipe, extra) for recipe, extra in RECIPES]
+    print_rows(rows)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(
         json.dumps(

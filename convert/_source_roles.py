@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 
 from hetquant.formats import HetquantError, TensorMeta, WeightFormat, get_format
 from hetquant.formats.base import identify, missing_partners
+from hetquant.formats.ct_pack_quantized import CtPackQuantized
+from hetquant.formats.ct_scheme import CT_METHOD, CtQuantConfig
 from hetquant.formats.families import ModelConfig, TensorRole, expected_tensors
 from hetquant.formats.safetensors_io import HeaderEntry
 
@@ -42,6 +44,7 @@ def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
         prefix, _, key = name.rpartition(".")
         modules.setdefault(prefix, {})[key] = fe
     preferred = {f.name: f for f in (make(cfg) for make in PREFERRED)}
+    schemes = _source_schemes(cfg)
     out: dict[str, Attached] = {}
     for name, role in expected.items():
         prefix, _, key = name.rpartition(".")
@@ -50,7 +53,10 @@ def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
                 k: fe for k, fe in modules.get(prefix, {}).items()
                 if k == key or f"{prefix}.{k}" not in expected
             }  # fmt: skip
+            if schemes is not None:
+                schemes.check(prefix, role.role.kind, role.shape, members)
             out[name] = _module(name, role, members, preferred)
+            _check_group(out[name], prefix, schemes)
         else:
             out[name] = (role, {key: _plain(name, role, entries)}, None)
     claimed = {f"{t.rpartition('.')[0]}.{k}" for t, (_, parts, _) in out.items() for k in parts}
@@ -61,6 +67,27 @@ def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
             "for this config; is config.json from the same checkpoint?"
         )
     return out
+
+
+def _source_schemes(cfg: ModelConfig) -> CtQuantConfig | None:
+    """The source's compressed-tensors schemes (None: config.json declares none)."""
+    qc = cfg.raw.get("quantization_config") or {}
+    return CtQuantConfig.parse(qc) if qc.get("quant_method") == CT_METHOD else None
+
+
+def _check_group(attached: Attached, prefix: str, schemes: CtQuantConfig | None) -> None:
+    """A compressed-tensors module's stored group is the one its config scheme declares."""
+    role, _, fmt = attached
+    if schemes is None or not isinstance(fmt, CtPackQuantized):
+        return
+    group = fmt.group_size
+    scheme = schemes.scheme_for(prefix, role.role.kind, stored_quantized=True)
+    if scheme is None or scheme.group_size != group:
+        said = "no scheme" if scheme is None else f"group_size {scheme.group_size}"
+        raise HetquantError(
+            f"{prefix}: stored pack-quantized with group {group}, but config.json's "
+            f"quantization_config gives it {said}; the checkpoint and its config disagree"
+        )
 
 
 def _module(

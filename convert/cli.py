@@ -99,6 +99,13 @@ def main(verbose: bool) -> None:
     help="fp4: Ascend 8x8 tiled layout (default) or canonical ModelOpt NVFP4.",
 )
 @click.option(
+    "--requantize",
+    is_flag=True,
+    default=None,
+    help="Allow re-quantizing a low-bit (e.g. INT4) source into another low-bit format "
+    "(loses accuracy twice; refused otherwise).",
+)
+@click.option(
     "--calib-samples",
     default=128,
     show_default=True,
@@ -132,6 +139,7 @@ def convert(
     mtp: str | None,
     group_size: int | None,
     fp4_layout: str | None,
+    requantize: bool | None,
     calib_samples: int,
     calib_seq_len: int,
     dry_run: bool,
@@ -151,7 +159,8 @@ def convert(
     from .verify import artifact_files, count_files
 
     workers = _cap_workers(workers)
-    given = {"mtp": mtp, "group_size": group_size, "fp4_layout": fp4_layout}
+    given = {"mtp": mtp, "group_size": group_size, "fp4_layout": fp4_layout,
+             "requantize": requantize or None}  # fmt: skip
     options = {k: v for k, v in given.items() if v is not None}
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     root, revision = resolve_source(source, download_dir, token)

@@ -10,6 +10,7 @@ the (4- or 8-bit) output however large the weight.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import torch
 
 from hetquant.formats import HetquantError, get_expert_format, get_format
 from hetquant.formats.base import check_finite
-from hetquant.formats.dtypes import torch_dtype
+from hetquant.formats.dtypes import st_dtype, torch_dtype
+from hetquant.formats.expert_repack import EXPERT_REPACKS
 
 from .containers import PieceWriter
 from .plan import Job, OutPiece, Plan
@@ -109,7 +111,12 @@ class JobRunner:
                 self._write(piece, final[key])
 
     def _experts(self, job: Job) -> None:
-        fmt = get_expert_format(job.target.fmt)
+        fmt = dataclasses.replace(get_expert_format(job.target.fmt), **dict(job.target.params))
+        source_fmt = self.source.tensors[job.source].fmt_name
+        repack = EXPERT_REPACKS.get((source_fmt, job.target.fmt))
+        if repack is not None:
+            self._repack(job, repack)
+            return
         if hasattr(fmt, "quantize_rows") and not any(map(self._calibrated, job.sources)):
             self._experts_streaming(job, fmt.quantize_rows)
             return
@@ -117,6 +124,20 @@ class JobRunner:
         stored = fmt.quantize_expert(gate, up, down)
         for piece in job.outputs:
             self._write(piece, stored[piece.key])
+
+    def _repack(self, job: Job, repack: Any) -> None:
+        """Source codes and scales carried over as they are (``formats/expert_repack.py``)."""
+        stored = repack(*(self.source.stored(name) for name in job.sources))
+        for piece in job.outputs:
+            got = stored[piece.key]
+            if st_dtype(got.dtype) != piece.meta.dtype or tuple(got.shape) != piece.meta.shape:
+                raise HetquantError(
+                    f"{job.source}: repacked {piece.key} is {st_dtype(got.dtype)}"
+                    f"{list(got.shape)}, the plan expects {piece.meta.dtype}"
+                    f"{list(piece.meta.shape)} ({job.target.fmt} {dict(job.target.params)}); the "
+                    "source's group size differs from the plan's"
+                )
+            self._write(piece, got)
 
     def _experts_streaming(self, job: Job, quantize_rows: Any) -> None:
         """Per-row expert formats one block row at a time, gate and up rows interleaved."""

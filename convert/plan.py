@@ -12,10 +12,12 @@ redone after a crash with identical results.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta, get_format
 from hetquant.formats.families import TensorRole
@@ -46,6 +48,7 @@ class SourceItem:
     role: TensorRole
     dtype: str
     fmt: str
+    params: tuple[tuple[str, Any], ...] = ()  # the source format variant's (group size, ...)
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
     stacked: dict[str, Container] = {}
     experts: dict[tuple[str, int, int], dict[str, SourceItem]] = {}
     for item in items:
-        target = recipe.assign(item.role, item.fmt)
+        target = recipe.refine(recipe.assign(item.role, item.fmt), item.params)
         if target.fmt == DROP:
             continue
         if target.fmt in EXPERT_FORMATS:
@@ -171,12 +174,12 @@ def _expert_job(
             f"layer {layer} expert {e}: recipe {recipe.name} stacks {sorted(members)} but not {missing}"
         )
     gate, down = members["gate"], members["down"]
-    target = recipe.assign(gate.role, gate.fmt)
+    target = recipe.refine(recipe.assign(gate.role, gate.fmt), gate.params)
     if target.part == ROOT:
         raise HetquantError(
             f"recipe {recipe.name}: stacked experts must go to a part of their own, not the root"
         )
-    fmt = EXPERT_FORMATS[target.fmt]
+    fmt = dataclasses.replace(EXPERT_FORMATS[target.fmt], **dict(target.params))
     inter, hidden = gate.role.shape
     layer_metas = fmt.stored(n_experts, hidden, inter)
     prefix = down.role.stack

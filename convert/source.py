@@ -15,11 +15,13 @@ claims are plain and must have a float dtype. Data is read through a private mem
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,6 +64,13 @@ class SourceTensor:
     @property
     def fmt_name(self) -> str:
         return PLAIN if self.fmt is None else self.fmt.name
+
+    @property
+    def fmt_params(self) -> tuple[tuple[str, Any], ...]:
+        """The source format variant's parameters (``(("group_size", 32), ...)``; () plain)."""
+        if self.fmt is None:
+            return ()
+        return tuple((f.name, getattr(self.fmt, f.name)) for f in dataclasses.fields(self.fmt))
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -68,6 +68,7 @@ from .base import (
     TensorMeta,
     WeightFormat,
     all_finite,
+    register,
     register_expert_format,
 )
 from .dtypes import st_dtype
@@ -374,6 +375,5 @@ class Int4CpuGroupExperts(ExpertLayerFormat):
         }
 
 
-# The per-linear Int4CpuGroup is not in FORMATS: every registered linear format must be servable
-# by runtime/ops.py, which has no kernel for it yet (int4_gemv takes its scales as they are).
+register(Int4CpuGroup())  # served by runtime/kernels/ops.py (tinygemm on cpu/cuda; npu refuses)
 register_expert_format(Int4CpuGroupExperts())

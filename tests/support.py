@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import runpy
 import shutil
 import signal
 import struct
@@ -319,3 +320,11 @@ def artifact_copy(tiny_artifact: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "artifact"
     shutil.copytree(tiny_artifact, dst)
     return dst
+
+
+def make_kimi_k2(out: Path, variant: str = "instruct") -> Path:
+    """The tiny Kimi K2 checkpoint (``examples/kimi-k2/make_tiny.py``) written into ``out``."""
+    runpy.run_path(str(REPO / "examples" / "kimi-k2" / "make_tiny.py"))["write_checkpoint"](
+        out, variant
+    )
+    return out

@@ -73,6 +73,10 @@ class Recipe:
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         raise NotImplementedError
 
+    def refine(self, target: Target, source_params: tuple[tuple[str, Any], ...]) -> Target:
+        """``target`` given the source variant's parameters (``SourceItem.params``); as is here."""
+        return target
+
     def with_options(self, options: dict[str, Any]) -> Recipe:
         """This recipe with ``options`` (e.g. ``{"group_size": 64}``) replacing its defaults."""
         import dataclasses

@@ -2,7 +2,7 @@
 
 Role classes, from the attributes of a tensor's role in its family's table (``role_class``):
 ``mtp_extra`` (a role only MTP layers hold: DeepSeek's enorm/hnorm/eh_proj/embed_tokens/
-shared_head), ``routed`` / ``shared`` (routed / shared expert MLPs), ``router`` (router weight and
+shared_head), ``kept`` (a role every recipe keeps: DeepSeek-V3.2's indexer), ``routed`` / ``shared`` (routed / shared expert MLPs), ``router`` (router weight and
 bias), ``embedding`` (embeddings and heads), ``norm``, ``dense`` (a dense-layer MLP),
 ``absorbed`` (a linear engines fold into attention: DeepSeek's kv_b_proj) and ``attention`` (every
 other linear: q_a/q_b/q/kv_a/o). ``KEEP`` keeps a tensor at source precision (``recipes.keep``):
@@ -12,7 +12,7 @@ out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 
 | recipe | attention | absorbed | dense, shared | routed | router, embeddings, norms, MTP extras |
 |---|---|---|---|---|---|
-| ascend-hybrid | w8a8_dynamic | KEEP | w8a8_dynamic | int4_cpu_experts in ``cpu_experts/`` | KEEP |
+| ascend-hybrid | w8a8_dynamic | KEEP | w8a8_dynamic | int4_cpu* in ``cpu_experts/`` | KEEP |
 | ascend-w8a8 | w8a8_dynamic | KEEP | w8a8_dynamic | w8a8_dynamic | KEEP |
 | awq-w4a16 | awq_w4a16 | awq_w4a16 | awq_w4a16 | awq_w4a16 | KEEP |
 | fp4 | KEEP | KEEP | nvfp4_ascend / nvfp4 | nvfp4_ascend / nvfp4 | KEEP |
@@ -24,17 +24,24 @@ msModelSlim's output (reference/ascend_formats.md §2.3).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
+from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError
+from hetquant.formats.expert_repack import EXPERT_REPACKS, repack_target
 from hetquant.formats.families import TensorRole
 from hetquant.formats.families.roles import MTP
 
 from . import DROP, Recipe, Target, keep, register_recipe
 
-__all__ = ["KEEP", "RuleRecipe", "role_class"]
+__all__ = ["KEEP", "LOW_BITS", "RuleRecipe", "density", "role_class"]
 
 KEEP = "keep"
 CPU_EXPERTS = "cpu_experts"
+LOW_BITS = 6.0  # stored bits per weight under which a format is a low-bit (4-bit-code) one
+PROBE_SHAPE = (256, 1024)  # a weight every registered format stores, to measure its density
 _CLASS_OF_KIND = {"router": "router", "bias": "router", "embedding": "embedding",
                   "head": "embedding", "norm": "norm"}  # fmt: skip
 
@@ -42,6 +49,8 @@ _CLASS_OF_KIND = {"router": "router", "bias": "router", "embedding": "embedding"
 def role_class(role: TensorRole) -> str:
     """The recipe-facing class of a tensor role (see module docstring)."""
     r = role.role
+    if r.kept:
+        return "kept"
     if r.scope == MTP:
         return "mtp_extra"
     if r.expert is not None:
@@ -65,10 +74,43 @@ class RuleRecipe(Recipe):
         fmt = self.rules[role_class(role)]
         if fmt == KEEP:
             return keep(source_fmt)
-        return self._target(fmt, role)
+        if fmt == "int4_cpu*":  # the source's lossless CPU repack if it has one, else per-channel
+            fmt = repack_target(source_fmt) or "int4_cpu_experts"
+        target = self._target(fmt, role)
+        self._check_requantize(role, source_fmt, target)
+        return target
+
+    def refine(self, target: Target, source_params: tuple[tuple[str, Any], ...]) -> Target:
+        """A lossless repack target takes the source variant's parameters it shares (the
+        compressed-tensors group size becomes the CPU group format's)."""
+        fmt = EXPERT_FORMATS.get(target.fmt)
+        if fmt is None or not source_params or target.params:
+            return target
+        names = {f.name for f in dataclasses.fields(fmt)}  # type: ignore[arg-type]
+        params = tuple((k, v) for k, v in source_params if k in names)
+        return dataclasses.replace(target, params=params) if params else target
+
+    def _check_requantize(self, role: TensorRole, source_fmt: str, target: Target) -> None:
+        """A low-bit source (INT4 codes and scales, e.g. Kimi K2 Thinking's QAT experts) written
+        in another low-bit format is rounded a second time onto a grid it was not trained for:
+        refused unless ``requantize`` was asked for."""
+        if source_fmt == target.fmt or self.option("requantize"):
+            return
+        if (source_fmt, target.fmt) in EXPERT_REPACKS:  # codes and scales kept: no rounding
+            return
+        src, dst = density(source_fmt), density(target.fmt, target.params)
+        if src is None or dst is None or src >= LOW_BITS or dst >= LOW_BITS:
+            return
+        where = f"layer {role.layer}" + ("" if role.expert is None else f" expert {role.expert}")
+        raise HetquantError(
+            f"{role.role.name} ({where}): the source stores it in {source_fmt}, a low-bit "
+            f"format; recipe {self.name} would re-quantize it to {target.fmt} "
+            f"({dst:.2f} bits/weight), losing accuracy twice. Use --requantize to accept that, "
+            "or a recipe that keeps it (bf16 dequantizes it exactly)"
+        )
 
     def _target(self, fmt: str, role: TensorRole) -> Target:
-        if fmt == "int4_cpu_experts":
+        if fmt in EXPERT_FORMATS:
             file = f"{CPU_EXPERTS}/layer_{role.layer:03d}.safetensors"
             return Target(fmt, CPU_EXPERTS, file=file)
         if fmt == "awq_w4a16":
@@ -78,18 +120,32 @@ class RuleRecipe(Recipe):
         return Target(fmt)
 
 
-_MTP = {"mtp": ("keep", "drop")}
-_KEEPS = {"router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_extra": KEEP}
+@functools.cache
+def density(fmt: str, params: tuple = ()) -> float | None:
+    """Stored bits per weight of format ``fmt`` on ``PROBE_SHAPE`` (None: not a weight format)."""
+    if fmt in FORMATS:
+        f = dataclasses.replace(FORMATS[fmt], **dict(params)) if params else FORMATS[fmt]
+        return f.bits_per_weight(PROBE_SHAPE)
+    if fmt in EXPERT_FORMATS:
+        inter, hidden = PROBE_SHAPE
+        stored = EXPERT_FORMATS[fmt].stored(1, hidden, inter)
+        return 8 * sum(m.nbytes for m in stored.values()) / (3 * inter * hidden)
+    return None
+
+
+_REQUANTIZE = {"requantize": (False, True)}
+_MTP = {"mtp": ("keep", "drop"), **_REQUANTIZE}
+_KEEPS = {"kept": KEEP, "router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_extra": KEEP}
 register_recipe(
     RuleRecipe(
         "ascend-hybrid",
-        "2×910B4 + Kunpeng: NPU W8A8_DYNAMIC (MLA, dense, shared) + routed experts in CPU INT4 per-channel",
+        "2×910B4 + Kunpeng: NPU W8A8_DYNAMIC (MLA, dense, shared) + routed experts in CPU INT4 per-channel (group-wise, repacked losslessly, from an INT4 group-quantized source)",
         rules={
             "attention": "w8a8_dynamic",
             "absorbed": KEEP,
             "dense": "w8a8_dynamic",
             "shared": "w8a8_dynamic",
-            "routed": "int4_cpu_experts",
+            "routed": "int4_cpu*",
             **_KEEPS,
         },
         choices=_MTP,

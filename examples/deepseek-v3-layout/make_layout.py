@@ -7,7 +7,14 @@ them (``model-%05d-of-000163.safetensors``), the MTP layer's extra tensors in th
 (``truncate``), so the ~690 GB layout costs a few MB of disk. Anything that reads only headers —
 ``hetquant convert --dry-run``, ``inspect``, the loader's planning — runs on it as on the real thing.
 
-    python examples/deepseek-v3-layout/make_layout.py OUT_DIR [--config other_config.json]
+Other models of the family's configs beside this file (``--config``; the published configs' keys
+and values, ``reference/model_families.md``): ``config_kimi_k2.json`` (Kimi-K2-Instruct, block
+FP8, 62 shards, no MTP), ``config_kimi_k2_thinking.json`` (Kimi-K2-Thinking: the linears its
+compressed-tensors ``quantization_config`` covers — the routed experts — pack-quantized INT4,
+everything else BF16) and ``config_deepseek_v32.json`` (DeepSeek-V3.2, with its indexer; its
+``weights_proj`` is BF16). Without MTP extras every shard takes main-model tensors.
+
+    python examples/deepseek-v3-layout/make_layout.py OUT_DIR [--config other_config.json] [--shards N]
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ import json
 import shutil
 from pathlib import Path
 
-from hetquant.formats import TensorMeta
+from hetquant.formats import TensorMeta, get_format
+from hetquant.formats.ct_scheme import CT_METHOD, CtQuantConfig
 from hetquant.formats.families import SCALE_SUFFIX, ModelConfig, expected_tensors
 from hetquant.formats.fp8_block import scale_shape
 from hetquant.formats.safetensors_io import build_header, create_file
@@ -26,18 +34,25 @@ HERE = Path(__file__).resolve().parent
 N_SHARDS = 163
 SHARD_NAME = "model-{:05d}-of-{:06d}.safetensors"
 # Which roles DeepSeek ships as what (README_WEIGHTS.md; reference/ascend_formats.md §1.3).
-BF16_LINEARS = {"mtp_eh_proj"}
+BF16_LINEARS = {"mtp_eh_proj", "indexer_weights_proj"}
 F32_ROLES = {"router_bias"}
 
 
 def source_tensors(cfg: ModelConfig) -> list[tuple[str, TensorMeta, bool]]:
     """(name, meta, is MTP extra) of every stored tensor in model order, scales after weights."""
     block = (cfg.weight_block_size or (128, 128))[0]
+    qc = cfg.raw.get("quantization_config") or {}
+    ct = CtQuantConfig.parse(qc) if qc.get("quant_method") == CT_METHOD else None
     out = []
     for name, tr in expected_tensors(cfg).items():
         role = tr.role
         extra = role.scope == "mtp"
-        if role.kind == "linear" and role.name not in BF16_LINEARS:
+        if ct is not None:  # compressed-tensors: what its schemes cover, the rest BF16
+            quantized = _ct_tensors(ct, name, role.kind, tr.shape)
+            out.extend((n, m, extra) for n, m in quantized)
+            if quantized:
+                continue
+        if ct is None and role.kind == "linear" and role.name not in BF16_LINEARS:
             out.append((name, TensorMeta("F8_E4M3", tr.shape), extra))
             out.append(
                 (name + SCALE_SUFFIX, TensorMeta("F32", scale_shape(tr.shape, block)), extra)
@@ -49,18 +64,32 @@ def source_tensors(cfg: ModelConfig) -> list[tuple[str, TensorMeta, bool]]:
     return out
 
 
+def _ct_tensors(
+    ct: CtQuantConfig, name: str, kind: str, shape: tuple[int, ...]
+) -> list[tuple[str, TensorMeta]]:
+    prefix = name.removesuffix(".weight")
+    scheme = ct.scheme_for(prefix, kind, stored_quantized=False) if len(shape) == 2 else None
+    if scheme is None:
+        return []
+    fmt = get_format("ct_pack_quantized", group_size=scheme.group_size, shape_dtype="I32")
+    return [(f"{prefix}.{k}", m) for k, m in fmt.stored(shape).items()]
+
+
 def split_shards(
     tensors: list[tuple[str, TensorMeta, bool]], n: int
 ) -> list[list[tuple[str, TensorMeta]]]:
     """Main tensors over the first n-1 shards by size; the MTP extras alone in the last."""
     main = [(k, m) for k, m, extra in tensors if not extra]
+    extras = [(k, m) for k, m, extra in tensors if extra]
+    n_main = n - 1 if extras else n
     total = sum(m.nbytes for _, m in main)
     shards: list[list[tuple[str, TensorMeta]]] = [[] for _ in range(n)]
     done = 0
     for k, m in main:
-        shards[min(n - 2, done * (n - 1) // total)].append((k, m))
+        shards[min(n_main - 1, done * n_main // total)].append((k, m))
         done += m.nbytes
-    shards[-1] = [(k, m) for k, m, extra in tensors if extra]
+    if extras:
+        shards[-1] = extras
     return shards
 
 

@@ -155,6 +155,8 @@ class ModelFamily:
     architectures: tuple[str, ...] = ()
     layer_prefix: str = "model.layers.{layer}."
     attention_group: str = "attention"  # the precision group attention data parallel replicates
+    # why hetquant's reference forward cannot run the family ("": it can); run / eval refuse it
+    forward_refusal: str = ""
 
     def parse_config(self, raw: dict[str, Any], origin: str = "config.json") -> ModelConfig:
         return self.config_type.parse(raw, origin)

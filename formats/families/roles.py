@@ -56,6 +56,7 @@ class Role:
     shape: Callable[[Any], tuple[int, ...]]  # of the family's config
     mlp: str | None = None  # gate | up | down
     absorbed: bool = False
+    kept: bool = False
 
     @property
     def module(self) -> str:

@@ -44,13 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
-from hetquant.formats.families import ModelFamily
+from hetquant.formats.families import ModelConfig, ModelFamily
 from hetquant.formats.families.deepseek_v3 import DeepseekV3Config
 
 from .moe import gated_mlp, route, routed_experts
 from .rope import RopeSpec, apply_rope, cos_sin
 
-__all__ = ["DeepseekV3Reference", "DenseWeights", "Weights", "rms_norm"]
+__all__ = ["DeepseekV3Reference", "DenseWeights", "Weights", "check_runnable", "rms_norm"]
 
 
 class Weights(Protocol):
@@ -100,6 +100,14 @@ class DenseWeights:
         return routed_experts(self.linear, modules, x, topk_ids, topk_weights)
 
 
+def check_runnable(cfg: ModelConfig) -> None:
+    """Refuse a model whose family the reference forward cannot run faithfully (its family's
+    ``forward_refusal``): never a forward that silently leaves part of the model out."""
+    why = cfg.family.forward_refusal
+    if why:
+        raise HetquantError(f"config.json: model_type {cfg.raw.get('model_type')!r}: {why}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight · x / sqrt(mean(x²) + eps)`` over the last dim, in float32, returned in x's dtype."""
     x32 = x.to(torch.float32)
@@ -118,6 +126,7 @@ class DeepseekV3Reference:
         self, cfg: DeepseekV3Config, weights: Weights, *, dtype: torch.dtype = torch.float32
     ):
         raw = cfg.raw
+        check_runnable(cfg)
         if raw.get("hidden_act", "silu") != "silu":
             raise HetquantError(f"config.json: hidden_act {raw['hidden_act']!r}; expected silu")
         if raw.get("attention_bias") or raw.get("tie_word_embeddings"):

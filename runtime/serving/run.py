@@ -114,9 +114,11 @@ def _check_inputs(spec: RunSpec, world: int) -> CollectiveBackend | None:
     backend = spec.collective_backend()
     from ..experts._expert_files import _select_layers
     from ..experts._subpool import _check_split
+    from ..forward.model import check_runnable
     from ..loading.loader import open_artifact
 
     art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
+    check_runnable(parse_config(art.config))
     vocab = int(art.config.get("vocab_size", 0))
     bad = [t for t in spec.tokens if not 0 <= t < vocab]
     if bad:

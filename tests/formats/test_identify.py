@@ -21,6 +21,7 @@ VARIANTS: dict[str, tuple[list[dict], list[tuple[int, int]]]] = {
         [(5, 256), (7, 128 * 5)],
     ),
     "int4_cpu": ([{}], [(6, 10), (1, 2)]),
+    "int4_cpu_group": ([{}, {"group_size": 64}], [(6, 128), (3, 64 * 5)]),
     "nvfp4": ([{}, {"with_input_scale": True}], [(6, 32), (160, 256)]),
     "nvfp4_ascend": ([{}, {"with_input_scale": True}], [(256, 64), (512, 128)]),
 }

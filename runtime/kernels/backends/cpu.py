@@ -8,7 +8,7 @@
   input_offset))``, ``torch._int_mm`` + ``quant_bias`` (tp rank 0 only), times ``deq_scale``.
   ``torch._weight_int8pack_mm`` (int8 weight x float activation) is not used: both int8 formats
   quantize the activations as well, so it would compute another (W8A16) product.
-* awq_w4a16, ct_pack_quantized, int4_cpu: ``torch._weight_int4pack_mm_for_cpu``. Its weight is
+* awq_w4a16, ct_pack_quantized, int4_cpu, int4_cpu_group: ``torch._weight_int4pack_mm_for_cpu``. Its weight is
   ``(u - 8) * scale + zero`` per group, u the unsigned code: AWQ's ``(u - z) * s`` is scale ``s``,
   zero ``(8 - z) * s``; the two symmetric formats (code = q + 8) have zero 0; int4_cpu's per-row
   scale is repeated over groups of at most 256. Scale and zero are held in the activation dtype:
@@ -187,10 +187,17 @@ def _int4_cpu_affine(fmt: Any, t: Mapping[str, torch.Tensor]) -> Int4Affine:
     return Int4Affine(codes, s, torch.zeros_like(s), codes.shape[1])
 
 
+def _int4_cpu_group_affine(fmt: Any, t: Mapping[str, torch.Tensor]) -> Int4Affine:
+    s = t["weight_scale"].to(torch.float32).T.contiguous()  # (K/g, N)
+    codes = unpack_nibbles_u8(t["weight_packed"])  # (N, K), q + 8
+    return Int4Affine(codes, s, torch.zeros_like(s), fmt.group_size)
+
+
 INT4_AFFINE: dict[str, Callable[[Any, Mapping[str, torch.Tensor]], Int4Affine]] = {
     "awq_w4a16": _awq_affine,
     "ct_pack_quantized": _ct_affine,
     "int4_cpu": _int4_cpu_affine,
+    "int4_cpu_group": _int4_cpu_group_affine,
 }
 """format name → its weights in tinygemm's ``(u - 8) * scale + zero`` form."""
 

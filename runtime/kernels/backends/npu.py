@@ -39,7 +39,7 @@ formulas). What each format prepares once and calls per forward:
   once at load, ``W = bf16(f32(e2m1) * f32(scale))`` as the kernel rounds, then a BF16
   ``torch.matmul``. BF16 activations only (chitu requires ``raise_lower_bit_float_to=bfloat16``);
   the weight costs BF16 memory, 4x the FP4 bytes.
-* bf16: F.linear. int4_cpu: refused, it is the CPU expert pool's format.
+* bf16: F.linear. int4_cpu, int4_cpu_group: refused, they are the CPU expert pool's formats.
 """
 
 from __future__ import annotations
@@ -235,13 +235,16 @@ def _ct(fmt: Any, t: Mapping[str, torch.Tensor], ctx: Backend) -> Kernel:
     return _wqbmm(ctx, w, scale, None, fmt.group_size, k, n, uses)
 
 
-@register_kernel("int4_cpu", "npu")
-def _int4_cpu(fmt: WeightFormat, t: Mapping[str, torch.Tensor], ctx: Backend) -> Kernel:
+def _cpu_pool_only(fmt: WeightFormat, t: Mapping[str, torch.Tensor], ctx: Backend) -> Kernel:
     raise HetquantError(
-        "int4_cpu is the CPU expert pool's format (routed experts computed by the host CPU); it "
-        "has no NPU kernel. Load it with backend='cpu', or convert the experts with an NPU "
+        f"{fmt.name} is the CPU expert pool's format (routed experts computed by the host CPU); "
+        "it has no NPU kernel. Load it with backend='cpu', or convert the experts with an NPU "
         "recipe (ascend-w8a8)"
     )
+
+
+for _name in ("int4_cpu", "int4_cpu_group"):
+    register_kernel(_name, "npu")(_cpu_pool_only)
 
 
 def _soft_fp4(canonical: Mapping[str, torch.Tensor], n: int, k: int, ctx: Backend) -> Kernel:

@@ -20,12 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import make_kimi_k2
 
+from hetquant.convert.engine import convert
+from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats.families import ModelConfig, expected_tensors
 from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
 from hetquant.runtime.forward.moe import RouterSpec, route
 from hetquant.runtime.forward.rope import RopeSpec, apply_rope, cos_sin, inv_freq, yarn_mscale
+from hetquant.runtime.serving.run import RunSpec, run_artifact
 
 try:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -310,3 +314,26 @@ def test_expert_hook_carries_all_routed_experts(tiny) -> None:  # type: ignore[n
         rtol=0,
         atol=0,
     )
+
+
+@needs_hf
+@pytest.mark.parametrize("variant", ["instruct", "thinking"])
+def test_kimi_k2_artifact_runs_as_transformers(variant: str, tmp_path: Path) -> None:
+    """``hetquant run`` on the bf16 artifact of a tiny Kimi K2 (model_type kimi_k2, flat top-k,
+    routed scaling 2.827, YaRN with beta_fast 1, no MTP; FP8 or INT4-expert source) gives
+    transformers' DeepseekV3 logits for the K2-shaped config, within the float32 bound."""
+    src = SourceCheckpoint.open(make_kimi_k2(tmp_path / "src", variant))
+    cfg = src.config
+    assert (cfg.raw["model_type"], cfg.family.name, cfg.num_mtp_layers) == (
+        "kimi_k2",
+        "deepseek_v3",
+        0,
+    )
+    state = {n: src.dequantized(n).to(torch.float32) for n in src.tensors}
+    convert(src, tmp_path / "art", get_recipe("bf16"), max_shard_size=1 << 40)
+    tokens = _tokens(48, cfg.vocab_size, seed=11)
+    ours, _ = run_artifact(RunSpec(str(tmp_path / "art"), tuple(tokens.tolist())))
+    with torch.no_grad():
+        theirs = _hf_model(cfg, state)(tokens[None]).logits[0].to(torch.float32)
+    diff = float((torch.from_numpy(ours) - theirs).abs().max())
+    assert diff <= _tolerance(cfg, theirs), f"max |Δlogit| {diff:.3g}"

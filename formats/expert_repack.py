@@ -1,0 +1,34 @@
+"""Lossless repacks of a source format's routed experts into an expert-layer format.
+
+``EXPERT_REPACKS[(source format, expert-layer format)]`` takes one expert's stored source tensors
+(gate, up, down: each a dict of the source format's stored tensors) and returns its slice of every
+stacked layer tensor, without dequantizing: codes and scales are carried over as they are. A recipe
+that sends routed experts to a CPU INT4 format picks the repack when the source has one
+(``convert/recipes/quantized.py``), so that quantization-aware-trained codes (Kimi K2 Thinking's
+compressed-tensors INT4, group 32) are kept, never rounded a second time.
+
+| source | expert-layer format | how |
+|---|---|---|
+| ``ct_pack_quantized`` (symmetric, group g, BF16 scales) | ``int4_cpu_group_experts`` (group g) | ``int4_cpu_group.expert_from_ct``: the I32 words viewed as bytes, scales as stored |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .int4_cpu_group import expert_from_ct
+
+__all__ = ["EXPERT_REPACKS", "Repack", "repack_target"]
+
+Repack = Callable[..., dict[str, torch.Tensor]]  # (gate, up, down stored dicts) → layer slices
+
+EXPERT_REPACKS: dict[tuple[str, str], Repack] = {
+    ("ct_pack_quantized", "int4_cpu_group_experts"): expert_from_ct,
+}
+
+
+def repack_target(source_fmt: str) -> str | None:
+    """The expert-layer format a source format's experts repack into losslessly (None: none)."""
+    return next((dst for (src, dst) in EXPERT_REPACKS if src == source_fmt), None)

@@ -1,0 +1,48 @@
+"""Every recipe converts the tiny Kimi K2 Instruct (model_type kimi_k2, awkward dims, no MTP) and
+its artifact verifies; K2's tokenizer files are what the aux-file rule sends into the artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support import make_kimi_k2, read_json
+
+from hetquant.convert.aux_files import aux_files
+from hetquant.convert.engine import convert
+from hetquant.convert.recipes import get_recipe
+from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert.verify import verify_artifact
+
+RECIPES = ["bf16", "ascend-hybrid", "ascend-w8a8", "awq-w4a16", "fp4"]
+K2_FILES = ["chat_template.jinja", "generation_config.json", "tiktoken.model",
+            "tokenization_kimi.py", "tokenizer_config.json"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def instruct(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_kimi_k2(tmp_path_factory.mktemp("k2") / "Kimi-K2-Instruct")
+
+
+def test_the_generator_writes_k2s_config(instruct: Path) -> None:
+    cfg = read_json(instruct / "config.json")
+    assert cfg["model_type"] == "kimi_k2" and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert (cfg["n_group"], cfg["topk_group"], cfg["first_k_dense_replace"]) == (1, 1, 1)
+    assert (cfg["routed_scaling_factor"], cfg["num_nextn_predict_layers"]) == (2.827, 0)
+    assert cfg["rope_scaling"]["beta_fast"] == 1.0 and cfg["rope_scaling"]["factor"] == 32.0
+    assert cfg["bos_token_id"] == cfg["vocab_size"] - 256  # K2: 163,584 of 163,840
+    ranks = (instruct / "tiktoken.model").read_text().splitlines()
+    assert len(ranks) == cfg["vocab_size"] - 256 and ranks[-1].endswith(f" {len(ranks) - 1}")
+
+
+def test_aux_rule_carries_k2s_tokenizer(instruct: Path) -> None:
+    assert aux_files(instruct).names == K2_FILES
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_converts_and_verifies(instruct: Path, tmp_path: Path, recipe: str) -> None:
+    src = SourceCheckpoint.open(instruct)
+    manifest = convert(src, tmp_path / "out", get_recipe(recipe), max_shard_size=1 << 40).manifest
+    assert manifest is not None and manifest["complete"]
+    assert read_json(tmp_path / "out" / "config.json")["model_type"] == "kimi_k2"
+    assert verify_artifact(tmp_path / "out") == []
