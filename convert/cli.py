@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import click
@@ -17,6 +18,7 @@ import click
 from hetquant.formats import HetquantError
 
 from .cli_base import HetquantGroup, must_exist
+from .os_errors import errors_as_hetquant
 from .run_cli import eval_, run
 
 __all__ = ["main"]
@@ -129,6 +131,7 @@ def main(verbose: bool) -> None:
 @click.option(
     "--token", envvar="HF_TOKEN", show_default=False, help="Hub token (default: $HF_TOKEN)."
 )
+@errors_as_hetquant
 def convert(
     source: str,
     output: Path,
@@ -176,8 +179,10 @@ def convert(
             click.echo(f"calibration: AWQ on {calib_samples} x {calib_seq_len} tokens of {calib_data}, before the jobs")  # fmt: skip
         click.echo(format_precision(precision_table(plan)))
         return
-    calibration = (
-        _calibrate(src, rec, calib_data, calib_samples, calib_seq_len) if calib_data else None
+    calibrate = (  # run by the engine once it holds OUTPUT
+        partial(_calibrate, src, rec, calib_data, calib_samples, calib_seq_len)
+        if calib_data is not None
+        else None
     )
     progress = Progress(src.total_bytes)
     try:
@@ -189,11 +194,15 @@ def convert(
             workers=workers,
             overwrite=overwrite,
             progress=progress,
-            calibration=calibration,
+            calibrate=calibrate,
         )
     finally:
         progress.close()
-    click.echo(f"wrote {output} ({count_files(artifact_files(output, result.manifest))})")
+    n = count_files(artifact_files(output, result.manifest))
+    if result.already_complete:
+        click.echo(f"{output}: already complete ({n}; same source, recipe and options)")
+    else:
+        click.echo(f"wrote {output} ({n})")
     click.echo(format_precision(result.manifest["precision"]))
 
 

@@ -1,10 +1,17 @@
-"""Plan → validate → execute, resumable: the body of ``hetquant convert``.
+"""Plan → validate → execute, resumable and safe to interrupt: the body of ``hetquant convert``.
 
-Output files are built under ``OUTPUT/.hetquant-partial/``: each is created with its final header
-and size, jobs write their byte ranges, and a journal records finished jobs. Re-running the same
-command (same source, recipe and options → same plan digest) skips journaled jobs and redoes the
-rest, giving byte-identical files. When every job is done, files are fsynced and renamed into
-place, the index, config and tokenizer files follow, and ``hetquant.json`` is written last.
+One convert at a time holds OUTPUT (``output_lock``). The work happens in
+``OUTPUT/.hetquant-partial/`` (``workdir``): containers are created at their final size (space
+checked first, from the plan's exact sizes, and reserved), jobs write their byte ranges, in this
+process or in workers (``execute``), and a journal records finished jobs. Re-running the same
+command (same source files, recipe and options → same plan digest) skips journaled jobs and redoes
+the rest, giving byte-identical files; jobs that read a source file changed since are redone too.
+When every job is done the artifact is completed in the work directory and then moved into
+OUTPUT, manifest last (``finalize``), so a previous artifact stays valid until the new one is
+whole. Re-running a finished command is a no-op ("already complete").
+
+Every failure is one ``HetquantError`` line: bad input, a full disk (bytes needed and free), an
+OS error (the path), a changed source, a dead worker, SIGINT/SIGTERM (the journal is kept).
 """
 
 from __future__ import annotations
@@ -12,48 +19,37 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hetquant.formats import HetquantError
-from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME, PARTIAL_DIR
+from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
-from .jobs import JobRunner
-from .manifest import build_manifest, file_digest, write_json_atomic
-from .plan import Job, Plan, SourceItem, make_plan
-from .recipes import ROOT, Recipe
-from .recipes.metadata import artifact_metadata
+from .diskspace import free_bytes, space_error, space_needed
+from .execute import CALIBRATION_DIR, Stopped, run_jobs, sigbus_exits, stop_on_signals
+from .finalize import AUX_PATTERNS, aux_files, build, json_size, metadata_docs, move_in
+from .os_errors import DISK_FULL, os_error
+from .output_lock import LOCK_NAME, OutputLock
+from .plan import Plan, plan_for
+from .recipes import Recipe
 from .source import SourceCheckpoint
+from .source_guard import SourceGuard, job_files
+from .workdir import JOURNAL, WorkDir
 
-__all__ = ["AUX_PATTERNS", "ConvertResult", "convert", "plan_for"]
+__all__ = ["AUX_PATTERNS", "ConvertResult", "calibration_record", "convert", "plan_for"]
 
 log = logging.getLogger("hetquant.convert")
-
-CALIBRATION_DIR = "calibration"
-JOURNAL = "journal"
-AUX_PATTERNS = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "generation_config.json", "configuration_*.py", "modeling_*.py", "LICENSE*",
-)  # fmt: skip
+_MANIFEST_BYTES_PER_FILE = 256  # a file's entry in hetquant.json, with room to spare
 
 
 @dataclass
 class ConvertResult:
     plan: Plan
-    manifest: dict[str, Any] | None
+    manifest: dict[str, Any]
     resumed_jobs: int
-
-
-def plan_for(source: SourceCheckpoint, recipe: Recipe, max_shard_size: int) -> Plan:
-    items = [SourceItem(t.name, t.role, t.dtype, t.fmt_name) for t in source.tensors.values()]
-    return make_plan(items, recipe, max_shard_size)
+    already_complete: bool = False
 
 
 def convert(
@@ -66,32 +62,46 @@ def convert(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
     calibration: Any = None,
+    calibrate: Callable[[], Any] | None = None,
 ) -> ConvertResult:
     """Convert ``source`` into the artifact directory ``output`` (see module docstring).
 
-    ``calibration`` (a ``calib.CalibrationResult``): AWQ transforms applied to the weights,
-    norms and routers it covers before they are quantized or copied; part of the plan's identity.
+    ``calibration`` (a ``calib.CalibrationResult``), or ``calibrate`` returning one once OUTPUT is
+    locked: AWQ transforms applied to the weights, norms and routers it covers before they are
+    quantized or copied; part of the plan's identity.
     """
     output = output.resolve()
     _check_paths(source.root, output)
-    plan = plan_for(source, recipe, max_shard_size)
-    if calibration is not None and not recipe.calibrates:
+    if (calibration is not None or calibrate is not None) and not recipe.calibrates:
         raise HetquantError(f"recipe {recipe.name} does not calibrate; drop --calib-data")
-    record = calibration_record(calibration) if recipe.calibrates else None
-    digest = plan.digest(source.fingerprint + json.dumps(record, sort_keys=True))
-    work = _prepare_output(output, digest, overwrite)
-    if calibration is not None and workers > 1:
-        calibration.save(work / CALIBRATION_DIR)  # worker processes load it lazily
-    done = _open_work_files(plan, work)
-    todo = [j for j in plan.jobs if j.id not in done]
-    if done:  # a fresh run stays quiet: a bad-input error must be the only line on stderr
-        log.info("%d jobs, %d already done (resume)", len(plan.jobs), len(done))
-    with open(work / JOURNAL, "a") as journal:
-        for job_id in _run_jobs(source, plan, work, todo, workers, progress, calibration):
-            journal.write(f"{job_id}\n")
-            journal.flush()
-    manifest = _finalize(source, plan, output, work, digest, record)
-    return ConvertResult(plan, manifest, len(done))
+    plan = plan_for(source, recipe, max_shard_size)
+    lock = OutputLock(output)
+    run = _Run(source, plan, output, WorkDir(lock.work))
+    try:
+        with stop_on_signals(), sigbus_exits(_SIGBUS_MESSAGE.format(root=source.root)):
+            _refuse_foreign(output)
+            lock.acquire()
+            if calibrate is not None:
+                calibration = calibrate()
+            return run.execute(workers, overwrite, progress, calibration)
+    except Stopped as s:
+        raise HetquantError(
+            f"interrupted by {s}: {run.journaled} of {len(plan.jobs)} jobs are done and journaled "
+            f"in {lock.work}; re-run the same command to resume"
+        ) from None
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise run.disk_full() from e
+        raise os_error(e) from e
+    finally:
+        lock.release(remove=_only_lock_left(lock.work))
+
+
+_SIGBUS_MESSAGE = (
+    "SOURCE {root} changed during conversion: a shard was truncated while it was being read "
+    "(SIGBUS); no manifest was written — once the source is complete and stable, re-run the same "
+    "command to resume"
+)
 
 
 def calibration_record(calibration: Any) -> dict[str, Any]:
@@ -108,6 +118,99 @@ def calibration_record(calibration: Any) -> dict[str, Any]:
     }
 
 
+@dataclass
+class _Run:
+    """One convert into ``out`` with OUTPUT locked."""
+
+    source: SourceCheckpoint
+    plan: Plan
+    out: Path
+    work: WorkDir
+    journaled: int = 0
+
+    def execute(
+        self,
+        workers: int,
+        overwrite: bool,
+        progress: Callable[[int], None] | None,
+        calibration: Any,
+    ) -> ConvertResult:
+        record = calibration_record(calibration) if self.plan.recipe.calibrates else None
+        digest = self.plan.digest(self.source.fingerprint + json.dumps(record, sort_keys=True))
+        guard = SourceGuard.record(self.source)
+        finished = _finished_manifest(self.out, self.source, digest, overwrite, self.work.digest())
+        if finished is not None:
+            self.work.clear()  # scratch left by a kill after the manifest was written
+            return ConvertResult(self.plan, finished, len(self.plan.jobs), already_complete=True)
+        if not (self.work.path / MANIFEST_NAME).exists():
+            self._check_space()  # before anything is written
+        done = self._resume_or_start(digest, overwrite, guard)
+        if not (self.work.path / MANIFEST_NAME).exists():  # else only the move into OUTPUT is left
+            if calibration is not None and workers > 1:
+                calibration.save(self.work.path / CALIBRATION_DIR)  # workers load it
+            done = self.work.open_files(self.plan, done)
+            self._run(done, workers, guard, progress, calibration)
+            build(self.source, self.plan, self.work.path, digest, record, guard)
+        manifest = move_in(self.out, self.work.path)
+        self.work.clear()
+        return ConvertResult(self.plan, manifest, len(done))
+
+    def _resume_or_start(self, digest: str, overwrite: bool, guard: SourceGuard) -> set[int]:
+        """Journaled jobs to trust (resume), or a fresh start; refuses what it may not touch."""
+        journal_digest = self.work.digest()
+        if journal_digest != digest:
+            if journal_digest is not None and not overwrite:
+                raise HetquantError(
+                    f"OUTPUT {self.out} holds an interrupted convert with a different source, "
+                    "recipe or options; re-run that command to resume it, or pass --overwrite"
+                )
+            self.work.start(digest, guard.ids)
+            return set()
+        done = self.work.done()
+        then, now = self.work.recorded_ids(), guard.ids
+        changed = {f for f in then.keys() | now.keys() if then.get(f) != now.get(f)}
+        if changed:
+            stale = {j.id for j in self.plan.jobs if job_files(self.source, j) & changed}
+            log.info("%d source file(s) changed since the interrupted run; redoing the %d jobs that read them", len(changed), len(stale & done))  # fmt: skip
+            done -= stale
+            (self.work.path / MANIFEST_NAME).unlink(missing_ok=True)
+            self.work.keep_only(digest, done, now)
+        return done
+
+    def _run(
+        self, done: set[int], workers: int, guard: SourceGuard,
+        progress: Callable[[int], None] | None, calibration: Any,
+    ) -> None:  # fmt: skip
+        todo = [j for j in self.plan.jobs if j.id not in done]
+        self.journaled = len(done)
+        if done:  # a fresh run stays quiet: a bad-input error must be the only line on stderr
+            log.info("%d jobs, %d already done (resume)", len(self.plan.jobs), len(done))
+        jobs = run_jobs(self.source, self.plan, self.work.path, todo, workers, guard, progress, calibration)  # fmt: skip
+        with open(self.work.path / JOURNAL, "a") as journal:
+            for job_id in jobs:
+                journal.write(f"{job_id}\n")
+                journal.flush()
+                self.journaled += 1
+
+    def space_needed(self) -> int:
+        extra = [json_size(doc) for doc in metadata_docs(self.plan, self.source).values()]
+        extra += [(self.source.root / n).stat().st_size for n in aux_files(self.source.root)]
+        extra.append(_MANIFEST_BYTES_PER_FILE * (len(self.plan.files) + len(extra)) + (64 << 10))
+        return space_needed(self.plan.files, self.work.path, extra)
+
+    def _check_space(self) -> None:
+        need, free = self.space_needed(), free_bytes(self.work.path)
+        if need > free:
+            raise space_error(self.out, need, free, early=True)
+
+    def disk_full(self) -> HetquantError:
+        try:
+            need, free = self.space_needed(), free_bytes(self.work.path)
+        except OSError:
+            return HetquantError(f"OUTPUT {self.out}: no space left on the device; free some and re-run the same command to resume")  # fmt: skip
+        return space_error(self.out, need, free, early=False)
+
+
 def _check_paths(src: Path, out: Path) -> None:
     if out == src or out.is_relative_to(src):
         raise HetquantError(
@@ -117,171 +220,56 @@ def _check_paths(src: Path, out: Path) -> None:
         raise HetquantError(f"SOURCE {src} is inside OUTPUT {out}; choose another OUTPUT")
 
 
-def _prepare_output(out: Path, digest: str, overwrite: bool) -> Path:
-    """Create or resume ``out``; returns the work directory."""
-    work = out / PARTIAL_DIR
-    ours = (out / MANIFEST_NAME).exists() or work.exists()
-    if out.exists() and any(out.iterdir()):
-        journal_digest = _journal_digest(work)
-        if overwrite:
-            if not ours:
-                raise HetquantError(
-                    f"OUTPUT {out} is not empty and not a hetquant artifact; refusing to delete it even with --overwrite"
-                )
-            shutil.rmtree(out)
-        elif (out / MANIFEST_NAME).exists():
-            shutil.rmtree(work, ignore_errors=True)  # scratch left by a kill after the manifest
-            raise HetquantError(
-                f"OUTPUT {out} already holds an artifact; pass --overwrite to replace it"
-            )
-        elif journal_digest == digest:
-            return work
-        elif journal_digest is not None:
-            raise HetquantError(
-                f"OUTPUT {out} holds an interrupted convert with a different source, recipe or options; re-run that command to resume it, or pass --overwrite"
-            )
-        else:
-            raise HetquantError(
-                f"OUTPUT {out} exists and is not empty; choose a new directory or pass --overwrite"
-            )
-    work.mkdir(parents=True, exist_ok=True)
-    with open(work / JOURNAL, "w") as f:
-        f.write(f"plan {digest}\n")
-    return work
+def _refuse_foreign(out: Path) -> None:
+    """OUTPUT must be a directory that is empty, or holds a hetquant artifact or work."""
+    if out.exists() and not out.is_dir():
+        raise HetquantError(f"OUTPUT {out} is a file, not a directory; choose a directory")
+    ours = (out / MANIFEST_NAME).exists() or (out / PARTIAL_DIR).exists()
+    if out.exists() and not ours and any(out.iterdir()):
+        raise HetquantError(
+            f"OUTPUT {out} is not empty and not a hetquant artifact; choose a new or empty "
+            "directory (it is never deleted, even with --overwrite)"
+        )
 
 
-def _journal_digest(work: Path) -> str | None:
+def _finished_manifest(
+    out: Path, source: SourceCheckpoint, digest: str, overwrite: bool, journal_digest: str | None
+) -> dict[str, Any] | None:
+    """The manifest of a complete artifact of this very plan and source directory in ``out``
+    (None: work to do); refuses another artifact unless ``overwrite``."""
     try:
-        first = (work / JOURNAL).read_text().split("\n", 1)[0]
+        manifest = json.loads((out / MANIFEST_NAME).read_text())
     except FileNotFoundError:
         return None
-    return first.removeprefix("plan ") if first.startswith("plan ") else None
+    except ValueError:
+        manifest = {}
+    if overwrite:
+        return None
+    same = isinstance(manifest, dict) and manifest.get("plan_digest") == digest
+    same = same and manifest.get("source", {}).get("path") == str(source.root)
+    if same and manifest.get("complete") is True and _sizes_hold(out, manifest):
+        return manifest
+    why = "a damaged artifact (run `hetquant verify`)" if same else "an artifact of another source, recipe or options"  # fmt: skip
+    resumable = " (an interrupted --overwrite of it is kept: pass --overwrite to resume it)" if journal_digest == digest else ""  # fmt: skip
+    raise HetquantError(
+        f"OUTPUT {out} already holds {why}; pass --overwrite to replace it{resumable}"
+    )
 
 
-def _open_work_files(plan: Plan, work: Path) -> set[int]:
-    """Create missing/mismatched work files; return ids of jobs whose output is intact."""
-    lines = (work / JOURNAL).read_text().splitlines()[1:]
-    done = {int(x) for x in lines if x.strip().isdigit()}
-    file_of = plan.file_of()
-    for f in plan.files:
-        path = work / f.name
-        final = work.parent / f.name
-        if final.exists() and not path.exists():
-            continue  # renamed during an interrupted finalization
-        if not f.intact(path):
-            f.create(path)
-            done -= {j.id for j in plan.jobs if any(file_of[o.tensor] is f for o in j.outputs)}
-    return done
+def _sizes_hold(out: Path, manifest: dict[str, Any]) -> bool:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return False
+    try:
+        return all((out / n).stat().st_size == f["size"] for n, f in files.items())
+    except (OSError, TypeError, KeyError):
+        return False
 
 
-# execution ---------------------------------------------------------------------------------------
-_WORKER: JobRunner | None = None
-
-
-def _worker_init(
-    source_root: str, revision: str | None, recipe: Recipe, max_shard_size: int, work: str
-) -> None:
-    global _WORKER
-    import torch
-
-    torch.set_num_threads(1)
-    source = SourceCheckpoint.open(source_root, revision)
-    calibration = None
-    if (Path(work) / CALIBRATION_DIR).exists():
-        from hetquant.calib.calibrate import CalibrationResult
-
-        calibration = CalibrationResult.load(Path(work) / CALIBRATION_DIR)
-    # The plan is rebuilt here, not sent: it holds role-table lambdas, which cannot be pickled.
-    _WORKER = JobRunner(source, plan_for(source, recipe, max_shard_size), Path(work), calibration)
-
-
-def _worker_run(job: Job) -> tuple[int, int]:
-    assert _WORKER is not None
-    return job.id, _WORKER.run(job)
-
-
-def _run_jobs(
-    source: SourceCheckpoint, plan: Plan, work: Path, todo: list[Job], workers: int,
-    progress: Callable[[int], None] | None, calibration: Any = None,
-) -> Iterable[int]:  # fmt: skip
-    if workers <= 1 or len(todo) <= 1:
-        runner = JobRunner(source, plan, work, calibration)
-        threads = torch.get_num_threads()
-        # One thread, as in the pool's workers: jobs are block-row sized, and per-op thread
-        # teams cost more than they save (benchmarks/README.md, bf16 convert).
-        torch.set_num_threads(1)
-        try:
-            for job in todo:
-                nbytes = runner.run(job)
-                if progress:
-                    progress(nbytes)
-                yield job.id
-        finally:
-            runner.close()
-            torch.set_num_threads(threads)
-        return
-    ctx = get_context("spawn")
-    args = (str(source.root), source.revision, plan.recipe, plan.max_shard_size, str(work))
-    order = sorted(todo, key=lambda j: -j.nbytes)  # big jobs first: better balance
-    with ProcessPoolExecutor(
-        workers, mp_context=ctx, initializer=_worker_init, initargs=args
-    ) as pool:
-        for job_id, nbytes in pool.map(_worker_run, order, chunksize=1):
-            if progress:
-                progress(nbytes)
-            yield job_id
-
-
-# finalization ------------------------------------------------------------------------------------
-def _finalize(
-    source: SourceCheckpoint, plan: Plan, out: Path, work: Path, digest: str,
-    calibration: dict[str, Any] | None,
-) -> dict[str, Any]:  # fmt: skip
-    for f in plan.files:
-        tmp, final = work / f.name, out / f.name
-        if tmp.exists():
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, final)
-    root_files = [f for f in plan.files if f.part == ROOT]
-    index = {
-        "metadata": {"total_size": sum(f.data_size for f in root_files)},
-        "weight_map": {t.name: f.name for f in root_files for t in f.tensors},
-    }
-    write_json_atomic(out / INDEX_NAME, index)
-    config, extra = artifact_metadata(plan, source.config.raw)
-    write_json_atomic(out / "config.json", config)
-    for name, doc in extra.items():
-        write_json_atomic(out / name, doc)
-    aux = _copy_aux(source.root, out)
-    names = [f.name for f in plan.files] + [INDEX_NAME, "config.json", *sorted(extra), *aux]
-    files = {n: file_digest(out / n) for n in names}
-    parts: dict[str, list[str]] = {}
-    for f in plan.files:
-        parts.setdefault(f.part, []).append(f.name)
-    parts[ROOT] += [INDEX_NAME, "config.json", *sorted(extra), *aux]
-    src_doc = {
-        "path": str(source.root),
-        "fingerprint": source.fingerprint,
-        "revision": source.revision,
-        "repo_id": source.repo_id,
-        "bytes": source.total_bytes,
-        "dtypes": {i.role.role.name: i.dtype for i in plan.items},
-        "formats": {i.role.role.name: i.fmt for i in plan.items},
-    }
-    manifest = build_manifest(plan, src_doc, files, parts, digest)
-    if calibration is not None:
-        manifest["calibration"] = calibration
-    write_json_atomic(out / MANIFEST_NAME, manifest)
-    shutil.rmtree(work, ignore_errors=True)
-    return manifest
-
-
-def _copy_aux(src: Path, out: Path) -> list[str]:
-    names = sorted({p.name for pat in AUX_PATTERNS for p in src.glob(pat) if p.is_file()})
-    for n in names:
-        tmp = out / f".{n}.tmp"
-        shutil.copyfile(src / n, tmp)
-        os.replace(tmp, out / n)
-    return names
+def _only_lock_left(work: Path) -> bool:
+    try:
+        return set(os.listdir(work)) <= {LOCK_NAME}
+    except FileNotFoundError:
+        return True
+    except OSError:  # unreadable: keep whatever is there
+        return False

@@ -33,6 +33,7 @@ __all__ = [
     "SourceItem",
     "make_plan",
     "parse_size",
+    "plan_for",
 ]
 
 WEIGHT_SUFFIX = ".weight"
@@ -126,6 +127,15 @@ def parse_size(text: str | int) -> int:
     if not 1 <= value < float("inf"):  # also nan, inf and sizes that int() would make 0
         raise HetquantError(f"size {text!r} must be at least 1 byte and finite, e.g. 5GB")
     return int(value)
+
+
+def plan_for(source: Any, recipe: Recipe, max_shard_size: int) -> Plan:
+    """The plan of converting ``source`` (a ``SourceCheckpoint``: its headers only)."""
+    items = [
+        SourceItem(t.name, t.role, t.dtype, t.fmt_name, t.fmt_params)
+        for t in source.tensors.values()
+    ]
+    return make_plan(items, recipe, max_shard_size)
 
 
 def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) -> Plan:

@@ -5,9 +5,11 @@
   root logger set up exactly as the real command sets it up (so log lines land on stderr as they
   would in a terminal).
 - ``hetquant_proc``: starts ``hetquant.convert.cli:main`` (what the ``hetquant`` script runs) in a
-  subprocess, for signals and for end-to-end checks of stderr; ``slow_jobs`` wraps
-  ``JobRunner.run`` with a sleep inside that child and its workers only (``tests/slow_jobs``), so
-  the tiny model can be killed mid-run.
+  subprocess (its own process group), for signals and for end-to-end checks of stderr;
+  ``slow_jobs`` wraps ``JobRunner.run`` with a sleep inside that child and its workers only
+  (``tests/child_hooks``), so the tiny model can be killed mid-run. ``process_group``,
+  ``journal_jobs``, ``wait_for_jobs`` watch such a child; ``tmpfs`` mounts a small or read-only
+  file system (or skips, saying why).
 - ``tiny_ro``: one session-wide copy of the example, the source of ``tiny_artifact`` /
   ``tiny_artifact_1mb`` (the bf16 artifact, default and 1 MB shards, converted once per session)
   and of every run compared with them. All three are read-only: copy before corrupting.
@@ -29,7 +31,9 @@ import signal
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,21 +221,29 @@ def cli() -> Callable[..., CliResult]:
 
 
 HETQUANT_MAIN = "import sys; from hetquant.convert.cli import main; sys.exit(main())"
-# The tiny model converts in about a second; to kill it mid-run, ``slow_jobs`` puts
-# tests/slow_jobs/sitecustomize.py on the child's PYTHONPATH: it slows every JobRunner.run in the
-# child and in the worker processes the child spawns. Test code only: the source is unchanged.
-SLOW_JOBS_DIR = REPO / "tests" / "slow_jobs"
+# Hooks for children (tests/child_hooks/sitecustomize.py, on the child's PYTHONPATH): they act in
+# the child and in the worker processes it spawns. ``slow_jobs``: the tiny model converts in
+# about a second; slowed down, it can be killed mid-run. ``truncate``: a source file emptied
+# under the job about to read it (SIGBUS). ``kill_workers``: workers die as if OOM-killed.
+CHILD_HOOKS = REPO / "tests" / "child_hooks"
 
 
 def start_hetquant(
-    args: Sequence[object], slow_jobs: float | None = None, setup: str = ""
+    args: Sequence[object],
+    slow_jobs: float | None = None,
+    setup: str = "",
+    truncate: Path | None = None,
+    kill_workers: str | None = None,
 ) -> subprocess.Popen:
-    """Start ``hetquant ARGS`` as a separate process (stdout/stderr piped); ``setup``: Python
-    statements the child runs first (e.g. registering a test recipe)."""
+    """Start ``hetquant ARGS`` as a separate process in its own process group (stdout/stderr
+    piped); ``setup``: Python statements the child runs first (e.g. registering a test recipe)."""
     env = dict(os.environ)
-    if slow_jobs is not None:
-        env["HETQUANT_TEST_SLOW_JOBS"] = str(slow_jobs)
-        paths = [str(SLOW_JOBS_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    hooks = {"HETQUANT_TEST_SLOW_JOBS": slow_jobs, "HETQUANT_TEST_TRUNCATE": truncate}
+    hooks["HETQUANT_TEST_KILL_WORKERS"] = kill_workers
+    hooks = {k: str(v) for k, v in hooks.items() if v is not None}
+    if hooks:
+        env |= hooks
+        paths = [str(CHILD_HOOKS), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         env["PYTHONPATH"] = os.pathsep.join(paths)
     return subprocess.Popen(
         [sys.executable, "-c", f"{setup}\n{HETQUANT_MAIN}", *map(str, args)],
@@ -244,14 +256,69 @@ def start_hetquant(
     )
 
 
+def process_group(pgid: int) -> list[int]:
+    """PIDs of the live (not zombie) processes of process group ``pgid`` (Linux /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text() if d.name.isdigit() else ""
+        except OSError:  # it ended while we looked
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(d.name))
+    return out
+
+
+def journal_jobs(out: Path) -> list[int]:
+    """Job ids in the journal of the convert into ``out`` (empty before it starts)."""
+    try:
+        lines = (out / PARTIAL / "journal").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [int(x) for x in lines[1:] if x.strip().isdigit()]
+
+
+def wait_for_jobs(proc: subprocess.Popen, out: Path, n: int) -> None:
+    """Wait until the convert ``proc`` into ``out`` has journaled ``n`` jobs."""
+    deadline = time.monotonic() + 300  # a hang guard, not a performance threshold
+    while len(journal_jobs(out)) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"the child never journaled {n} jobs"
+        time.sleep(0.02)
+
+
+def error_line(stderr: str) -> str:
+    """The one ``error: …`` line of a failed command's stderr; progress lines (every 10 s of a
+    long run) may come before it, nothing else."""
+    lines = [x for x in stderr.splitlines() if not x.startswith("INFO hetquant: converted ")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+@contextmanager
+def tmpfs(path: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (created), or a skip saying why it cannot be."""
+    path.mkdir()
+    opts = f"size={size}" + (",ro" if read_only else "")
+    try:
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)  # fmt: skip
+    except FileNotFoundError:
+        pytest.skip("no mount command here; the simulated variant of this case still runs")
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip() or res.returncode}: needs root); the simulated variant of this case still runs")  # fmt: skip
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
 @pytest.fixture
 def hetquant_proc() -> Callable[..., subprocess.Popen]:
     procs: list[subprocess.Popen] = []
 
-    def start(
-        args: Sequence[object], slow_jobs: float | None = None, setup: str = ""
-    ) -> subprocess.Popen:
-        p = start_hetquant(args, slow_jobs, setup)
+    def start(args: Sequence[object], **hooks: Any) -> subprocess.Popen:
+        p = start_hetquant(args, **hooks)
         procs.append(p)
         return p
 

@@ -221,11 +221,18 @@ def test_missing_path_is_one_error_line(cli, tmp_path: Path, command: str) -> No
     assert res.stderr.splitlines() == [f"error: {tmp_path / 'nope'}: no such file or directory"]
 
 
-def test_scratch_left_after_the_manifest_is_ignored_and_cleaned(cli, artifact_copy: Path) -> None:
+def test_scratch_left_after_the_manifest_is_ignored_and_cleaned(
+    cli, tiny_ro: Path, artifact_copy: Path
+) -> None:
     scratch = artifact_copy / PARTIAL
     scratch.mkdir()
     (scratch / "journal").write_text("plan x\n")  # a kill between manifest and cleanup
     assert cli("verify", artifact_copy).exit_code == 0
+    # another source directory: refused; the scratch may be an interrupted --overwrite: kept
     res = cli("convert", TINY, artifact_copy, "--recipe", "bf16")
     assert res.exit_code == 2 and "already holds an artifact" in res.stderr
+    assert (scratch / "journal").exists()
+    # the command that made the artifact: already complete, and the scratch is cleaned
+    res = cli("convert", tiny_ro, artifact_copy, "--recipe", "bf16")
+    assert res.exit_code == 0 and "already complete" in res.stdout, res.stderr
     assert not scratch.exists()

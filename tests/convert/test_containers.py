@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import raw_container_recipe
 import torch
-from support import MANIFEST, PARTIAL, TINY, read_json, sha256, st_header, tree_hashes
+from support import (
+    MANIFEST,
+    PARTIAL,
+    TINY,
+    read_json,
+    sha256,
+    st_header,
+    tree_hashes,
+    wait_for_jobs,
+)
 
 from hetquant.convert import containers
 from hetquant.convert.containers import (
@@ -122,13 +130,6 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _journal_jobs(out: Path) -> int:
-    try:
-        return sum(x.isdigit() for x in (out / PARTIAL / "journal").read_text().split())
-    except FileNotFoundError:
-        return 0
-
-
 SETUP = f"import sys; sys.path.insert(0, {str(CONVERT_DIR)!r}); import raw_container_recipe; raw_container_recipe.register()"  # fmt: skip
 
 
@@ -138,11 +139,7 @@ def test_raw_experts_two_workers_killed_resume_manifest_verify(
     out = tmp_path / "out"
     args = ["convert", TINY, out, "--recipe", raw_recipe.name, "--workers", "2"]
     proc = hetquant_proc(args, slow_jobs=0.2, setup=SETUP)
-    deadline = time.monotonic() + 300  # a hang guard, not a performance threshold
-    while _journal_jobs(out) < 8:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the child never journaled 8 jobs"
-        time.sleep(0.02)
+    wait_for_jobs(proc, out, 8)
     os.killpg(proc.pid, signal.SIGKILL)  # the whole convert: its workers too
     proc.wait()
     assert not (out / MANIFEST).exists()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from support import (
     INDEX,
     MANIFEST,
     PARTIAL,
+    journal_jobs,
     read_json,
     ref_dequant_bits,
     resave_shard,
@@ -24,9 +24,10 @@ from support import (
     st_header,
     tiny_counts,
     tree_hashes,
+    wait_for_jobs,
 )
 
-from hetquant.convert import engine, jobs
+from hetquant.convert import finalize, jobs
 
 SCALE = "_scale_inv"
 AUX = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -187,14 +188,6 @@ def test_small_max_shard_size_splits_with_identical_content(
 # interruption and resume
 
 
-def _journal_jobs(out: Path) -> list[int]:
-    try:
-        lines = (out / PARTIAL / "journal").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [int(x) for x in lines[1:] if x.strip().isdigit()]
-
-
 def _assert_incomplete(out: Path) -> None:
     assert not (out / MANIFEST).exists()
     assert {p.name for p in out.iterdir()} == {PARTIAL}
@@ -206,15 +199,11 @@ def test_sigkill_then_rerun_resumes_byte_identically(
     out = tmp_path / "out"
     args = ["convert", tiny_ro, out, "--recipe", "bf16", "--max-shard-size", "1MB"]
     proc = hetquant_proc(args, slow_jobs=0.2)
-    deadline = time.monotonic() + 300  # a hang guard, not a performance threshold
-    while len(_journal_jobs(out)) < 5:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the child never journaled 5 jobs"
-        time.sleep(0.02)
+    wait_for_jobs(proc, out, 5)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    done = _journal_jobs(out)
+    done = journal_jobs(out)
     assert 5 <= len(done) < tiny_counts(tiny_ro)[0]
     _assert_incomplete(out)  # an interrupted run never looks complete
     res = cli("verify", out)
@@ -252,7 +241,7 @@ def test_interrupted_run_refuses_other_options_and_resumes(
     with pytest.raises(Interrupt):
         cli(*args)
     monkeypatch.undo()
-    assert len(_journal_jobs(out)) == 40
+    assert len(journal_jobs(out)) == 40
     _assert_incomplete(out)
 
     # other options than the interrupted run: refused, nothing touched
@@ -302,14 +291,14 @@ def test_interrupted_finalization_never_leaves_a_manifest_and_resumes(
 ) -> None:
     out = tmp_path / "out"
     args = ["convert", tiny_ro, out, "--recipe", "bf16"]
-    real = engine.write_json_atomic
+    real = finalize.write_json_atomic
 
     def write_json_atomic(path: Path, doc) -> None:
         if path.name == MANIFEST:
             raise Interrupt
         real(path, doc)
 
-    monkeypatch.setattr(engine, "write_json_atomic", write_json_atomic)
+    monkeypatch.setattr(finalize, "write_json_atomic", write_json_atomic)
     with pytest.raises(Interrupt):
         cli(*args)
     monkeypatch.undo()
@@ -332,7 +321,7 @@ def test_failed_run_leaves_nothing_that_looks_complete(cli, tiny_src: Path, tmp_
     out = tmp_path / "out"
     res = cli("convert", tiny_src, out, "--recipe", "bf16")
     assert res.exit_code == 2
-    assert len(_journal_jobs(out)) > 50  # it got far before meeting the bad tensor
+    assert len(journal_jobs(out)) > 50  # it got far before meeting the bad tensor
     _assert_incomplete(out)
 
 

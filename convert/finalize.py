@@ -1,0 +1,131 @@
+"""The end of a convert: the artifact completed in the work directory, then moved into OUTPUT.
+
+``build`` fsyncs the containers, writes the index, config.json, the recipe's extra JSON files and
+the source's tokenizer files beside them, checks that the source did not change, hashes every
+file and writes the manifest — all inside ``OUTPUT/.hetquant-partial/``, so a previous artifact
+in OUTPUT stays whole and valid while this happens (``--overwrite``). ``move_in`` then replaces
+it: the old manifest goes first (OUTPUT stops claiming to be an artifact), the new files are
+renamed in, files of the old artifact that the new one lacks are removed, and the new manifest
+comes last. A kill during ``move_in`` leaves the complete new artifact split between the work
+directory and OUTPUT; re-running the same command finishes the move.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME, PARTIAL_DIR
+
+from .manifest import build_manifest, file_digest, write_json_atomic
+from .plan import Plan
+from .recipes import ROOT
+from .recipes.metadata import artifact_metadata
+from .source import SourceCheckpoint
+from .source_guard import SourceGuard
+
+__all__ = ["AUX_PATTERNS", "aux_files", "build", "metadata_docs", "move_in"]
+
+AUX_PATTERNS = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "generation_config.json", "configuration_*.py", "modeling_*.py", "LICENSE*",
+)  # fmt: skip
+
+
+def metadata_docs(plan: Plan, source: SourceCheckpoint) -> dict[str, Any]:
+    """File name → JSON document of the artifact's index, config.json and extra files."""
+    root_files = [f for f in plan.files if f.part == ROOT]
+    index = {
+        "metadata": {"total_size": sum(f.data_size for f in root_files)},
+        "weight_map": {t.name: f.name for f in root_files for t in f.tensors},
+    }
+    config, extra = artifact_metadata(plan, source.config.raw)
+    return {INDEX_NAME: index, "config.json": config, **dict(sorted(extra.items()))}
+
+
+def json_size(doc: Any) -> int:
+    """Bytes ``write_json_atomic`` writes for ``doc``."""
+    return len(json.dumps(doc, indent=2, sort_keys=False).encode()) + 1
+
+
+def aux_files(src: Path) -> list[str]:
+    """The source's tokenizer / generation-config / license files an artifact carries along."""
+    return sorted({p.name for pat in AUX_PATTERNS for p in src.glob(pat) if p.is_file()})
+
+
+def build(
+    source: SourceCheckpoint, plan: Plan, work: Path, digest: str,
+    calibration: dict[str, Any] | None, guard: SourceGuard,
+) -> dict[str, Any]:  # fmt: skip
+    """Complete the artifact inside ``work`` (see module docstring); returns its manifest."""
+    for f in plan.files:
+        with open(work / f.name, "rb+") as fh:
+            os.fsync(fh.fileno())
+    docs = metadata_docs(plan, source)
+    for name, doc in docs.items():
+        write_json_atomic(work / name, doc)
+    aux = aux_files(source.root)
+    for n in aux:
+        tmp = work / f".{n}.tmp"
+        shutil.copyfile(source.root / n, tmp)
+        os.replace(tmp, work / n)
+    guard.check()  # the last moment a changed source can still be refused
+    names = [f.name for f in plan.files] + [*docs, *aux]
+    parts: dict[str, list[str]] = {}
+    for f in plan.files:
+        parts.setdefault(f.part, []).append(f.name)
+    parts[ROOT] += [*docs, *aux]
+    src_doc = {
+        "path": str(source.root),
+        "fingerprint": source.fingerprint,
+        "revision": source.revision,
+        "repo_id": source.repo_id,
+        "bytes": source.total_bytes,
+        "dtypes": {i.role.role.name: i.dtype for i in plan.items},
+        "formats": {i.role.role.name: i.fmt for i in plan.items},
+    }
+    files = {n: file_digest(work / n) for n in names}
+    manifest = build_manifest(plan, src_doc, files, parts, digest)
+    if calibration is not None:
+        manifest["calibration"] = calibration
+    write_json_atomic(work / MANIFEST_NAME, manifest)
+    return manifest
+
+
+def move_in(out: Path, work: Path) -> dict[str, Any]:
+    """Replace whatever artifact ``out`` holds by the complete one in ``work``."""
+    manifest = json.loads((work / MANIFEST_NAME).read_text())
+    names = set(manifest["files"])
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    for name in sorted(names):
+        if (work / name).exists():  # else moved by an interrupted earlier move_in
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(work / name, out / name)
+    _remove_others(out, names)
+    os.replace(work / MANIFEST_NAME, out / MANIFEST_NAME)
+    _fsync_dir(out)
+    return manifest
+
+
+def _remove_others(out: Path, keep: set[str]) -> None:
+    """Delete what the previous artifact had and the new one lacks (the work dir excepted)."""
+    for p in sorted(out.rglob("*"), reverse=True):  # children before their directories
+        rel = p.relative_to(out)
+        if rel.parts[0] == PARTIAL_DIR or str(rel) in keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            if not any(p.iterdir()):
+                p.rmdir()
+        else:
+            p.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
