@@ -151,8 +151,8 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: f
     import torch.distributed as dist
 
     from .loader import open_artifact
-    from .model import DeepseekV3Reference
     from .rank import Comm, RankWeights, run_stage
+    from .references import reference_for
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     g = spec.group
@@ -179,7 +179,7 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: f
         pool=pool,
         npu_ops=_npu_ops(spec.device),
     )
-    model = DeepseekV3Reference(cfg, weights, dtype=spec.act_dtype)
+    model = reference_for(cfg)(cfg, weights, dtype=spec.act_dtype)
     layers = layout.stage_layers(cfg.num_hidden_layers)
     first, last = stage == 0, stage == spec.pp - 1
     nbytes = sum(t.nbytes for t in tensors.values())
@@ -276,12 +276,12 @@ def local_model(
     artifact: str | Path, *, device: str = "cpu", subpools: int = 1, dtype: str | None = None
 ) -> Any:
     """The whole artifact on one rank of this process, run through its quantized ops (W8A8
-    activation quantization included): a ``DeepseekV3Reference`` whose ``forward`` maps tokens
+    activation quantization included): the family's reference forward (``references.py``) whose ``forward`` maps tokens
     [T] to float32 logits [T, vocab]."""
     from .layout import ParallelLayout
     from .loader import open_artifact
-    from .model import DeepseekV3Reference
     from .rank import RankWeights
+    from .references import reference_for
 
     spec = RunSpec(str(artifact), (0,), device=device, subpools=subpools, dtype=dtype)
     art = open_artifact(artifact)
@@ -293,4 +293,4 @@ def local_model(
     weights = RankWeights(
         tensors, art.modules, layout, cfg, backend=device, pool=pool, npu_ops=_npu_ops(device)
     )
-    return DeepseekV3Reference(cfg, weights, dtype=spec.act_dtype)
+    return reference_for(cfg)(cfg, weights, dtype=spec.act_dtype)
