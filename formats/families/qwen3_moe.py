@@ -97,7 +97,9 @@ class Qwen3MoeConfig(ModelConfig):
                     "decoder_sparse_step", origin)  # fmt: skip
         only = raw.get("mlp_only_layers") or []
         if not isinstance(only, list) or not all(_is_int(x) and x >= 0 for x in only):
-            raise HetquantError(f"{origin}: mlp_only_layers must be a list of layer ids, got {only!r}")
+            raise HetquantError(
+                f"{origin}: mlp_only_layers must be a list of layer ids, got {only!r}"
+            )
         if raw.get("num_experts") == 0:
             raise HetquantError(
                 f"{origin}: num_experts is 0: a dense Qwen3 is out of scope (hetquant converts "
@@ -247,9 +249,11 @@ AWQ = AwqMappings(
     ),
     clips=("q", "k", "v", "o"),
     mlp_input=Balance(
-        "mlp_in", "ffn_norm", ("dense_gate", "dense_up", "expert_gate", "expert_up"),
+        "mlp_in",
+        "ffn_norm",
+        ("dense_gate", "dense_up", "expert_gate", "expert_up"),
         compensate="router",
-    ),  # fmt: skip
+    ),
     clip_skip=("q_proj", "k_proj"),
 )
 

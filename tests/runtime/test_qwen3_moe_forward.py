@@ -85,9 +85,13 @@ def _hf_logits(cfg: ModelConfig, state: dict, tokens: torch.Tensor) -> torch.Ten
 VARIANTS = {
     "tiny-fp8": None,
     # no GQA, every other layer dense (decoder_sparse_step), top-3 without renormalisation
-    "mha-sparse-step-unnormalised": dict(num_key_value_heads=8, decoder_sparse_step=2,
-                                         mlp_only_layers=[], num_experts_per_tok=3,
-                                         norm_topk_prob=False),  # fmt: skip
+    "mha-sparse-step-unnormalised": dict(
+        num_key_value_heads=8,
+        decoder_sparse_step=2,
+        mlp_only_layers=[],
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+    ),
     # one KV head for 8 query heads, head_dim 64, every layer MoE
     "mqa-head64": dict(num_key_value_heads=1, head_dim=64, mlp_only_layers=[]),
 }
@@ -142,7 +146,9 @@ def test_sharded_run_matches_transformers(
     assert diff <= tol, f"{layout}: max |Δlogit| {diff:.3g} > {tol:.3g}"
 
 
-def test_hybrid_tp2_with_a_two_subpool_cpu_pool(tiny_qwen3: dict[str, Path], tmp_path: Path) -> None:
+def test_hybrid_tp2_with_a_two_subpool_cpu_pool(
+    tiny_qwen3: dict[str, Path], tmp_path: Path
+) -> None:
     """ascend-hybrid (W8A8 attention and dense MLP, routed experts in the CPU INT4 pool)."""
     out = tmp_path / "hybrid"
     convert(SourceCheckpoint.open(tiny_qwen3["bf16"]), out, get_recipe("ascend-hybrid"),
