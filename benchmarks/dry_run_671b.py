@@ -26,43 +26,36 @@ LINE = re.compile(r"^\s+(\S+)\s+([\d,]+) bytes")
 TOTAL = re.compile(r"^total\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)$")
 
 
+def dry_run(src: Path, out: Path, recipe: str, extra: list[str]) -> dict:
+    """``hetquant convert SRC OUT --recipe R EXTRA --dry-run`` in a subprocess: the recipe, its
+    wall time, planned bytes per artifact part and bits per weight."""
+    t = time.perf_counter()
+    cmd = ["hetquant", "convert", str(src), str(out), "--recipe", recipe, *extra, "--dry-run"]
+    stdout = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    secs = time.perf_counter() - t
+    parts: dict[str, int] = {}
+    for line in stdout.splitlines():
+        if m := LINE.match(line):
+            part = "cpu_experts" if m.group(1).startswith("cpu_experts/") else "root"
+            parts[part] = parts.get(part, 0) + int(m.group(2).replace(",", ""))
+    bits = next(float(m.group(3)) for ln in stdout.splitlines() if (m := TOTAL.match(ln)))
+    return {
+        "recipe": " ".join([recipe, *extra]),
+        "seconds": round(secs, 1),
+        "parts": parts,
+        "bits_per_weight": bits,
+    }
+
+
 def main() -> None:
     spec = importlib.util.spec_from_file_location(
         "ml", REPO / "examples/deepseek-v3-layout/make_layout.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         src = mod.write_layout(Path(tmp) / "DeepSeek-R1")
-        for recipe, extra in RECIPES:
-            t = time.perf_counter()
-            cmd = [
-                "hetquant",
-                "convert",
-                str(src),
-                str(Path(tmp) / "out"),
-                "--recipe",
-                recipe,
-                *extra,
-                "--dry-run",
-            ]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            secs = time.perf_counter() - t
-            parts: dict[str, int] = {}
-            for line in out.splitlines():
-                if m := LINE.match(line):
-                    part = "cpu_experts" if m.group(1).startswith("cpu_experts/") else "root"
-                    parts[part] = parts.get(part, 0) + int(m.group(2).replace(",", ""))
-            bits = next(float(m.group(3)) for ln in out.splitlines() if (m := TOTAL.match(ln)))
-            rows.append(
-                {
-                    "recipe": " ".join([recipe, *extra]),
-                    "seconds": round(secs, 1),
-                    "parts": parts,
-                    "bits_per_weight": bits,
-                }
-            )
+        rows = [dry_run(src, Path(tmp) / "out", recipe, extra) for recipe, extra in RECIPES]
     print(f"{'recipe':<32} {'root GB':>9} {'cpu_experts GB':>15} {'bits/w':>7} {'dry-run s':>10}")
     for r in rows:
         print(
