@@ -47,6 +47,13 @@ def dry_run(src: Path, out: Path, recipe: str, extra: list[str]) -> dict:
     }
 
 
+def write_results(path: Path, rows: list[dict]) -> None:
+    """``rows`` as JSON at ``path``, with the date and the Python version."""
+    path.parent.mkdir(exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0]}
+    path.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+
+
 def main() -> None:
     spec = importlib.util.spec_from_file_location(
         "ml", REPO / "examples/deepseek-v3-layout/make_layout.py"
@@ -61,14 +68,7 @@ def main() -> None:
         print(
             f"{r['recipe']:<32} {r['parts'].get('root', 0) / 1e9:>9.1f} {r['parts'].get('cpu_experts', 0) / 1e9:>15.1f} {r['bits_per_weight']:>7.3f} {r['seconds']:>10.1f}"
         )
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {"date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0], "rows": rows},
-            indent=2,
-        )
-        + "\n"
-    )
+    write_results(RESULTS, rows)
 
 
 if __name__ == "__main__":

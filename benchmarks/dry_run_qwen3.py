@@ -15,10 +15,7 @@ with attention data parallelism), with the refusal the loader gives at TP 8.
 from __future__ import annotations
 
 import importlib.util
-import json
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +94,7 @@ def recipe_of(recipe: str, extra: list[str]) -> Any:
 
 def main() -> None:
     layouts = _load(REPO / "examples/qwen3-moe-layout/make_layout.py", "qwen3_layout")
-    dry_run = _load(REPO / "benchmarks/dry_run_671b.py", "dry_run_671b").dry_run
+    bench = _load(REPO / "benchmarks/dry_run_671b.py", "dry_run_671b")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in layouts.MODELS:
@@ -105,7 +102,7 @@ def main() -> None:
                 src = layouts.write_layout(Path(tmp) / f"{model}-{dtype}", model, dtype)
                 source = SourceCheckpoint.open(src)
                 for recipe, extra in RECIPES:
-                    row = dry_run(src, Path(tmp) / "out", recipe, extra)
+                    row = bench.dry_run(src, Path(tmp) / "out", recipe, extra)
                     plan = plan_for(source, recipe_of(recipe, extra), 5 * 10**9)
                     row |= {"model": model, "source": dtype}
                     row |= tp_sizes(source.config.raw, planned_modules(plan))
@@ -120,13 +117,7 @@ def main() -> None:
             f"{r['bits_per_weight']:>7.3f} {r['seconds']:>9.1f}  "
             f"{','.join(map(str, r['tp']))} ({','.join(map(str, r['tp_attn_dp']))})"
         )
-    RESULTS.write_text(
-        json.dumps(
-            {"date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0], "rows": rows},
-            indent=2,
-        )
-        + "\n"
-    )
+    bench.write_results(RESULTS, rows)
 
 
 if __name__ == "__main__":

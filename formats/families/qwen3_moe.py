@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import HetquantError
+from ._common import DENSE_MLP, GLOBALS, LAYER_NORMS, ROUTED_EXPERTS, ROUTER
 from .base import ModelConfig, ModelFamily, register_family
 from .deepseek_v3 import RouterSpec
 from .mappings import AwqMappings, Balance
-from .roles import GLOBAL, GLOBAL_LAST, Role
+from .roles import Role
 
 __all__ = ["AWQ", "FAMILY", "ROLES", "Qwen3MoeConfig"]
 
@@ -194,13 +195,9 @@ def _kv(c: Qwen3MoeConfig) -> int:
 
 R = Role
 ROLES: tuple[Role, ...] = (
-    R("embed", "model.embed_tokens.weight", GLOBAL, "embeddings", "embedding", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
-    R("final_norm", "model.norm.weight", GLOBAL, "norms", "norm", "replicate", None, lambda c: (_h(c),)),
-    R("lm_head", "lm_head.weight", GLOBAL_LAST, "embeddings", "head", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
+    *GLOBALS,
+    *LAYER_NORMS,
     # every layer: GQA attention with per-head q/k norms
-    R("attn_norm", "input_layernorm.weight", "layer", "norms", "norm", "replicate", None, lambda c: (_h(c),)),
     R("q", "self_attn.q_proj.weight", "layer", "attention", "linear", "column", None,
       lambda c: (_q(c), _h(c))),
     R("k", "self_attn.k_proj.weight", "layer", "attention", "linear", "column", None,
@@ -213,24 +210,9 @@ ROLES: tuple[Role, ...] = (
       lambda c: (c.head_dim,)),
     R("o", "self_attn.o_proj.weight", "layer", "attention", "linear", "row", None,
       lambda c: (_h(c), _q(c))),
-    R("ffn_norm", "post_attention_layernorm.weight", "layer", "norms", "norm", "replicate", None,
-      lambda c: (_h(c),)),
-    # dense MLP layers (mlp_only_layers, decoder_sparse_step)
-    R("dense_gate", "mlp.gate_proj.weight", "dense", "dense_mlp", "linear", "column", None,
-      lambda c: (c.intermediate_size, _h(c)), mlp="gate"),
-    R("dense_up", "mlp.up_proj.weight", "dense", "dense_mlp", "linear", "column", None,
-      lambda c: (c.intermediate_size, _h(c)), mlp="up"),
-    R("dense_down", "mlp.down_proj.weight", "dense", "dense_mlp", "linear", "row", None,
-      lambda c: (_h(c), c.intermediate_size), mlp="down"),
-    # MoE layers: router and routed experts, no shared expert
-    R("router", "mlp.gate.weight", "moe", "router", "router", "replicate", None,
-      lambda c: (c.num_experts, _h(c))),
-    R("expert_gate", "mlp.experts.{e}.gate_proj.weight", "moe", "routed_experts", "linear", "column",
-      "routed", lambda c: (c.moe_intermediate_size, _h(c)), mlp="gate"),
-    R("expert_up", "mlp.experts.{e}.up_proj.weight", "moe", "routed_experts", "linear", "column",
-      "routed", lambda c: (c.moe_intermediate_size, _h(c)), mlp="up"),
-    R("expert_down", "mlp.experts.{e}.down_proj.weight", "moe", "routed_experts", "linear", "row",
-      "routed", lambda c: (_h(c), c.moe_intermediate_size), mlp="down"),
+    *DENSE_MLP,  # the mlp_only_layers / decoder_sparse_step layers
+    ROUTER,  # MoE layers: router and routed experts, no shared expert, no router bias
+    *ROUTED_EXPERTS,
 )  # fmt: skip
 
 
