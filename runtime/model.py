@@ -1,4 +1,5 @@
-"""A reference DeepSeek-V3 forward for one sequence, written from the model's definition.
+"""A reference DeepSeek-V3 forward for one sequence, written from the model's definition, and
+``DecoderReference``, the part every family's forward shares (``qwen3_moe.py`` is another).
 
 The forward never touches a weight tensor itself. It asks a *weights provider* (``Weights``):
 
