@@ -5,7 +5,7 @@ Writes the real checkpoint layouts (``examples/qwen3-moe-layout/make_layout.py``
 name/dtype/shape, data as sparse holes) into a temporary directory, then per recipe: runs
 ``hetquant convert SRC OUT --recipe R --dry-run`` as a subprocess (timed; sizes per artifact part,
 bits per weight: ``dry_run_671b.py``'s ``dry_run``), and asks the runtime's layout check which
-TP sizes (1-16) the planned artifact allows (``planned_modules``: every root module's format,
+TP sizes (1, 2, 4, 8, 16) the planned artifact allows (``planned_modules``: every root module's format,
 shape and stored tensors as the plan writes them; ``ParallelLayout.validate`` on them, without and
 with attention data parallelism), with the refusal the loader gives at TP 8.
 
@@ -34,7 +34,7 @@ RESULTS = REPO / "benchmarks" / "results" / "dry_run_qwen3.json"
 RECIPES = [("bf16", []), ("ascend-hybrid", []), ("ascend-w8a8", []), ("awq-w4a16", []),
            ("awq-w4a16", ["--group-size", "64"]), ("fp4", []), ("fp4", ["--fp4-layout", "nvfp4"])]  # fmt: skip
 OPTIONS = {"--group-size": ("group_size", int), "--fp4-layout": ("fp4_layout", str)}
-TP_SIZES = range(1, 17)
+TP_SIZES = (1, 2, 4, 8, 16)
 
 
 def _load(path: Path, name: str) -> Any:
@@ -48,17 +48,19 @@ def planned_modules(plan: Plan) -> dict[str, ModuleInfo]:
     """Every root-part module of the planned artifact: format (None: a plain tensor), weight
     shape and stored tensors (header entries without offsets) — what ``open_artifact`` reads
     from the written artifact's manifest and headers."""
-    metas = {t.name: t.meta for f in plan.files if f.part == "root" for t in f.tensors}
+    by_module: dict[str, dict[str, Any]] = {}  # module → key → meta
+    for f in plan.files:
+        for t in f.tensors if f.part == "root" else ():
+            module, _, key = t.name.rpartition(".")
+            by_module.setdefault(module, {})[key] = t.meta
     out: dict[str, ModuleInfo] = {}
     for job in plan.jobs:
         if job.target.part != "root":
             continue
         for source in job.sources:
             module = source.rpartition(".")[0]
-            keys = {n.removeprefix(module + "."): m for n, m in metas.items()
-                    if n.rpartition(".")[0] == module}  # fmt: skip
             entries = {k: ("planned", HeaderEntry(f"{module}.{k}", m.dtype, m.shape, 0, 0))
-                       for k, m in keys.items()}  # fmt: skip
+                       for k, m in by_module[module].items()}  # fmt: skip
             fmt = job.target.fmt
             if fmt in FORMATS and fmt != "bf16":
                 info = ModuleInfo(module, get_format(fmt, **dict(job.target.params)),

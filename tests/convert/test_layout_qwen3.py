@@ -93,3 +93,26 @@ def test_plan_reads_headers_only_and_tp_sizes(sources, recipe: str, extra, monke
     tp, dp, needle = EXPECTED_235B[(recipe, extra)]
     assert (got["tp"], got["tp_attn_dp"]) == (tp, dp)
     assert needle in got["tp8_refusal"] and "valid tp sizes: 1, 2, 4" in got["tp8_refusal"]
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "ascend-hybrid", "awq-w4a16", "fp4"])
+def test_planned_modules_are_the_written_artifacts(recipe: str, tiny_qwen3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """What the TP predictions above rest on: the plan's modules (format, shape, stored tensors)
+    are those ``open_artifact`` reads from the artifact the plan writes."""
+    from hetquant.convert.engine import convert
+    from hetquant.runtime import open_artifact
+
+    src = SourceCheckpoint.open(tiny_qwen3["fp8"])
+    rec = DRY.recipe_of(recipe, [])
+    planned = DRY.planned_modules(plan_for(src, rec, 1 << 20))
+    convert(src, tmp_path / "out", rec, max_shard_size=1 << 20)
+    written = open_artifact(tmp_path / "out").modules
+    assert set(planned) == set(written)
+    for name, info in written.items():
+        p = planned[name]
+        assert p.shape == info.shape
+        assert {k: e.meta for k, (_, e) in p.entries.items()} == {
+            k: e.meta for k, (_, e) in info.entries.items()
+        }
+        if p.fmt is not None:
+            assert p.fmt == info.fmt
