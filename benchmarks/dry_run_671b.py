@@ -67,20 +67,20 @@ def print_rows(rows: list[dict]) -> None:
         )
 
 
+def write_results(path: Path, rows: list[dict]) -> None:
+    """``rows`` as JSON at ``path``, with the date and the Python version."""
+    path.parent.mkdir(exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0]}
+    path.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+
+
 def main() -> None:
     mod = load_make_layout()
     with tempfile.TemporaryDirectory() as tmp:
         src = mod.write_layout(Path(tmp) / "DeepSeek-R1")
         rows = [dry_run(src, Path(tmp) / "out", recipe, extra) for recipe, extra in RECIPES]
     print_rows(rows)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {"date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0], "rows": rows},
-            indent=2,
-        )
-        + "\n"
-    )
+    write_results(RESULTS, rows)
 
 
 if __name__ == "__main__":

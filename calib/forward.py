@@ -1,11 +1,11 @@
-"""DeepSeek-V3 decoder layers over a batch of sequences, one layer's weights at a time.
+"""Decoder layers over a batch of sequences, one layer's weights at a time.
 
 Calibration and evaluation both run the model as ``N`` independent sequences of ``T`` tokens
 (positions 0..T-1 each, causal), layer by layer: only the current layer's tensors are held, as
 ``DenseWeights``-style state on the compute device, plus the hidden states [N, T, D]. The layer
-is composed from the runtime's own building blocks (``runtime/forward/model.py``
-``DeepseekV3Reference.attention``, ``rms_norm``; ``runtime/forward/moe.py`` ``route``, ``gated_mlp``),
-in the order of ``DeepseekV3Reference.decoder_layer``, with two changes that make it run on any
+is composed from the runtime's own building blocks (the family's reference forward,
+``runtime/forward/references.py``: its ``attention``; ``rms_norm``; ``runtime/forward/moe.py``
+``route``, ``gated_mlp``), in the order of ``DecoderReference.decoder_layer``, with two changes that make it run on any
 device and deterministically:
 
 - attention runs per sequence (the runtime's attention takes one sequence); norms, router and
@@ -34,8 +34,9 @@ import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
 from hetquant.formats.families import ModelFamily
-from hetquant.runtime.forward.model import DeepseekV3Reference, rms_norm
+from hetquant.runtime.forward.model import rms_norm
 from hetquant.runtime.forward.moe import gated_mlp, route
+from hetquant.runtime.forward.references import reference_for
 from hetquant.runtime.forward.rope import cos_sin
 
 __all__ = [
@@ -167,7 +168,8 @@ class LayerRunner:
 
     def __init__(self, cfg: Any, seq_len: int, device: torch.device, dtype: torch.dtype):
         self.cfg, self.device, self.dtype, self.fam = cfg, torch.device(device), dtype, cfg.family
-        probe = DeepseekV3Reference(cfg, LayerWeights({}, family=self.fam), dtype=dtype)
+        self.reference = reference_for(cfg)  # the family's forward (its attention)
+        probe = self.reference(cfg, LayerWeights({}, family=self.fam), dtype=dtype)
         self.eps, self.router = probe.eps, probe.router
         cos, sin = cos_sin(probe.rope, torch.arange(seq_len))  # [T, dr/2] each
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
@@ -175,7 +177,7 @@ class LayerRunner:
 
     def run(self, layer: int, h: torch.Tensor, weights: LayerWeights) -> torch.Tensor:
         """Layer ``layer`` on ``h`` [N, T, D] → [N, T, D] with ``weights``."""
-        model = DeepseekV3Reference(self.cfg, weights, dtype=self.dtype)
+        model = self.reference(self.cfg, weights, dtype=self.dtype)
         f = self.fam
         ln = weights.get(f.tensor("attn_norm", layer))
         rows = []
@@ -191,7 +193,7 @@ class LayerRunner:
         return (flat + y).reshape(h.shape)
 
     def _moe(self, w: LayerWeights, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """``DeepseekV3Reference.moe`` with routing on the CPU."""
+        """``DecoderReference.moe`` with routing on the CPU."""
         assert self.router is not None
         f = self.fam
         logits = F.linear(x.to(torch.float32), w.get(f.tensor("router", layer)).to(torch.float32))

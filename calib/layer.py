@@ -118,7 +118,8 @@ class _LayerCalibration:
         """The family's ``balances`` (those whose option is on), then its ``clips``."""
         mappings = self.fam.awq
         for b in mappings.balances:
-            if b.option is None or getattr(self.opts, b.option):
+            on = b.option is None or getattr(self.opts, b.option)
+            if on and (b.when is None or b.when(self.ctx.cfg)):
                 self._mapping(b, cap)
         for role in mappings.clips:
             if role in self.has:

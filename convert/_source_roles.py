@@ -11,6 +11,7 @@ refused, as are modules that carry a quantized format's signature but fit none.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from hetquant.formats import HetquantError, TensorMeta, WeightFormat, get_format
 from hetquant.formats.base import identify, missing_partners
@@ -39,6 +40,7 @@ PREFERRED: tuple[Callable[[ModelConfig], WeightFormat], ...] = (
 def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
     """Role tensor name → (role, its stored tensors by local key, format or None)."""
     expected = expected_tensors(cfg)
+    _refuse_by_name(cfg, entries, expected)
     modules: dict[str, Entries] = {}
     for name, fe in entries.items():
         prefix, _, key = name.rpartition(".")
@@ -87,6 +89,22 @@ def _check_group(attached: Attached, prefix: str, schemes: CtQuantConfig | None)
         raise HetquantError(
             f"{prefix}: stored pack-quantized with group {group}, but config.json's "
             f"quantization_config gives it {said}; the checkpoint and its config disagree"
+        )
+
+
+def _refuse_by_name(cfg: ModelConfig, entries: Entries, expected: Mapping[str, Any]) -> None:
+    """Tensors the family refuses by name (a layout it does not read); then every expected
+    weight with no stored tensor at all, named together."""
+    for name in entries:
+        if name not in expected and (why := cfg.family.refusal(name)) is not None:
+            raise HetquantError(f"tensor {name!r}: {why}")
+    prefixes = {n.rpartition(".")[0] for n in entries}
+    absent = [n for n in expected if n not in entries and n.rpartition(".")[0] not in prefixes]
+    if len(absent) > 1:
+        more = f" (and {len(absent) - 3} more)" if len(absent) > 3 else ""
+        raise HetquantError(
+            f"checkpoint lacks tensors {', '.join(map(repr, absent[:3]))}{more}, which "
+            "config.json implies; incomplete?"
         )
 
 

@@ -358,6 +358,25 @@ def tiny_ro_hashes(tiny_ro: Path) -> dict[str, str]:
     return tree_hashes(tiny_ro)
 
 
+TINY_QWEN3 = REPO / "examples" / "tiny-qwen3-moe" / "make_tiny.py"
+
+
+def make_tiny_qwen3() -> Any:
+    """``examples/tiny-qwen3-moe/make_tiny.py`` as a namespace (``write_checkpoint``, ``CONFIG``)."""
+    import runpy
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**runpy.run_path(str(TINY_QWEN3)))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Qwen3-MoE checkpoint, generated once per session: {"fp8": dir, "bf16": dir}.
+    Read-only: copy before corrupting."""
+    base, gen = tmp_path_factory.mktemp("tiny-qwen3"), make_tiny_qwen3()
+    return {d: gen.write_checkpoint(base / d, d) for d in ("fp8", "bf16")}
+
+
 def _convert_once(
     src: Path, tmp_path_factory: pytest.TempPathFactory, name: str, *opts: str
 ) -> Path:

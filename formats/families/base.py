@@ -115,6 +115,11 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         raise NotImplementedError
 
+    @property
+    def tp_head_counts(self) -> tuple[int, ...]:
+        """Head counts tensor parallelism must divide (GQA families add their KV heads)."""
+        return (self.num_attention_heads,)
+
     def layer_scopes(self, layer: int) -> frozenset[str]:
         """The role scopes decoder layer ``layer`` holds (``mtp`` is added for MTP layers)."""
         raise NotImplementedError
@@ -157,6 +162,15 @@ class ModelFamily:
     attention_group: str = "attention"  # the precision group attention data parallel replicates
     # why hetquant's reference forward cannot run the family ("": it can); run / eval refuse it
     forward_refusal: str = ""
+
+    # model types that resemble the family but are refused: (model_type, why)
+    refused_types: tuple[tuple[str, str], ...] = ()
+    # stored tensor names (regex, searched) a source of the family is refused for: (regex, why)
+    refused: tuple[tuple[str, str], ...] = ()
+
+    def refusal(self, name: str) -> str | None:
+        """Why a stored tensor ``name`` no role takes is refused by name (None: not known)."""
+        return next((why for pat, why in self.refused if re.search(pat, name)), None)
 
     def parse_config(self, raw: dict[str, Any], origin: str = "config.json") -> ModelConfig:
         return self.config_type.parse(raw, origin)
@@ -318,6 +332,9 @@ def family_for_config(raw: Mapping[str, Any], origin: str = "config.json") -> Mo
     for family in FAMILIES.values():
         if model_type in family.model_types:
             return family
+        why = dict(family.refused_types).get(model_type)
+        if why is not None:
+            raise HetquantError(f"{origin}: model_type {model_type!r}: {why}")
     archs = raw.get("architectures")
     archs = archs if isinstance(archs, list) else []
     for family in FAMILIES.values():

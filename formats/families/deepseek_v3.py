@@ -38,9 +38,10 @@ from typing import Any
 import torch
 
 from ..errors import HetquantError
+from ._common import DENSE_MLP, GLOBALS, LAYER_NORMS, ROUTED_EXPERTS, ROUTER
 from .base import ModelConfig, ModelFamily, register_family
 from .mappings import AwqMappings, Balance
-from .roles import GLOBAL, GLOBAL_LAST, MTP, Role
+from .roles import MTP, Role
 
 __all__ = ["AWQ", "FAMILY", "ROLES", "DeepseekV3Config", "RouterSpec"]
 
@@ -205,16 +206,8 @@ def _shared_i(c: DeepseekV3Config) -> int:
 
 R = Role
 ROLES: tuple[Role, ...] = (
-    # global: the embedding and final norm before the layers, lm_head after them
-    R("embed", "model.embed_tokens.weight", GLOBAL, "embeddings", "embedding", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
-    R("final_norm", "model.norm.weight", GLOBAL, "norms", "norm", "replicate", None, lambda c: (_h(c),)),
-    R("lm_head", "lm_head.weight", GLOBAL_LAST, "embeddings", "head", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
-    # every layer
-    R("attn_norm", "input_layernorm.weight", "layer", "norms", "norm", "replicate", None, lambda c: (_h(c),)),
-    R("ffn_norm", "post_attention_layernorm.weight", "layer", "norms", "norm", "replicate", None,
-      lambda c: (_h(c),)),
+    *GLOBALS,
+    *LAYER_NORMS,
     R("q_a", "self_attn.q_a_proj.weight", "attn_q_lora", "attention", "linear", "replicate", None,
       lambda c: (c.q_lora_rank or 0, _h(c))),
     R("q_a_norm", "self_attn.q_a_layernorm.weight", "attn_q_lora", "norms", "norm", "replicate", None,
@@ -232,16 +225,8 @@ ROLES: tuple[Role, ...] = (
       absorbed=True),
     R("o", "self_attn.o_proj.weight", "layer", "attention", "linear", "row", None,
       lambda c: (_h(c), c.num_attention_heads * c.v_head_dim)),
-    # dense MLP layers
-    R("dense_gate", "mlp.gate_proj.weight", "dense", "dense_mlp", "linear", "column", None,
-      lambda c: (c.intermediate_size, _h(c)), mlp="gate"),
-    R("dense_up", "mlp.up_proj.weight", "dense", "dense_mlp", "linear", "column", None,
-      lambda c: (c.intermediate_size, _h(c)), mlp="up"),
-    R("dense_down", "mlp.down_proj.weight", "dense", "dense_mlp", "linear", "row", None,
-      lambda c: (_h(c), c.intermediate_size), mlp="down"),
-    # MoE layers
-    R("router", "mlp.gate.weight", "moe", "router", "router", "replicate", None,
-      lambda c: (c.n_routed_experts, _h(c))),
+    *DENSE_MLP,
+    ROUTER,
     R("router_bias", "mlp.gate.e_score_correction_bias", "moe", "router", "bias", "replicate", None,
       lambda c: (c.n_routed_experts,)),
     R("shared_gate", "mlp.shared_experts.gate_proj.weight", "moe_shared", "shared_experts", "linear",
@@ -250,12 +235,7 @@ ROLES: tuple[Role, ...] = (
       "column", "shared", lambda c: (_shared_i(c), _h(c)), mlp="up"),
     R("shared_down", "mlp.shared_experts.down_proj.weight", "moe_shared", "shared_experts", "linear",
       "row", "shared", lambda c: (_h(c), _shared_i(c)), mlp="down"),
-    R("expert_gate", "mlp.experts.{e}.gate_proj.weight", "moe", "routed_experts", "linear", "column",
-      "routed", lambda c: (c.moe_intermediate_size, _h(c)), mlp="gate"),
-    R("expert_up", "mlp.experts.{e}.up_proj.weight", "moe", "routed_experts", "linear", "column",
-      "routed", lambda c: (c.moe_intermediate_size, _h(c)), mlp="up"),
-    R("expert_down", "mlp.experts.{e}.down_proj.weight", "moe", "routed_experts", "linear", "row",
-      "routed", lambda c: (_h(c), c.moe_intermediate_size), mlp="down"),
+    *ROUTED_EXPERTS,
     # multi-token-prediction extras
     R("mtp_enorm", "enorm.weight", MTP, "mtp", "norm", "replicate", None, lambda c: (_h(c),)),
     R("mtp_hnorm", "hnorm.weight", MTP, "mtp", "norm", "replicate", None, lambda c: (_h(c),)),

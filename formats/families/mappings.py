@@ -8,6 +8,7 @@ first linear present (every role is a role name of the family's table). Roles a 
 hold are left out; a balance with no linear left is skipped. Routed-expert linears expand to every
 expert, each scored on the tokens routed to it. ``compensate``: a role that reads the same input
 but is not quantized (the router): its columns are multiplied by ``s`` so that its output stays.
+``when(cfg)``: False skips the balance for that config (Qwen3-MoE's v → o under GQA).
 
 Per decoder layer the calibration runs, in order: ``balances``; the clip search of the ``clips``
 linears on their own inputs; ``mlp_input``; then every gated MLP of the role table
@@ -35,6 +36,7 @@ class Balance:
     rows: Callable[[Any], Any] | None = None  # cfg → int64 row indices of ``prev`` (a linear)
     compensate: str | None = None
     option: str | None = None  # the ``AwqOptions`` flag that turns it on (None: always on)
+    when: Callable[[Any], bool] | None = None  # cfg → whether the shapes allow it (None: always)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""A reference DeepSeek-V3 forward for one sequence, written from the model's definition.
+"""A reference DeepSeek-V3 forward for one sequence, written from the model's definition, and
+``DecoderReference``, the part every family's forward shares (``qwen3_moe.py`` is another).
 
 The forward never touches a weight tensor itself. It asks a *weights provider* (``Weights``):
 
@@ -47,10 +48,17 @@ from hetquant.formats import HetquantError
 from hetquant.formats.families import ModelConfig, ModelFamily
 from hetquant.formats.families.deepseek_v3 import DeepseekV3Config
 
-from .moe import gated_mlp, route, routed_experts
+from .moe import RouterSpec, gated_mlp, route, routed_experts
 from .rope import RopeSpec, apply_rope, cos_sin
 
-__all__ = ["DeepseekV3Reference", "DenseWeights", "Weights", "check_runnable", "rms_norm"]
+__all__ = [
+    "DecoderReference",
+    "DeepseekV3Reference",
+    "DenseWeights",
+    "Weights",
+    "check_runnable",
+    "rms_norm",
+]
 
 
 class Weights(Protocol):
@@ -115,30 +123,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight.to(torch.float32) * x32).to(x.dtype)
 
 
-class DeepseekV3Reference:
-    """DeepSeek-V3 causal prefill over one token sequence (no KV cache).
-
-    ``cfg`` is a ``DeepseekV3Config`` (a config of the DeepSeek-V3 family, or of one sharing its
-    roles); ``weights`` a ``Weights`` provider; ``dtype`` the activation dtype. Logits are float32.
+class DecoderReference:
+    """What every family's reference forward shares: causal prefill over one token sequence (no
+    KV cache) — embedding, pre-norm residual decoder layers, final norm and lm_head, and the MoE
+    block (router → ``weights.experts`` + shared experts where the layer holds them). A family's
+    subclass sets ``rope`` (``RopeSpec``), ``router`` (``RouterSpec`` or None) and ``eps`` in its
+    ``__init__`` and defines ``attention``. ``runtime/forward/references.py`` picks the subclass by
+    family. Logits are float32.
     """
 
-    def __init__(
-        self, cfg: DeepseekV3Config, weights: Weights, *, dtype: torch.dtype = torch.float32
-    ):
+    rope: RopeSpec
+    router: RouterSpec | None
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, *, dtype: torch.dtype) -> None:
         raw = cfg.raw
         check_runnable(cfg)
         if raw.get("hidden_act", "silu") != "silu":
             raise HetquantError(f"config.json: hidden_act {raw['hidden_act']!r}; expected silu")
-        if raw.get("attention_bias") or raw.get("tie_word_embeddings"):
-            raise HetquantError(
-                "config.json: attention_bias / tie_word_embeddings are not DeepSeek-V3 features"
-            )
         self.cfg, self.weights, self.dtype, self.fam = cfg, weights, dtype, cfg.family
-        self.eps = cfg.rms_norm_eps
-        self.rope = RopeSpec.from_config(raw, cfg.qk_rope_head_dim)
-        self.softmax_scale = cfg.qk_head_dim**-0.5 * self.rope.softmax_mscale
+        self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         moe = any(cfg.is_moe_layer(layer) for layer in range(cfg.num_hidden_layers))
-        self.router = cfg.router() if moe else None
+        self.router = cfg.router() if moe else None  # type: ignore[attr-defined]
 
     # public API ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -176,6 +181,17 @@ class DeepseekV3Reference:
             seq = torch.cat([seq, nxt.reshape(1)])  # [T + i + 1]
         return seq
 
+    def attention(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """The family's attention of layer ``layer`` on normed ``x`` [T, D] → [T, D]."""
+        raise NotImplementedError
+
     # one layer ------------------------------------------------------------------------------
     def decoder_layer(
         self,
@@ -193,6 +209,43 @@ class DeepseekV3Reference:
         if self.cfg.is_moe_layer(layer):
             return h + self.moe(layer, x)
         return h + gated_mlp(w.linear, f.mlp_modules(None, layer), x)
+
+    def moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts (through ``weights.experts``) plus the shared experts the layer holds,
+        [T, D] → [T, D]."""
+        assert self.router is not None
+        w, f = self.weights, self.fam
+        logits = F.linear(
+            x.to(torch.float32), w.get(f.tensor("router", layer)).to(torch.float32)
+        )  # [T, E]
+        bias = w.get(f.tensor("router_bias", layer)) if self.router.use_bias else None
+        topk_ids, topk_weights = route(logits, bias, self.router)  # [T, k], [T, k]
+        y = w.experts(layer, x, topk_ids, topk_weights)  # [T, D]
+        shared = f.mlp("shared")
+        if shared is not None and f.role(shared.gate) in f.layer_roles(self.cfg, layer):
+            y = y + gated_mlp(w.linear, f.mlp_modules("shared", layer), x)
+        return y
+
+
+class DeepseekV3Reference(DecoderReference):
+    """DeepSeek-V3 causal prefill over one token sequence (no KV cache).
+
+    ``cfg`` is a ``DeepseekV3Config`` (a config of the DeepSeek-V3 family, or of one sharing its
+    roles); ``weights`` a ``Weights`` provider; ``dtype`` the activation dtype. Logits are float32.
+    """
+
+    cfg: DeepseekV3Config
+
+    def __init__(
+        self, cfg: DeepseekV3Config, weights: Weights, *, dtype: torch.dtype = torch.float32
+    ):
+        if cfg.raw.get("attention_bias") or cfg.raw.get("tie_word_embeddings"):
+            raise HetquantError(
+                "config.json: attention_bias / tie_word_embeddings are not DeepSeek-V3 features"
+            )
+        super().__init__(cfg, weights, dtype=dtype)
+        self.rope = RopeSpec.from_config(cfg.raw, cfg.qk_rope_head_dim)
+        self.softmax_scale = cfg.qk_head_dim**-0.5 * self.rope.softmax_mscale
 
     def attention(
         self,
@@ -235,17 +288,3 @@ class DeepseekV3Reference:
         probs = (scores + mask.to(scores.dtype)).softmax(-1, dtype=torch.float32).to(x.dtype)
         o = torch.einsum("hts,shd->thd", probs, v)  # [T, H, dv]
         return w.linear(m("o"), o.reshape(t, nh * dv))  # [T, D]
-
-    def moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Routed experts (through ``weights.experts``) plus shared experts, [T, D] → [T, D]."""
-        assert self.router is not None
-        w, f = self.weights, self.fam
-        logits = F.linear(
-            x.to(torch.float32), w.get(f.tensor("router", layer)).to(torch.float32)
-        )  # [T, E]
-        bias = w.get(f.tensor("router_bias", layer)) if self.router.use_bias else None
-        topk_ids, topk_weights = route(logits, bias, self.router)  # [T, k], [T, k]
-        y = w.experts(layer, x, topk_ids, topk_weights)  # [T, D]
-        if self.cfg.n_shared_experts:
-            y = y + gated_mlp(w.linear, f.mlp_modules("shared", layer), x)
-        return y

@@ -15,7 +15,8 @@ groups (``RouterSpec`` fields; DeepSeek-V3 paper §2.1.2 and ``inference/model.p
 ``scoring == "softmax"`` (DeepSeek-V2) uses ``softmax(x · Wgᵀ)`` for ``s``. Without ``use_bias``
 a group scores by its largest affinity, as in DeepSeek's ``Gate``. With ``n_group == 1`` no group
 is excluded. ``RouterSpec`` is parsed from config.json by the DeepSeek-V3 family
-(``formats/families/deepseek_v3.py``, which names the config keys).
+(``formats/families/deepseek_v3.py``, which names the config keys); Qwen3-MoE's router is the
+softmax, one-group, unbiased, unscaled case (``qwen3_moe.py`` ``Qwen3MoeConfig.router``).
 
 An expert (routed or shared) is ``down(silu(gate(x)) · up(x))``; the layer output is
 ``Σ_k w_k · expert_{ids_k}(x) + shared(x)``. Module names come from the family's role table

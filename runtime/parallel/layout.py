@@ -245,6 +245,9 @@ def _tp_split_ok(info: ModuleInfo, pl: Placement, dim: int, world: int) -> str |
     return None
 
 
+_HEADS = ("heads", "KV heads")  # what ``ModelConfig.tp_head_counts`` lists
+
+
 def _tp_reason(layout: ParallelLayout, facts: ModelFacts, modules: Iterable[ModuleInfo]) -> Any:
     """``reason(world)``: why ``world`` TP ranks cannot hold ``modules`` (None: they can); and
     the gcd that every valid world divides."""
@@ -255,8 +258,9 @@ def _tp_reason(layout: ParallelLayout, facts: ModelFacts, modules: Iterable[Modu
     ]
 
     def reason(world: int) -> str | None:
-        if world > 1 and not layout.attn_dp and facts.heads % world:
-            return f"tp_size {world} does not divide {facts.heads} heads"
+        bad = [h for h in facts.heads if h % world]
+        if world > 1 and not layout.attn_dp and bad:
+            return f"tp_size {world} does not divide {bad[0]} {_HEADS[facts.heads.index(bad[0])]}"
         seen: set[tuple] = set()
         for info, pl, dim in split:
             key = (info.fmt, info.shape, dim, pl.rule.group in ("embed", "head"))
@@ -266,7 +270,7 @@ def _tp_reason(layout: ParallelLayout, facts: ModelFacts, modules: Iterable[Modu
         return None
 
     sizes = [info.shape[d] for info, pl, d in split if pl.rule.group not in ("embed", "head")]
-    return reason, math.gcd(*sizes, *(() if layout.attn_dp else (facts.heads,)))
+    return reason, math.gcd(*sizes, *(() if layout.attn_dp else facts.heads))
 
 
 def check_layout(

@@ -110,7 +110,7 @@ class ModelFacts:
     """What sharding reads of the model: a view of config.json parsed by its family."""
 
     num_layers: int
-    heads: int
+    heads: tuple[int, ...]  # the head counts TP must divide (query heads; KV heads under GQA)
     n_routed: int
     moe_layers: tuple[int, ...]  # main-model MoE layers, then MTP ones
     mtp_layers: tuple[int, ...]
@@ -121,7 +121,7 @@ class ModelFacts:
         cfg = parse_config(raw)
         return cls(
             cfg.num_hidden_layers,
-            cfg.num_attention_heads,
+            cfg.tp_head_counts,
             cfg.num_experts,
             cfg.moe_layers,
             tuple(cfg.mtp_layer_ids),

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
 
-from ..forward.model import DeepseekV3Reference, rms_norm
+from ..forward.model import DecoderReference, rms_norm
 from ..kernels.ops import QuantLinear
 from ..parallel.layout import ParallelLayout, split_of
 from ..parallel.shard_rules import IN, OUT, ModuleInfo, place, split_range
@@ -159,7 +159,7 @@ class RankWeights:
 
 
 def run_stage(
-    model: DeepseekV3Reference, layers: range, h_or_tokens: torch.Tensor, *, first: bool, last: bool
+    model: DecoderReference, layers: range, h_or_tokens: torch.Tensor, *, first: bool, last: bool
 ) -> torch.Tensor:
     """This stage's part of the forward: token ids [T] (first stage) or hidden [T, D] in; hidden
     [T, D] out, or float32 logits [T, V] on the last stage."""

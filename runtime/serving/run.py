@@ -181,7 +181,7 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: f
     stage's group rank 0) and its ``RankTiming`` into ``out``."""
     import torch.distributed as dist
 
-    from ..forward.model import DeepseekV3Reference
+    from ..forward.references import reference_for
     from ..loading.loader import open_artifact
     from .collectives import Comm, init_groups, rank_device
     from .pipeline import RankTiming, StagePlace, generate
@@ -212,7 +212,7 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: f
         pool=pool,
         npu_ops=_npu_ops(spec.device),
     )
-    model = DeepseekV3Reference(cfg, weights, dtype=spec.act_dtype)
+    model = reference_for(cfg)(cfg, weights, dtype=spec.act_dtype)
     nbytes = sum(t.nbytes for t in tensors.values())
     log.info(
         "rank %d of %d: loaded %d tensors (%.1f MB) onto %s%s, %.1f s after start",
@@ -264,9 +264,9 @@ def local_model(
     artifact: str | Path, *, device: str = "cpu", subpools: int = 1, dtype: str | None = None
 ) -> Any:
     """The whole artifact on one rank of this process, run through its quantized ops (W8A8
-    activation quantization included): a ``DeepseekV3Reference`` whose ``forward`` maps tokens
+    activation quantization included): the family's reference forward (``references.py``) whose ``forward`` maps tokens
     [T] to float32 logits [T, vocab]."""
-    from ..forward.model import DeepseekV3Reference
+    from ..forward.references import reference_for
     from ..loading.loader import open_artifact
     from ..parallel.layout import ParallelLayout
     from .collectives import rank_device
@@ -282,4 +282,4 @@ def local_model(
     weights = RankWeights(
         tensors, art.modules, layout, cfg, backend=device, pool=pool, npu_ops=_npu_ops(device)
     )
-    return DeepseekV3Reference(cfg, weights, dtype=spec.act_dtype)
+    return reference_for(cfg)(cfg, weights, dtype=spec.act_dtype)

@@ -135,8 +135,8 @@ def test_config_fields_and_derived_facts() -> None:
         ({k: v for k, v in _raw().items() if k != "model_type"},
          ("origin.json", "no model_type", "deepseek_v3")),
         (_raw(model_type=""), ("origin.json", "no model_type")),
-        (_raw(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]),
-         ("origin.json", "qwen3_moe", "Qwen3MoeForCausalLM", "deepseek_v3")),
+        (_raw(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"]),
+         ("origin.json", "glm4_moe", "Glm4MoeForCausalLM", "deepseek_v3", "qwen3_moe")),
     ],
 )  # fmt: skip
 def test_config_refusals(raw: dict, needles: tuple[str, ...]) -> None:

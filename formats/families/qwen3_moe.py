@@ -1,0 +1,264 @@
+"""The Qwen3-MoE family (Qwen3-235B-A22B, Qwen3-30B-A3B and their -FP8 repos): config, tensor
+role table, AWQ mappings.
+
+Facts (read from transformers 5.23 ``models/qwen3_moe/{configuration,modeling}_qwen3_moe.py``;
+reference/model_families.md §2): GQA attention with ``num_key_value_heads`` KV heads of
+``head_dim`` channels (not ``hidden_size / heads``: 235B has 64 × 128 = 8192 > 4096), a per-head
+RMSNorm on q and k (``q_norm`` / ``k_norm`` [head_dim], before RoPE), no attention bias; no
+shared expert, no MTP layer, no router bias. Decoder layer ``L`` is a MoE layer iff
+``L ∉ mlp_only_layers`` and ``num_experts > 0`` and ``(L + 1) % decoder_sparse_step == 0``
+(``Qwen3MoeDecoderLayer.__init__``); the other layers hold a dense MLP of ``intermediate_size``.
+Every released config has all layers MoE. Routing: ``softmax`` over all experts, top-k,
+renormalised iff ``norm_topk_prob`` (transformers' default False; released configs say true) —
+a ``RouterSpec`` with one group, no bias and scaling 1. The -FP8 repos are DeepSeek's 128×128
+block format (``quantization_config.weight_block_size``).
+
+Per-expert tensors only: later Qwen releases (Qwen3.5 / 3.6, ``qwen3_5_moe``) store fused 3-D
+``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] under another prefix, and their
+architecture (shared expert, linear attention) is not this one: such tensors are refused by name
+(``ModelFamily.refused``), as are the model types ``qwen3`` (dense, out of scope) and
+``qwen3_5_moe`` / ``qwen3_next``.
+
+AWQ (AutoAWQ's ``Qwen3MoeAWQForCausalLM`` mappings, as data):
+
+=================================  ======================================================
+prev op                            balanced linears
+=================================  ======================================================
+input_layernorm                    q_proj + k_proj + v_proj
+v_proj                             o_proj — only when ``num_key_value_heads ==
+                                   num_attention_heads`` (``Balance.when``)
+post_attention_layernorm           dense gate/up, or EVERY routed expert's gate/up; router
+                                   (``mlp.gate``) columns × s
+up_proj (dense, expert e)          down_proj of the same MLP
+=================================  ======================================================
+
+v → o under GQA: o_proj's input channel ``h·d + c`` reads v row ``(h // g)·d + c`` (g = heads per
+KV head), so one v row feeds g o-columns; a fold needs one scale shared by those g columns, which
+the per-channel search does not produce. AutoAWQ applies the mapping only when the v and o
+shapes agree; so do we — Qwen3-235B / 30B (4 KV heads) skip it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import HetquantError
+from ._common import DENSE_MLP, GLOBALS, LAYER_NORMS, ROUTED_EXPERTS, ROUTER
+from .base import ModelConfig, ModelFamily, register_family
+from .deepseek_v3 import RouterSpec
+from .mappings import AwqMappings, Balance
+from .roles import Role
+
+__all__ = ["AWQ", "FAMILY", "ROLES", "Qwen3MoeConfig"]
+
+_REQUIRED = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads")  # fmt: skip
+_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+@dataclass(frozen=True)
+class Qwen3MoeConfig(ModelConfig):
+    """The fields of a Qwen3-MoE HF config that conversion, calibration and loading need."""
+
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int  # dense layers (mlp_only_layers / sparse step); 0 when none
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    weight_block_size: tuple[int, int] | None
+    rms_norm_eps: float
+    raw: dict[str, Any]
+    num_mtp_layers: int = 0
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], origin: str = "config.json") -> Qwen3MoeConfig:
+        missing = [k for k in _REQUIRED if k not in raw]
+        if missing:
+            raise HetquantError(
+                f"{origin}: missing field(s) {', '.join(missing)}; is this a Qwen3-MoE config?"
+            )
+        v = {k: _int(raw, k, origin) for k in _REQUIRED}
+        heads, kv = v["num_attention_heads"], v["num_key_value_heads"]
+        if heads < 1 or kv < 1 or heads % kv:
+            raise HetquantError(
+                f"{origin}: num_attention_heads {heads} must be a positive multiple of "
+                f"num_key_value_heads {kv}"
+            )
+        head_dim = raw.get("head_dim") or v["hidden_size"] // heads
+        step = _int({"decoder_sparse_step": raw.get("decoder_sparse_step") or 1},
+                    "decoder_sparse_step", origin)  # fmt: skip
+        only = raw.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(_is_int(x) and x >= 0 for x in only):
+            raise HetquantError(
+                f"{origin}: mlp_only_layers must be a list of layer ids, got {only!r}"
+            )
+        if raw.get("num_experts") == 0:
+            raise HetquantError(
+                f"{origin}: num_experts is 0: a dense Qwen3 is out of scope (hetquant converts "
+                "MoE models)"
+            )
+        moe_keys = [k for k in _MOE_KEYS if raw.get(k) is None]
+        if moe_keys:
+            raise HetquantError(
+                f"{origin}: a qwen3_moe config lacks the MoE field(s) {', '.join(moe_keys)}; "
+                "add them from the checkpoint's published config.json"
+            )
+        moe = {k: _int(raw, k, origin) for k in _MOE_KEYS}
+        if not 1 <= moe["num_experts_per_tok"] <= moe["num_experts"]:
+            raise HetquantError(
+                f"{origin}: num_experts_per_tok {moe['num_experts_per_tok']} not in "
+                f"[1, num_experts {moe['num_experts']}]"
+            )
+        qc = raw.get("quantization_config") or {}
+        block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
+        eps = raw.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or eps < 0:
+            raise HetquantError(f"{origin}: field rms_norm_eps must be a number >= 0, got {eps!r}")
+        cfg = cls(
+            **v, head_dim=_int({"head_dim": head_dim}, "head_dim", origin), **moe,
+            intermediate_size=int(raw.get("intermediate_size") or 0),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)), decoder_sparse_step=step,
+            mlp_only_layers=tuple(only), weight_block_size=tuple(block) if block else None,
+            rms_norm_eps=float(eps), raw=raw,
+        )  # fmt: skip
+        dense = [layer for layer in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(layer)]
+        if dense and cfg.intermediate_size <= 0:
+            raise HetquantError(
+                f"{origin}: layers {dense[:5]} are dense (mlp_only_layers / decoder_sparse_step) "
+                "but intermediate_size is missing"
+            )
+        return cfg
+
+    # generic facts ---------------------------------------------------------------------------
+    @property
+    def tp_head_counts(self) -> tuple[int, ...]:
+        return (self.num_attention_heads, self.num_key_value_heads)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            layer < self.num_hidden_layers
+            and layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def layer_scopes(self, layer: int) -> frozenset[str]:
+        return frozenset({"layer", "moe" if self.is_moe_layer(layer) else "dense"})
+
+    @classmethod
+    def without_mtp(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        return dict(raw)  # Qwen3-MoE has no MTP layers
+
+    # the forward's ----------------------------------------------------------------------------
+    def router(self) -> RouterSpec:
+        """softmax top-k over all experts, renormalised iff ``norm_topk_prob``, no bias."""
+        spec = RouterSpec(self.num_experts, self.num_experts_per_tok, 1, 1, "softmax", False,
+                          self.norm_topk_prob, 1.0)  # fmt: skip
+        spec.validate()
+        return spec
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int(raw: dict[str, Any], key: str, origin: str) -> int:
+    value = raw[key]
+    if not _is_int(value) or value < 0:
+        raise HetquantError(f"{origin}: field {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+# -- the role table ----------------------------------------------------------------------------
+
+
+def _h(c: Qwen3MoeConfig) -> int:
+    return c.hidden_size
+
+
+def _q(c: Qwen3MoeConfig) -> int:
+    return c.num_attention_heads * c.head_dim
+
+
+def _kv(c: Qwen3MoeConfig) -> int:
+    return c.num_key_value_heads * c.head_dim
+
+
+R = Role
+ROLES: tuple[Role, ...] = (
+    *GLOBALS,
+    *LAYER_NORMS,
+    # every layer: GQA attention with per-head q/k norms
+    R("q", "self_attn.q_proj.weight", "layer", "attention", "linear", "column", None,
+      lambda c: (_q(c), _h(c))),
+    R("k", "self_attn.k_proj.weight", "layer", "attention", "linear", "column", None,
+      lambda c: (_kv(c), _h(c))),
+    R("v", "self_attn.v_proj.weight", "layer", "attention", "linear", "column", None,
+      lambda c: (_kv(c), _h(c))),
+    R("q_norm", "self_attn.q_norm.weight", "layer", "norms", "norm", "replicate", None,
+      lambda c: (c.head_dim,)),
+    R("k_norm", "self_attn.k_norm.weight", "layer", "norms", "norm", "replicate", None,
+      lambda c: (c.head_dim,)),
+    R("o", "self_attn.o_proj.weight", "layer", "attention", "linear", "row", None,
+      lambda c: (_h(c), _q(c))),
+    *DENSE_MLP,  # the mlp_only_layers / decoder_sparse_step layers
+    ROUTER,  # MoE layers: router and routed experts, no shared expert, no router bias
+    *ROUTED_EXPERTS,
+)  # fmt: skip
+
+
+# -- AWQ ---------------------------------------------------------------------------------------
+
+
+def _no_gqa(c: Qwen3MoeConfig) -> bool:
+    """v → o folds only when v_proj and o_proj's input have the same channels (no GQA)."""
+    return c.num_key_value_heads == c.num_attention_heads
+
+
+AWQ = AwqMappings(
+    balances=(
+        Balance("attn_in", "attn_norm", ("q", "k", "v")),
+        Balance("o", "v", ("o",), when=_no_gqa),
+    ),
+    clips=("q", "k", "v", "o"),
+    mlp_input=Balance(
+        "mlp_in",
+        "ffn_norm",
+        ("dense_gate", "dense_up", "expert_gate", "expert_up"),
+        compensate="router",
+    ),
+    clip_skip=("q_proj", "k_proj"),
+)
+
+_FUSED = (
+    "fused 3-D experts (mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I], the Qwen3.5 / "
+    "3.6 layout) are not supported: hetquant reads Qwen3-MoE's per-expert tensors "
+    "(mlp.experts.N.{gate,up,down}_proj.weight); use the per-expert checkpoint"
+)
+
+FAMILY = register_family(
+    ModelFamily(
+        "qwen3_moe",
+        Qwen3MoeConfig,
+        ROLES,
+        AWQ,
+        model_types=("qwen3_moe",),
+        architectures=("Qwen3MoeForCausalLM",),
+        refused_types=(
+            ("qwen3", "a dense Qwen3 (no experts) is out of scope: hetquant converts MoE models "
+                      "(Qwen3-MoE: model_type qwen3_moe)"),
+            ("qwen3_5_moe", f"Qwen3.5-MoE (shared expert, linear attention) is not supported; {_FUSED}"),
+            ("qwen3_next", "Qwen3-Next (shared expert, Gated DeltaNet attention) is not supported"),
+        ),
+        refused=((r"\.mlp\.experts\.(gate_up_proj|down_proj)(\.weight)?$", _FUSED),),
+    )
+)  # fmt: skip

@@ -1,0 +1,33 @@
+"""The reference forward of each model family, by family name: what ``hetquant run`` / ``eval``,
+``local_model`` and calibration's layer runner build for an artifact or source.
+
+A new family registers its forward here (a ``model.DecoderReference`` subclass).
+"""
+
+from __future__ import annotations
+
+from hetquant.formats import HetquantError
+from hetquant.formats.families import ModelConfig
+
+from .model import DecoderReference, DeepseekV3Reference, check_runnable
+from .qwen3_moe import Qwen3MoeReference
+
+__all__ = ["REFERENCES", "reference_for"]
+
+REFERENCES: dict[str, type[DecoderReference]] = {
+    "deepseek_v3": DeepseekV3Reference,
+    "qwen3_moe": Qwen3MoeReference,
+}
+
+
+def reference_for(cfg: ModelConfig) -> type[DecoderReference]:
+    """The reference forward class of ``cfg``'s model family (refused, with the family's own
+    reason, where its forward would leave part of the model out)."""
+    check_runnable(cfg)
+    try:
+        return REFERENCES[cfg.family_name]
+    except KeyError:
+        raise HetquantError(
+            f"model family {cfg.family_name!r} has no reference forward (runtime/forward/references.py); "
+            "it converts, but run, eval and AWQ calibration need one"
+        ) from None
