@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from hetquant.formats import HetquantError
+from hetquant.formats.filenames import INDEX_NAME
 
 __all__ = ["publish"]
 
@@ -141,7 +142,7 @@ def _publish(
     )
 
     sizes["README.md"] = len(card.encode())
-    index_path = artifact / "model.safetensors.index.json"
+    index_path = artifact / INDEX_NAME
     report = check_hub_limits(sizes, _read_json(index_path) or None, private=private)
     for w in report.warnings:
         click.echo(f"warning: {w}", err=True)

@@ -28,14 +28,12 @@ import torch
 from hetquant.formats import HetquantError, WeightFormat
 from hetquant.formats.base import float_rows
 from hetquant.formats.families import ModelConfig, TensorRole, load_json
+from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
 from hetquant.formats.safetensors_io import HeaderEntry, MappedFile, read_header
 
 from ._source_roles import PLAIN, attach_roles
 
 __all__ = ["INDEX_NAME", "PLAIN", "SINGLE_NAME", "SourceCheckpoint", "SourceTensor"]
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 from hetquant.formats import HetquantError
 from hetquant.formats.families import TensorRole, expected_tensors, load_config, load_json
+from hetquant.formats.filenames import PARTIAL_DIR
 
 from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, file_digest, module_formats
 from .plan import Plan, SourceItem, make_plan
@@ -28,7 +29,7 @@ _FORMAT_OF_DTYPE = {"F8_E4M3": "fp8_block", "BF16": "bf16"}  # 2-D weights, sche
 HUB_FILES = {"README.md", ".gitattributes"}
 # ... and the engine's scratch directory, which a kill between writing the manifest and removing
 # it can leave behind (the next convert into OUTPUT removes it).
-IGNORED_DIRS = (".cache/huggingface/", ".hetquant-partial/")
+IGNORED_DIRS = (".cache/huggingface/", f"{PARTIAL_DIR}/")
 
 
 def load_manifest(root: Path) -> dict[str, Any]:

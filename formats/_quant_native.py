@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ._native import DEFAULT_FLAGS, NativeLibrary
+from .native import DEFAULT_FLAGS, NativeLibrary
 
 __all__ = [
     "ISAS",

@@ -48,8 +48,8 @@ from typing import ClassVar
 import torch
 
 from . import _quant_native
-from ._bits import unpack_nibbles_i32
 from .base import Streaming, TensorMeta, WeightFormat, all_finite, register
+from .bits import unpack_nibbles_i32
 from .errors import HetquantError
 
 __all__ = [

@@ -50,8 +50,8 @@ from typing import ClassVar
 
 import torch
 
-from ._bits import pack_nibbles_i32, unpack_nibbles_i32
 from .base import Streaming, TensorMeta, WeightFormat, register
+from .bits import pack_nibbles_i32, unpack_nibbles_i32
 from .dtypes import st_dtype, torch_dtype
 from .errors import HetquantError
 

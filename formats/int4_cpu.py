@@ -73,7 +73,6 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from ._bits import pack_nibbles_u8, unpack_nibbles_u8
 from .base import (
     ExpertLayerFormat,
     Streaming,
@@ -83,6 +82,7 @@ from .base import (
     register,
     register_expert_format,
 )
+from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .dtypes import st_dtype
 from .errors import HetquantError
 

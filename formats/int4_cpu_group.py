@@ -61,7 +61,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._bits import pack_nibbles_u8, unpack_nibbles_u8
 from .base import (
     ExpertLayerFormat,
     Streaming,
@@ -71,6 +70,7 @@ from .base import (
     register,
     register_expert_format,
 )
+from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .dtypes import st_dtype
 from .errors import HetquantError
 from .int4_cpu import LAYER_KEYS, QMAX, ZERO_POINT, check_metas, interleave_rows

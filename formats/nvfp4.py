@@ -51,8 +51,8 @@ from typing import Any, ClassVar
 import torch
 
 from . import _quant_native
-from ._bits import pack_nibbles_u8, unpack_nibbles_u8
 from .base import Streaming, TensorMeta, WeightFormat, register
+from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .errors import HetquantError
 
 __all__ = [

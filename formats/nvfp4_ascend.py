@@ -49,8 +49,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._bits import pack_nibbles_u8, unpack_nibbles_u8
 from .base import Streaming, TensorMeta, WeightFormat, register
+from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .errors import HetquantError
 from .nvfp4 import BLOCK, Nvfp4
 

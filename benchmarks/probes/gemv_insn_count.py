@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from hetquant.formats._native import DEFAULT_FLAGS
+from hetquant.formats.native import DEFAULT_FLAGS
 from hetquant.runtime.kernels import int4_gemv as G
 
 ROOT = Path(__file__).resolve().parents[2]

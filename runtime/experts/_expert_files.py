@@ -28,6 +28,7 @@ import torch
 from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta
 from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.families import ModelFamily, load_config
+from hetquant.formats.filenames import MANIFEST_NAME
 from hetquant.formats.int4_cpu import LAYER_KEYS
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
@@ -41,7 +42,7 @@ __all__ = [
     "_select_layers",
 ]
 
-MANIFEST = "hetquant.json"
+MANIFEST = MANIFEST_NAME
 
 
 class PoolLayout(Protocol):

@@ -72,12 +72,11 @@ m·u/(1 − m·u)``, ``u = 2^-24``, ``m = K/2 + 1`` per-channel, ``K`` grouped.
 else torch. The native kernel streams the weight once per call and does ``2·L·T`` dot-products
 per 64 weight bytes (``L`` = 3 digit planes), so it is memory-bound at batch 1 and compute-bound
 from a few tokens on; the torch path pays a fixed unpack of the whole matrix to float32, so it
-only wins for long prefill. Measured on [4096, 7168] (2 threads, loaded 2-vCPU VM): native
-41 / 162 / 383 / 820 ms at T = 16 / 64 / 128 / 256 against torch 657 / 535 / 745 / 1284 ms, hence
-``MAX_NATIVE_TOKENS = 256``.
+only wins for long prefill; ``MAX_NATIVE_TOKENS = 256`` is where the two meet on a
+[4096, 7168] weight (the measurement: ``benchmarks/bench_expert_gemv.py``, benchmarks/README.md).
 
-Build (``formats/_native.py``, shared with the quantize kernels): ``g++ -O3 -std=c++17 -shared
--fPIC``, 2–5 s once per source version on the 2-vCPU development VM; the shared object is written
+Build (``formats/native.py``, shared with the quantize kernels): ``g++ -O3 -std=c++17 -shared
+-fPIC``, once per source version (its time: :func:`native_info`); the shared object is written
 to a temporary name and renamed, so concurrent first uses are safe. If there is no compiler or
 the build fails, ``"auto"`` falls back to torch with one warning, ``"native"`` raises
 ``HetquantError``. ``HETQUANT_INT4_BACKEND=torch`` disables the native kernel;
@@ -87,8 +86,8 @@ the build fails, ``"auto"`` falls back to torch with one warning, ``"native"`` r
 Why not torch's own ``aten._weight_int4pack_mm_for_cpu``: it does map our scheme (codes ``c``,
 ``(c − 8)·scale + zero`` with ``zero = 0``, groups of 32…256), but needs a repack to its 64-row
 tiled layout at load (no zero-copy mmap), keeps scales in the activation dtype (bf16: the F32
-per-channel scales would be rounded), and ran at about half this kernel's rate at batch 1 on bf16
-activations and at 0.1 GB/s on float32 (benchmarks/README.md).
+per-channel scales would be rounded), and was measured slower than this kernel at batch 1
+(benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -103,7 +102,7 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError
-from hetquant.formats._native import NativeBuild, NativeLibrary
+from hetquant.formats.native import NativeBuild, NativeLibrary
 
 __all__ = [
     "BACKENDS",

@@ -35,14 +35,24 @@ it on CPU. Without ``npu_ops`` it imports the real ``torch_npu``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from hetquant.formats import HetquantError, WeightFormat, get_format
-from hetquant.formats.base import stored_metas
+from hetquant.formats import HetquantError, get_format
+
+from . import backends as _backends  # noqa: F401  (registers kernels and backends)
+from .registry import (
+    BACKENDS,
+    FLOAT_DTYPES,
+    KERNELS,
+    Backend,
+    Kernel,
+    checked_shape,
+    register_backend,
+    register_kernel,
+)
 
 __all__ = [
     "BACKENDS",
@@ -55,89 +65,6 @@ __all__ = [
     "register_backend",
     "register_kernel",
 ]
-
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class Backend:
-    """Where kernels run. ``ops``: torch_npu or a stand-in namespace (npu only)."""
-
-    name: str
-    device: torch.device
-    ops: Any = None
-    tp_rank: int = 0  # a row-parallel shard's rank: static W8A8 adds quant_bias on rank 0 only
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """A prepared linear: ``fn(x [M, in]) -> y [M, out]`` in x.dtype, and what it runs."""
-
-    fn: Callable[[torch.Tensor], torch.Tensor]
-    in_features: int
-    out_features: int
-    uses: str
-    prepared: Mapping[str, torch.Tensor] = field(default_factory=dict)  # repacked, on device
-    act_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
-
-
-PrepareFn = Callable[[WeightFormat, Mapping[str, torch.Tensor], Backend], Kernel]
-KERNELS: dict[tuple[str, str], PrepareFn] = {}
-"""(format name, backend name) → prepare function (repacks once, returns a ``Kernel``)."""
-BACKENDS: dict[str, Callable[[int, Any], Backend]] = {}
-"""backend name → factory ``(tp_rank, npu_ops) -> Backend``; raises when the device is absent."""
-
-
-def register_kernel(fmt_name: str, *backends: str) -> Callable[[PrepareFn], PrepareFn]:
-    """Decorator: register a prepare function for ``fmt_name`` on each of ``backends``."""
-
-    def deco(fn: PrepareFn) -> PrepareFn:
-        for backend in backends:
-            if (fmt_name, backend) in KERNELS:
-                raise RuntimeError(f"kernel ({fmt_name}, {backend}) registered twice")
-            KERNELS[(fmt_name, backend)] = fn
-        return fn
-
-    return deco
-
-
-def register_backend(name: str) -> Callable:
-    def deco(factory: Callable[[int, Any], Backend]) -> Callable[[int, Any], Backend]:
-        BACKENDS[name] = factory
-        return factory
-
-    return deco
-
-
-def checked_shape(fmt: WeightFormat, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-    """[out, in] of ``tensors`` after checking names, dtypes, shapes and finiteness."""
-    try:
-        n, k = fmt.from_stored(stored_metas(tensors))[1]
-    except (KeyError, IndexError, ValueError, HetquantError) as exc:
-        raise HetquantError(
-            f"{fmt.name}: cannot read the weight shape from stored tensors {sorted(tensors)} "
-            f"({type(exc).__name__}: {exc}); they are not what this format stores"
-        ) from None
-    fmt.check_stored(tensors, (n, k))
-    if "weight_shape" in tensors and tensors["weight_shape"].tolist() != [n, k]:
-        raise HetquantError(
-            f"{fmt.name}: weight_shape {tensors['weight_shape'].tolist()} disagrees with the "
-            f"packed tensors ([{n}, {k}]); the checkpoint is corrupt"
-        )
-    for name, t in tensors.items():
-        if t.is_floating_point() and not _all_finite(t):
-            raise HetquantError(f"{fmt.name}: stored tensor {name!r} contains NaN or Inf")
-    return n, k
-
-
-def _all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
-    """``isfinite(t).all()`` in bounded memory (float8 has no isfinite: widened per chunk)."""
-    flat = t.reshape(-1)
-    for i in range(0, flat.numel(), chunk):
-        part = flat[i : i + chunk]
-        if not bool(torch.isfinite(part.float() if part.element_size() == 1 else part).all()):
-            return False
-    return True
 
 
 class QuantLinear:
@@ -234,6 +161,3 @@ class QuantLinear:
             f"QuantLinear({self.fmt_name}, {self.backend.name}, in={self.in_features}, "
             f"out={self.out_features}, uses={self.uses!r})"
         )
-
-
-from . import backends as _backends  # noqa: E402, F401  (registers kernels and backends)

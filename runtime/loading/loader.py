@@ -32,6 +32,7 @@ from hetquant.formats import WeightFormat, get_format
 from hetquant.formats.base import identify
 from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.errors import HetquantError
+from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 from ..parallel.layout import ParallelLayout, split_of
@@ -48,7 +49,7 @@ from ._reader import LoadStats, Span, read_spans
 
 __all__ = ["Artifact", "LoadStats", "Span", "TensorRead", "open_artifact"]
 
-MANIFEST, INDEX = "hetquant.json", "model.safetensors.index.json"
+MANIFEST, INDEX = MANIFEST_NAME, INDEX_NAME
 Repack = Callable[[str, WeightFormat | None, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from hetquant.formats import HetquantError, get_expert_format
-from hetquant.formats._bits import pack_nibbles_i32
 from hetquant.formats.awq_w4a16 import AWQ_ORDER, _pack_columns
 from hetquant.formats.base import all_finite
+from hetquant.formats.bits import pack_nibbles_i32
 
 
 @pytest.mark.parametrize("shape", [(8, 1), (16, 3), (64, 128), (136, 40)])

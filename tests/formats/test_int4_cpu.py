@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hetquant.formats import HetquantError, TensorMeta, get_format
-from hetquant.formats._bits import pack_nibbles_u8, unpack_nibbles_u8
+from hetquant.formats.bits import pack_nibbles_u8, unpack_nibbles_u8
 from hetquant.formats.dtypes import st_dtype
 from hetquant.formats.int4_cpu import (
     LAYER_KEYS,

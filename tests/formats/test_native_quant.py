@@ -16,8 +16,8 @@ import torch
 
 from hetquant.formats import HetquantError
 from hetquant.formats import _quant_native as Q
-from hetquant.formats._native import NativeLibrary
 from hetquant.formats.awq_w4a16 import AwqW4A16
+from hetquant.formats.native import NativeLibrary
 from hetquant.formats.nvfp4 import BLOCK, E2M1_BOUNDS, E2M1_MAX, FP8_E4M3_MAX, Nvfp4
 from hetquant.formats.nvfp4_ascend import _KMajorChunks
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetquant.formats import FORMATS, HetquantError, TensorMeta, get_format
-from hetquant.formats._bits import pack_nibbles_u8
+from hetquant.formats.bits import pack_nibbles_u8
 from hetquant.formats.dtypes import st_dtype
 from hetquant.formats.nvfp4 import (
     BLOCK,

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetquant.formats import FORMATS, HetquantError, TensorMeta
-from hetquant.formats._bits import pack_nibbles_u8, unpack_nibbles_u8
+from hetquant.formats.bits import pack_nibbles_u8, unpack_nibbles_u8
 from hetquant.formats.nvfp4 import BLOCK, E2M1_VALUES, Nvfp4
 from hetquant.formats.nvfp4_ascend import (
     K_ALIGN,

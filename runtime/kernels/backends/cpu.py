@@ -28,11 +28,18 @@ import torch
 import torch.nn.functional as F
 
 from hetquant.formats import HetquantError, WeightFormat
-from hetquant.formats._bits import unpack_nibbles_i32, unpack_nibbles_u8
 from hetquant.formats.awq_w4a16 import AWQ_ORDER
+from hetquant.formats.bits import unpack_nibbles_i32, unpack_nibbles_u8
 from hetquant.formats.w8a8_npu import dynamic_quant
 
-from ..ops import FLOAT_DTYPES, Backend, Kernel, checked_shape, register_backend, register_kernel
+from ..registry import (
+    FLOAT_DTYPES,
+    Backend,
+    Kernel,
+    checked_shape,
+    register_backend,
+    register_kernel,
+)
 
 __all__ = [
     "INT4_AFFINE",

@@ -21,7 +21,7 @@ import torch
 
 from hetquant.formats import HetquantError, WeightFormat
 
-from ..ops import Backend, Kernel, checked_shape, register_backend, register_kernel
+from ..registry import Backend, Kernel, checked_shape, register_backend, register_kernel
 from .cpu import INT4_AFFINE, dequant_kernel, regroup, w8a8_dynamic_kernel, w8a8_static_kernel
 
 __all__ = ["cuda_int_mm"]

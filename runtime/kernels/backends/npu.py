@@ -51,12 +51,12 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError, WeightFormat
-from hetquant.formats._bits import unpack_nibbles_i32, unpack_nibbles_u8
 from hetquant.formats.awq_w4a16 import AWQ_ORDER, AWQ_REVERSE_ORDER
+from hetquant.formats.bits import unpack_nibbles_i32, unpack_nibbles_u8
 from hetquant.formats.nvfp4 import BLOCK
 from hetquant.formats.nvfp4_ascend import e2m1_to_bf16_soft, npu_scale_bf16, to_canonical
 
-from ..ops import Backend, Kernel, checked_shape, register_backend, register_kernel
+from ..registry import Backend, Kernel, checked_shape, register_backend, register_kernel
 
 __all__ = ["ACL_FORMAT_FRACTAL_NZ", "NPU_MAX_DIM", "awq_to_int4pack", "column_parts"]
 

@@ -71,7 +71,9 @@ def test_source_without_indexer_is_refused(tmp_path: Path) -> None:
     cfg = read_json(src / "config.json")
     cfg.update(model_type="deepseek_v32", index_n_heads=3, index_head_dim=64, index_topk=8)
     write_json(src / "config.json", cfg)
-    with pytest.raises(HetquantError, match=r"lacks tensors? 'model\.layers\.0\.self_attn\.indexer"):
+    with pytest.raises(
+        HetquantError, match=r"lacks tensors? 'model\.layers\.0\.self_attn\.indexer"
+    ):
         SourceCheckpoint.open(src)
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetquant.formats._native import DEFAULT_FLAGS, find_compiler
+from hetquant.formats.native import DEFAULT_FLAGS, find_compiler
 from hetquant.runtime.kernels import int4_gemv as G
 
 HERE = Path(__file__).resolve().parent

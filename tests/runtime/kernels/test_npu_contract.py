@@ -13,8 +13,8 @@ import inspect
 import pytest
 import torch
 
-from hetquant.formats._bits import pack_nibbles_i32, unpack_nibbles_i32
 from hetquant.formats.awq_w4a16 import AWQ_ORDER
+from hetquant.formats.bits import pack_nibbles_i32, unpack_nibbles_i32
 from hetquant.runtime.kernels import npu_emulation as emu
 from hetquant.runtime.kernels.backends.npu import awq_to_int4pack
 from hetquant.runtime.kernels.ops import QuantLinear

@@ -50,8 +50,8 @@ import pytest
 import torch
 
 from hetquant.formats import FORMATS, HetquantError, get_format
-from hetquant.formats._bits import unpack_nibbles_i32
 from hetquant.formats.awq_w4a16 import AWQ_ORDER
+from hetquant.formats.bits import unpack_nibbles_i32
 from hetquant.formats.w8a8_npu import dynamic_quant_matmul, static_quant_matmul
 from hetquant.runtime.kernels import npu_emulation as emu
 from hetquant.runtime.kernels.backends import npu as npu_backend
