@@ -15,7 +15,6 @@ claims are plain and must have a float dtype. Data is read through a private mem
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -66,9 +65,7 @@ class SourceTensor:
     @property
     def fmt_params(self) -> tuple[tuple[str, Any], ...]:
         """The source format variant's parameters (``(("group_size", 32), ...)``; () plain)."""
-        if self.fmt is None:
-            return ()
-        return tuple((f.name, getattr(self.fmt, f.name)) for f in dataclasses.fields(self.fmt))
+        return () if self.fmt is None else tuple(self.fmt.params.items())
 
     @property
     def shape(self) -> tuple[int, ...]:
