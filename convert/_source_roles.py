@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hetquant.formats import HetquantError, TensorMeta, WeightFormat, get_format
-from hetquant.formats.base import identify, missing_partners
+from hetquant.formats.base import identify, missing_partners, show_meta
 from hetquant.formats.ct_pack_quantized import CtPackQuantized
 from hetquant.formats.ct_scheme import CT_METHOD, CtQuantConfig
 from hetquant.formats.families import ModelConfig, TensorRole, expected_tensors
@@ -154,7 +154,7 @@ def _mismatch(
     except HetquantError as e:
         return f"{prefix}: {e}"
     diff = [
-        f"{prefix}.{k} is {_show(metas.get(k))}, expected {_show(m)}"
+        f"{prefix}.{k} is {show_meta(metas.get(k))}, expected {show_meta(m)}"
         for k, m in expect.items()
         if metas.get(k) != m
     ]
@@ -162,7 +162,3 @@ def _mismatch(
         f"{'; '.join(diff)} ({want.name} of a {list(shape)} weight, as config.json implies); "
         "the checkpoint is corrupt or not in the format its config declares"
     )
-
-
-def _show(meta: TensorMeta | None) -> str:
-    return "missing" if meta is None else f"{meta.dtype}{list(meta.shape)}"

@@ -42,6 +42,7 @@ __all__ = [
     "missing_partners",
     "register",
     "register_expert_format",
+    "show_meta",
     "stored_metas",
 ]
 
@@ -241,7 +242,7 @@ def _match(fmt: WeightFormat, metas: Mapping[str, TensorMeta], name: str) -> Ide
         return f"{fmt.name}: {e}"
     if want != mine:
         diff = [
-            f"{name}.{k} is {_show(mine.get(k))}, expected {_show(m)}"
+            f"{name}.{k} is {show_meta(mine.get(k))}, expected {show_meta(m)}"
             for k, m in want.items()
             if mine.get(k) != m
         ]
@@ -249,7 +250,8 @@ def _match(fmt: WeightFormat, metas: Mapping[str, TensorMeta], name: str) -> Ide
     return Identified(variant, tuple(int(d) for d in shape), frozenset(keys))  # type: ignore[arg-type]
 
 
-def _show(meta: TensorMeta | None) -> str:
+def show_meta(meta: TensorMeta | None) -> str:
+    """``BF16[2, 2]`` (``missing`` for None): how messages show a stored tensor."""
     return "missing" if meta is None else f"{meta.dtype}{list(meta.shape)}"
 
 
