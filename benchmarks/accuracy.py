@@ -29,7 +29,7 @@ from hetquant.runtime.serving.run import local_model
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "examples" / "tiny-deepseek-v3-trained"
-TEXTS = REPO / "examples" / "tiny-deepseek-v3"
+TEXTS = REPO / "examples" / "tiny-tools"
 RESULTS = REPO / "benchmarks" / "results" / "accuracy.json"
 ROWS = [("bf16", "bf16", {}), ("ascend-hybrid", "ascend-hybrid", {}), ("ascend-w8a8", "ascend-w8a8", {}),
         ("awq-w4a16 RTN", "awq-w4a16", {}), ("awq-w4a16 AWQ", "awq-w4a16", {"calibrate": True}),

@@ -23,7 +23,7 @@ from hetquant.runtime.serving.run import local_model
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "examples" / "tiny-deepseek-v3-trained"
-TEXTS = REPO / "examples" / "tiny-deepseek-v3"
+TEXTS = REPO / "examples" / "tiny-tools"
 VARIANTS = {
     "rtn": None,
     "awq (default)": {},

@@ -22,7 +22,7 @@ Two workloads:
 
 * ``--device cpu`` (default): the trained tiny model ``examples/tiny-deepseek-v3-trained`` (4 layers:
   1 dense + 3 MoE of 16 experts, hidden 384) on ``--samples 16 × --seq-len 256`` tokens of
-  ``examples/tiny-deepseek-v3/heldout.txt`` (``calib.data.token_blocks``; AutoAWQ's 128 × 512 is too
+  ``examples/tiny-tools/heldout.txt`` (``calib.data.token_blocks``; AutoAWQ's 128 × 512 is too
   slow on a 2-core CPU). The result is the ``cpu_tiny_trained`` section of the results file.
 * ``--device cuda`` (or ``--synthetic``): a synthetic checkpoint at REAL DeepSeek-V3 shapes made by
   ``make_synthetic.py`` (hidden 7168, MLA, dense intermediate 18432, expert intermediate 2048, one
@@ -88,7 +88,7 @@ from _measure import machine_info, write_result  # noqa: E402
 
 RESULT = HERE / "results" / "bench_calibration.json"
 TRAINED = REPO / "examples" / "tiny-deepseek-v3-trained"
-HELDOUT = REPO / "examples" / "tiny-deepseek-v3" / "heldout.txt"
+HELDOUT = REPO / "examples" / "tiny-tools" / "heldout.txt"
 DEFAULT_WORK = Path(tempfile.gettempdir()) / "hetquant-bench"
 MIB = 1 << 20
 GIB = 1 << 30

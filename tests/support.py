@@ -48,6 +48,7 @@ from hetquant.convert.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny-deepseek-v3"
+TOOLS = REPO / "examples" / "tiny-tools"  # its generator, training scripts and texts
 INDEX = "model.safetensors.index.json"
 MANIFEST = "hetquant.json"
 PARTIAL = ".hetquant-partial"

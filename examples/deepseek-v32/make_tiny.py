@@ -26,7 +26,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 TINY = HERE.parent / "tiny-deepseek-v3"
-DS = SimpleNamespace(**runpy.run_path(str(TINY / "make_tiny.py")))
+DS = SimpleNamespace(**runpy.run_path(str(HERE.parent / "tiny-tools" / "make_tiny.py")))
 COMMON = DS.common
 N_SHARDS = 5
 

@@ -17,7 +17,7 @@ as K2's 163,584 + 256).
   Kimi-K2-Thinking's); everything else BF16; config.json's ``quantization_config`` is
   compressed-tensors' with K2.5's ``ignore`` list (``reference/awq_ct.md`` §2.7).
 
-The tensors are the tiny DeepSeek-V3 generator's (``examples/tiny-deepseek-v3/make_tiny.py``,
+The tensors are the tiny DeepSeek-V3 generator's (``examples/tiny-tools/make_tiny.py``,
 deterministic integer noise) for this config; the Thinking experts are those FP8 weights
 dequantized and quantized round-to-nearest. ``tokenization_kimi.py`` and the chat template are
 short stand-ins under Moonshot's file names, written for this test model (Moonshot's code is not
@@ -43,7 +43,7 @@ import torch
 from hetquant.formats import get_format
 
 HERE = Path(__file__).resolve().parent
-DS = SimpleNamespace(**runpy.run_path(str(HERE.parent / "tiny-deepseek-v3" / "make_tiny.py")))
+DS = SimpleNamespace(**runpy.run_path(str(HERE.parent / "tiny-tools" / "make_tiny.py")))
 COMMON = DS.common
 N_ORDINARY = 700  # ordinary BPE tokens (K2: 163,584)
 N_RESERVED = 256  # special / reserved ids after them (K2: 256)

@@ -31,7 +31,7 @@ CASES: dict[str, list[str]] = {
     "awq-w4a16": ["--recipe", "awq-w4a16"],
     "awq-w4a16-g64": ["--recipe", "awq-w4a16", "--group-size", "64"],
     "awq-w4a16-calibrated": [
-        "--recipe", "awq-w4a16", "--calib-data", "examples/tiny-deepseek-v3/calib.txt",
+        "--recipe", "awq-w4a16", "--calib-data", "examples/tiny-tools/calib.txt",
         "--calib-samples", "4", "--calib-seq-len", "64",
     ],
     "fp4": ["--recipe", "fp4"],

@@ -14,7 +14,7 @@ from support import INDEX, TINY, read_json, run_cli, st_header
 from hetquant.calib.eval import eval_peak_bytes
 
 TRAINED = TINY.parent / "tiny-deepseek-v3-trained"  # another model of the family
-HELD = TINY / "heldout.txt"
+HELD = TINY.parent / "tiny-tools" / "heldout.txt"
 
 
 @pytest.fixture(scope="module")

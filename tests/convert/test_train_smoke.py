@@ -1,4 +1,4 @@
-"""``examples/tiny-deepseek-v3/train.py --smoke``: it trains, and ships what it trained.
+"""``examples/tiny-tools/train.py --smoke``: it trains, and ships what it trained.
 
 One smoke run (20 CPU steps, tiny dims, ``pydoc_data.topics`` text) into a temporary folder,
 then:
@@ -44,7 +44,7 @@ import torch
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-deepseek-v3"
+TOOLS = Path(__file__).resolve().parents[2] / "examples" / "tiny-tools"
 FP8_U = 2.0**-4  # E4M3 round-to-nearest, relative, normal values
 BF16_U = 2.0**-8  # BF16 round-to-nearest (8 significant bits), relative
 N_EVAL = 4  # held-out windows compared
@@ -54,7 +54,7 @@ def _load_train() -> ModuleType:
     name = "_tiny_deepseek_v3_train"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, TINY / "train.py")
+    spec = importlib.util.spec_from_file_location(name, TOOLS / "train.py")
     module = importlib.util.module_from_spec(spec)
     saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ in examples/
     try:

@@ -102,7 +102,7 @@ def test_every_recipe_keeps_the_indexer(recipe: str, v32: Path, artifacts: dict[
 def test_run_and_eval_refuse_v32(cli, artifacts: dict[str, Path], v32: Path) -> None:
     art = artifacts["bf16"]
     assert cli("verify", art).exit_code == 0
-    text = REPO / "examples" / "tiny-deepseek-v3" / "heldout.txt"
+    text = REPO / "examples" / "tiny-tools" / "heldout.txt"
     for args in (
         ("run", art, "--tokens", "1,2,3"),
         ("eval", art, "--reference", v32, "--text", text),

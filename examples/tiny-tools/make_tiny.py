@@ -18,9 +18,9 @@ changes between Python versions; the training itself is byte-deterministic.
 
 Usage::
 
-    python examples/tiny-deepseek-v3/make_tiny.py                  # rewrite the files here
-    python examples/tiny-deepseek-v3/make_tiny.py --out /tmp/tiny   # same bytes, elsewhere
-    python examples/tiny-deepseek-v3/make_tiny.py --retrain-tokenizer
+    python examples/tiny-tools/make_tiny.py                  # rewrite the files here
+    python examples/tiny-tools/make_tiny.py --out /tmp/tiny   # same bytes, elsewhere
+    python examples/tiny-tools/make_tiny.py --retrain-tokenizer
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 from hetquant.formats.fp8_block import Fp8Block
 
 HERE = Path(__file__).resolve().parent
+CHECKPOINT = HERE.parent / "tiny-deepseek-v3"  # what this script writes by default
 common = SimpleNamespace(**runpy.run_path(str(HERE / "common.py")))  # shared with train.py
 SEED = 20241226  # DeepSeek-V3's release date
 FP8 = Fp8Block()
@@ -197,10 +198,10 @@ def train_tokenizer(vocab_size: int) -> str:
 def write_checkpoint(out: Path, retrain_tokenizer: bool = False) -> dict[str, int]:
     """Write every checkpoint file into ``out``; return {file name: size in bytes}."""
     out.mkdir(parents=True, exist_ok=True)
-    committed = HERE / "tokenizer.json"
+    committed = CHECKPOINT / "tokenizer.json"
     if retrain_tokenizer or not committed.exists():
         (out / "tokenizer.json").write_text(train_tokenizer(VOCAB_SIZE), encoding="utf-8")
-    elif out.resolve() != HERE:
+    elif out.resolve() != CHECKPOINT.resolve():
         shutil.copyfile(committed, out / "tokenizer.json")
 
     from tokenizers import Tokenizer
@@ -216,7 +217,9 @@ def write_checkpoint(out: Path, retrain_tokenizer: bool = False) -> dict[str, in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=HERE, help="output folder (default: here)")
+    parser.add_argument(
+        "--out", type=Path, default=CHECKPOINT, help=f"output folder (default: {CHECKPOINT})"
+    )
     parser.add_argument(
         "--retrain-tokenizer",
         action="store_true",

@@ -59,9 +59,9 @@ The training text depends on the machine (Python version for ``pydoc_data``, Deb
 ``python3-doc`` for the HTML manual; see corpus.py). For a GPU box without python3-doc, export
 the corpus here and pass it along::
 
-    python examples/tiny-deepseek-v3/corpus.py --export corpus-export   # here, with python3-doc
-    python examples/tiny-deepseek-v3/train.py --device cuda --corpus corpus-export
-    python examples/tiny-deepseek-v3/train.py --smoke --out /tmp/smoke   # 20 CPU steps, tiny dims
+    python examples/tiny-tools/corpus.py --export corpus-export   # here, with python3-doc
+    python examples/tiny-tools/train.py --device cuda --corpus corpus-export
+    python examples/tiny-tools/train.py --smoke --out /tmp/smoke   # 20 CPU steps, tiny dims
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ Both sources depend on the Python version (topics) and the Debian package (HTML)
 without ``python3-doc`` — e.g. an offline GPU box — gets a different, pydoc-only corpus. To train
 on exactly this machine's corpus elsewhere, export it and point ``train.py --corpus`` at it::
 
-    python examples/tiny-deepseek-v3/corpus.py --export DIR      # DIR/{train,heldout}.txt, sources.json
-    python examples/tiny-deepseek-v3/corpus.py --write-heldout   # heldout.txt beside this script
-    python examples/tiny-deepseek-v3/corpus.py                   # print the summary
+    python examples/tiny-tools/corpus.py --export DIR      # DIR/{train,heldout}.txt, sources.json
+    python examples/tiny-tools/corpus.py --write-heldout   # heldout.txt beside this script
+    python examples/tiny-tools/corpus.py                   # print the summary
 """
 
 from __future__ import annotations

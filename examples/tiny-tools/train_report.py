@@ -36,7 +36,7 @@ def readme(r: dict) -> str:
         "`weight_scale_inv`) linears, BF16 norms / embeddings / router / MTP `eh_proj`, F32",
         f"`e_score_correction_bias`, the MTP layer with its extras, {n_shards} shards with",
         "weight/scale pairs split across shards both ways, the index, every key of the real",
-        "`config.json`. Written, this file included, by `examples/tiny-deepseek-v3/train.py`.",
+        "`config.json`. Written, this file included, by `examples/tiny-tools/train.py`.",
         "",
         "| | |",
         "|---|---|",
@@ -68,7 +68,7 @@ def readme(r: dict) -> str:
         f"{r['heldout_tokens_evaluated']:,} held-out tokens in windows of {h['seq_len']} "
         "(BOS + text) from documents never trained on; "
         f"{held[r['heldout_is_committed_heldout_txt']]} "
-        "`examples/tiny-deepseek-v3/heldout.txt` (`corpus.py --write-heldout`).",
+        "`examples/tiny-tools/heldout.txt` (`corpus.py --write-heldout`).",
         "Runtime check on the float weights (mandatory; the run stops otherwise): "
         f"{r['runtime_check']}.",
         "",
@@ -147,7 +147,7 @@ def make_report(f: dict) -> dict:
         "checkpoint_bytes": sum(sizes.values()),
         "corpus": f["texts"].describe,
         "tokenizer_sha256": hashlib.sha256(f["tokenizer_json"].encode()).hexdigest(),
-        "command": "python examples/tiny-deepseek-v3/train.py "
+        "command": "python examples/tiny-tools/train.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
     }
 
