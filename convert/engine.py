@@ -29,7 +29,7 @@ from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
 from .diskspace import free_bytes, space_error, space_needed
 from .execute import CALIBRATION_DIR, Stopped, run_jobs, sigbus_exits, stop_on_signals
-from .finalize import AUX_PATTERNS, aux_files, build, json_size, metadata_docs, move_in
+from .finalize import build, carried_files, json_size, metadata_docs, move_in
 from .os_errors import DISK_FULL, os_error
 from .output_lock import LOCK_NAME, OutputLock
 from .plan import Plan, plan_for
@@ -38,7 +38,7 @@ from .source import SourceCheckpoint
 from .source_guard import SourceGuard, job_files
 from .workdir import JOURNAL, WorkDir
 
-__all__ = ["AUX_PATTERNS", "ConvertResult", "calibration_record", "convert", "plan_for"]
+__all__ = ["ConvertResult", "calibration_record", "convert", "plan_for"]
 
 log = logging.getLogger("hetquant.convert")
 _MANIFEST_BYTES_PER_FILE = 256  # a file's entry in hetquant.json, with room to spare
@@ -194,7 +194,10 @@ class _Run:
 
     def space_needed(self) -> int:
         extra = [json_size(doc) for doc in metadata_docs(self.plan, self.source).values()]
-        extra += [(self.source.root / n).stat().st_size for n in aux_files(self.source.root)]
+        extra += [
+            (self.source.root / n).stat().st_size
+            for n in carried_files(self.plan, self.source).names
+        ]
         extra.append(_MANIFEST_BYTES_PER_FILE * (len(self.plan.files) + len(extra)) + (64 << 10))
         return space_needed(self.plan.files, self.work.path, extra)
 

@@ -1,7 +1,8 @@
 """The end of a convert: the artifact completed in the work directory, then moved into OUTPUT.
 
 ``build`` fsyncs the containers, writes the index, config.json, the recipe's extra JSON files and
-the source's tokenizer files beside them, checks that the source did not change, hashes every
+the source's small non-weight files (tokenizers, chat templates, remote code, licences)
+beside them, checks that the source did not change, hashes every
 file and writes the manifest — all inside ``OUTPUT/.hetquant-partial/``, so a previous artifact
 in OUTPUT stays whole and valid while this happens (``--overwrite``). ``move_in`` then replaces
 it: the old manifest goes first (OUTPUT stops claiming to be an artifact), the new files are
@@ -13,6 +14,7 @@ directory and OUTPUT; re-running the same command finishes the move.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME, PARTIAL_DIR
 
+from .aux_files import AuxFiles, aux_files
 from .manifest import build_manifest, file_digest, write_json_atomic
 from .plan import Plan
 from .recipes import ROOT
@@ -27,12 +30,10 @@ from .recipes.metadata import artifact_metadata
 from .source import SourceCheckpoint
 from .source_guard import SourceGuard
 
-__all__ = ["AUX_PATTERNS", "aux_files", "build", "metadata_docs", "move_in"]
+__all__ = ["ARTIFACT_CARD", "build", "carried_files", "metadata_docs", "move_in"]
 
-AUX_PATTERNS = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "generation_config.json", "configuration_*.py", "modeling_*.py", "LICENSE*",
-)  # fmt: skip
+ARTIFACT_CARD = "README.md"  # the artifact's model card: ``hetquant publish`` writes its own
+log = logging.getLogger("hetquant.convert")
 
 
 def metadata_docs(plan: Plan, source: SourceCheckpoint) -> dict[str, Any]:
@@ -51,9 +52,15 @@ def json_size(doc: Any) -> int:
     return len(json.dumps(doc, indent=2, sort_keys=False).encode()) + 1
 
 
-def aux_files(src: Path) -> list[str]:
-    """The source's tokenizer / generation-config / license files an artifact carries along."""
-    return sorted({p.name for pat in AUX_PATTERNS for p in src.glob(pat) if p.is_file()})
+def carried_files(plan: Plan, source: SourceCheckpoint) -> AuxFiles:
+    """The source's small non-weight files the artifact carries (``convert/aux_files.py``).
+
+    Never one of the artifact's own names: its containers, index, config.json, the recipe's
+    description files, the manifest, and README.md (the source's card describes the source;
+    ``hetquant publish`` generates the artifact's).
+    """
+    reserved = {f.name for f in plan.files} | set(metadata_docs(plan, source))
+    return aux_files(source.root, reserved=reserved | {MANIFEST_NAME, ARTIFACT_CARD})
 
 
 def build(
@@ -67,7 +74,10 @@ def build(
     docs = metadata_docs(plan, source)
     for name, doc in docs.items():
         write_json_atomic(work / name, doc)
-    aux = aux_files(source.root)
+    carried = carried_files(plan, source)
+    for name, why in carried.skipped.items():
+        log.warning("%s of the source is not carried into the artifact: %s", name, why)
+    aux = carried.names
     for n in aux:
         tmp = work / f".{n}.tmp"
         shutil.copyfile(source.root / n, tmp)

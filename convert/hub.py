@@ -25,7 +25,7 @@ from .hub_limits import (
     LimitReport,
     check_hub_limits,
 )
-from .hub_source import SOURCE_META_PATTERNS, parse_repo_spec, resolve_source
+from .hub_source import SOURCE_META_IGNORE, parse_repo_spec, resolve_source
 from .hub_upload import UploadResult, check_credentials, upload_artifact
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
     "PRIVATE_FREE_BYTES",
     "RECOMMENDED_FILE_BYTES",
     "REPO_FILES_RECOMMENDED",
-    "SOURCE_META_PATTERNS",
+    "SOURCE_META_IGNORE",
     "LimitReport",
     "UploadResult",
     "check_credentials",

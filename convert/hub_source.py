@@ -22,18 +22,18 @@ from hetquant.formats import HetquantError
 from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
 
 from ._hub_common import _first_line, hub_endpoint, hub_offline
+from .aux_files import WEIGHT_SUFFIXES
 
-__all__ = ["SOURCE_META_PATTERNS", "parse_repo_spec", "resolve_source"]
+__all__ = ["SOURCE_META_IGNORE", "parse_repo_spec", "resolve_source"]
 
 log = logging.getLogger("hetquant.hub")
 
-# What a conversion reads besides the shards: engine.AUX_PATTERNS (copied into the artifact),
-# plus the source's model card, which tells `hetquant publish` the license and base model.
-SOURCE_META_PATTERNS = (
-    "config.json", INDEX_NAME, "README.md",
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "generation_config.json", "configuration_*.py", "modeling_*.py", "LICENSE*",
-)  # fmt: skip
+# What a conversion reads besides the shards: every top-level file that is not a weight. The
+# artifact carries the small ones (convert/aux_files.py: tokenizers in any form, chat templates,
+# remote code); publish reads the source's model card for its licence and base model. Patterns
+# are fnmatch'ed against repository paths, where "*" also matches "/": "*/*" is every file in a
+# sub-directory (other checkpoints, figures, inference code), left on the Hub.
+SOURCE_META_IGNORE = ("*/*", ".*", *(f"*{s}" for s in WEIGHT_SUFFIXES))
 
 # huggingface_hub's validate_repo_id, plus an optional "@revision" (which may contain "/").
 _REPO_SPEC = re.compile(
@@ -84,13 +84,14 @@ def _download(
     where = f"{repo_id}@{revision or 'main'}"
     log.info("fetching %s%s", where, " from the local cache (offline)" if offline else "")
     # Step 1: the small files, which say which shards exist.
-    root = _snapshot(repo_id, revision, list(SOURCE_META_PATTERNS), download_dir, token, offline)
+    root = _snapshot(repo_id, revision, None, download_dir, token, offline)
     sha = _commit_of(root, download_dir)
     if not (root / "config.json").is_file():
         raise _missing(where, ["config.json"], offline, root)
     shards = _shards_named(root, where)
-    # Step 2: exactly those shards, at the commit step 1 resolved (a moving branch can't mix).
-    patterns = [*SOURCE_META_PATTERNS, *(glob.escape(s) for s in shards)]
+    # Step 2: exactly those shards, at the commit step 1 resolved (a moving branch can't mix),
+    # into the same snapshot folder.
+    patterns = [glob.escape(s) for s in shards]
     root = _snapshot(repo_id, sha or revision, patterns, download_dir, token, offline)
     missing = [s for s in shards if not (root / s).is_file()]
     if missing:
@@ -102,7 +103,7 @@ def _download(
 def _snapshot(
     repo_id: str,
     revision: str | None,
-    patterns: list[str],
+    patterns: list[str] | None,
     download_dir: Path | None,
     token: str | None,
     offline: bool,
@@ -111,7 +112,8 @@ def _snapshot(
 
     kwargs: dict[str, Any] = {
         "revision": revision,
-        "allow_patterns": patterns,
+        "allow_patterns": patterns,  # None: the small files of step 1
+        "ignore_patterns": list(SOURCE_META_IGNORE) if patterns is None else None,
         "token": token,
         "local_files_only": offline,
     }

@@ -115,7 +115,7 @@ def _run(*args: str, env: dict[str, str] | None = None):
 
 
 def _seed_source(hub: FakeHub, repo_id: str, extra: dict[str, bytes] | None = None) -> str:
-    files = {p.name: p.read_bytes() for p in TINY.iterdir() if p.name != "make_tiny.py"}
+    files = {p.name: p.read_bytes() for p in TINY.iterdir()}
     return hub.seed(repo_id, {**files, **(extra or {})})
 
 
@@ -164,13 +164,14 @@ def test_publish_then_rerun_is_noop_and_round_trips(
         assert TOKEN not in text
     assert all(TOKEN not in r.getMessage() for r in caplog.records)
 
-    # download round trip through resolve_source: only the files a conversion reads, byte-equal
+    # download round trip through resolve_source: the shards and every top-level non-weight file
+    # (the manifest too: a source's own manifest is one, never carried into an artifact), byte-equal
     dl = tmp_path / "dl"
     root, sha = resolve_source("acme/tiny-bf16", download_dir=dl, token=TOKEN)
     assert sha == hub.head("acme/tiny-bf16")
     got = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
     got = {g for g in got if not g.startswith(".cache/")}
-    assert got == {*manifest["files"], "README.md"}
+    assert got == {*manifest["files"], "README.md", MANIFEST_NAME}
     for name in manifest["files"]:
         assert (root / name).read_bytes() == (artifact / name).read_bytes(), name
 
@@ -432,10 +433,20 @@ def test_card_front_matter_parses_and_carries_tables(artifact: Path) -> None:
     assert data["base_model_relation"] == "quantized"
     assert data["license"] == "mit" and data["pipeline_tag"] == "text-generation"
     assert data["library_name"] == "transformers"
-    assert {"deepseek", "deepseek_v3", "hetquant", "bf16"} <= set(data["tags"])
+    assert {"deepseek_v3", "hetquant", "bf16"} <= set(data["tags"]) and "deepseek" not in data[
+        "tags"
+    ]
     assert "| group | format | params | bytes | bits/weight |" in text
     assert "| perplexity | 3.1416 |" in text and "reference: FP8" in text
     assert "open_artifact" in text and "sglang" in text and f"commit `{'a' * 40}`" in text
+
+    # the family's and the model type's tags, never another family's
+    for cfg, want in (({"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]},
+                       ["deepseek_v3", "kimi_k2"]),
+                      ({"model_type": "qwen3_moe"}, ["qwen3_moe"])):  # fmt: skip
+        card = render_card(CardInputs(manifest, "acme/x", license=lic, base_model=None, config=cfg))
+        tags = ModelCard(card).data.to_dict()["tags"]
+        assert tags[: len(want)] == want and "deepseek" not in tags, tags
 
     # values YAML would misread are quoted
     local = {**manifest, "source": {**manifest["source"], "repo_id": None}}
@@ -463,6 +474,31 @@ def test_cache_snapshot_opens_as_a_source(hub: FakeHub) -> None:
     _seed_source(hub, "acme/src")
     root, sha = resolve_source("acme/src", None, TOKEN)
     assert SourceCheckpoint.open(root, sha).revision == sha
+
+
+def test_hub_source_brings_every_small_file_and_no_sub_directory(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """A K2-style tokenizer (``tiktoken.model`` + remote code) comes down with the shards and
+    travels into the artifact; a sub-directory (another checkpoint) and the card stay behind."""
+    from hetquant.convert.engine import convert
+    from hetquant.convert.recipes import get_recipe
+    from hetquant.convert.source import SourceCheckpoint
+
+    extra = {"tiktoken.model": b"YQ== 0\n", "tokenization_kimi.py": b"# remote code\n",
+             "original/model.safetensors": b"x" * 64, "figures/a.png": b"png"}  # fmt: skip
+    _seed_source(hub, "acme/k2ish", extra)
+    root, sha = resolve_source("acme/k2ish", download_dir=tmp_path / "dl", token=TOKEN)
+    got = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+    assert {"tiktoken.model", "tokenization_kimi.py", "README.md"} <= got
+    assert not any(g.startswith(("original/", "figures/")) for g in got)
+    out = tmp_path / "out"
+    manifest = convert(
+        SourceCheckpoint.open(root, sha), out, get_recipe("bf16"), max_shard_size=1 << 40
+    ).manifest
+    assert manifest is not None
+    assert (out / "tiktoken.model").read_bytes() == extra["tiktoken.model"]
+    assert "tokenization_kimi.py" in manifest["files"] and not (out / "README.md").exists()
 
 
 def test_downloaded_published_artifact_verifies(

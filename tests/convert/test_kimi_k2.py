@@ -46,3 +46,6 @@ def test_every_recipe_converts_and_verifies(instruct: Path, tmp_path: Path, reci
     assert manifest is not None and manifest["complete"]
     assert read_json(tmp_path / "out" / "config.json")["model_type"] == "kimi_k2"
     assert verify_artifact(tmp_path / "out") == []
+    for name in K2_FILES:  # the tokenizer travels, byte for byte, and the manifest hashes it
+        assert (tmp_path / "out" / name).read_bytes() == (instruct / name).read_bytes()
+        assert name in manifest["files"] and name in manifest["parts"]["root"]["files"]
