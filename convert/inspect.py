@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from hetquant.formats import HetquantError
 
 from .engine import PARTIAL_DIR
-from .manifest import MANIFEST_NAME, precision_table
-from .plan import SourceItem, make_plan
-from .recipes import Recipe, Target
-from .source import SourceCheckpoint
+from .manifest import MANIFEST_NAME
+from .source import PLAIN, SourceCheckpoint
 from .verify import artifact_files, count_files, load_manifest
 
-__all__ = ["describe", "format_label", "format_precision"]
-
-
-class _AsIs(Recipe):
-    """Every tensor copied: the precision table of the source itself."""
-
-    def assign(self, role: Any, source_fmt: str) -> Target:
-        return Target("copy")
+__all__ = ["describe", "format_label", "format_precision", "source_precision"]
 
 
 def format_label(fmt: str) -> str:
@@ -88,8 +80,6 @@ def _describe_artifact(path: Path) -> str:
 def _describe_source(path: Path) -> str:
     src = SourceCheckpoint.open(path)
     c = src.config
-    items = [SourceItem(t.name, t.role, t.dtype, t.fmt_name) for t in src.tensors.values()]
-    table = precision_table(make_plan(items, _AsIs("as-is", ""), 1 << 62))
     scales = sum(t.nbytes - t.main.nbytes for t in src.tensors.values())  # partner tensors
     dense = sum(not c.is_moe_layer(layer) for layer in range(c.num_hidden_layers))
     head = [
@@ -98,4 +88,25 @@ def _describe_source(path: Path) -> str:
         f"+ {c.num_mtp_layers} MTP, hidden {c.hidden_size}, {c.num_experts} routed experts",
         f"shards     {len(src.shard_files)}, {src.total_bytes:,} bytes ({scales:,} in scales of quantized weights)",
     ]
-    return "\n".join(head) + "\n\n" + format_precision(table)
+    return "\n".join(head) + "\n\n" + format_precision(source_precision(src))
+
+
+def source_precision(src: SourceCheckpoint) -> dict[str, Any]:
+    """The precision table of a source as stored: per group, each tensor's format (its dtype when
+    plain), its logical parameters (a packed INT4 weight [n, k/8] I32 counts n·k) and the bytes
+    of all its stored parts (scales, shapes, zero points included)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for t in src.tensors.values():
+        key = "mtp" if t.role.mtp else t.role.role.group
+        g = groups.setdefault(key, {"name": key, "formats": set(), "params": 0, "bytes": 0})
+        g["formats"].add(t.dtype if t.fmt_name == PLAIN else t.fmt_name)
+        g["params"] += math.prod(t.role.shape)
+        g["bytes"] += t.nbytes
+    rows = [
+        {"name": g["name"], "format": "+".join(sorted(g.pop("formats"))), **g,
+         "bits_per_weight": round(8 * g["bytes"] / g["params"], 4)}
+        for g in groups.values()
+    ]  # fmt: skip
+    params, total = sum(r["params"] for r in rows), sum(r["bytes"] for r in rows)
+    return {"groups": rows, "params": params, "bytes": total,
+            "effective_bits_per_weight": round(8 * total / params, 4)}  # fmt: skip

@@ -8,7 +8,7 @@ library's version — a re-publish of the same artifact is then a no-op):
     license: <id>
     library_name: <transformers | vllm>
     pipeline_tag: text-generation
-    tags: [deepseek, <model_type>, hetquant, quantized, <recipe and format tags>]
+    tags: [<family>, <model_type>, hetquant, quantized, <recipe and format tags>]
 
 Body: what the artifact is, the recipe, the precision table (manifest["precision"]), the
 accuracy table when the manifest has one (manifest["accuracy"]), how to serve it (vllm-ascend,
@@ -22,6 +22,9 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
+
+from hetquant.formats import HetquantError
+from hetquant.formats.families import family_for_config
 
 __all__ = [
     "CardInputs",
@@ -152,13 +155,21 @@ def card_metadata(inp: CardInputs) -> dict[str, Any]:
     meta["license"] = inp.license
     meta["library_name"] = _LIBRARY.get(inp.recipe, "vllm")
     meta["pipeline_tag"] = PIPELINE_TAG
-    tags = ["deepseek"]
-    model_type = inp.config.get("model_type")
-    if isinstance(model_type, str) and model_type:
-        tags.append(model_type)
+    tags = _model_tags(inp.config)
     tags += ["hetquant", "quantized", inp.recipe, *_RECIPE_TAGS.get(inp.recipe, [])]
     meta["tags"] = list(dict.fromkeys(tags))
     return meta
+
+
+def _model_tags(config: Mapping[str, Any]) -> list[str]:
+    """The model family's name and config.json's ``model_type`` (Kimi K2: ``deepseek_v3``,
+    ``kimi_k2``); just the model type when no registered family claims it."""
+    model_type = config.get("model_type")
+    tags = [model_type] if isinstance(model_type, str) and model_type else []
+    try:
+        return list(dict.fromkeys([family_for_config(config).name, *tags]))
+    except HetquantError:
+        return tags
 
 
 def yaml_front_matter(meta: Mapping[str, Any]) -> str:
@@ -197,8 +208,9 @@ def render_card(inp: CardInputs) -> str:
     src = m.get("source") or {}
     rev = src.get("revision")
     out = [yaml_front_matter(meta), f"# {name}", ""]
+    family = (_model_tags(inp.config) or ["model"])[0]
     what = f"[{inp.base_model}](https://huggingface.co/{inp.base_model})" if inp.base_model else (
-        "A DeepSeek-V3-family checkpoint"
+        f"A {family} checkpoint"
     )  # fmt: skip
     at = f" (commit `{rev}`)" if rev and inp.base_model else ""
     out += [

@@ -51,8 +51,11 @@ class SourceTensor:
 
     @property
     def main(self) -> HeaderEntry:
-        """The tensor that carries the role's name (a plain tensor) or the module's weight."""
-        return self.parts.get("weight", next(iter(self.parts.values())))[1]
+        """The tensor that carries the role's name (a plain tensor) or the module's weight: its
+        ``weight`` part, else its largest part (the codes: ``weight_packed`` of compressed-tensors)."""
+        if "weight" in self.parts:
+            return self.parts["weight"][1]
+        return max((e for _, e in self.parts.values()), key=lambda e: e.nbytes)
 
     @property
     def dtype(self) -> str:

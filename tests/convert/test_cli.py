@@ -32,10 +32,27 @@ def test_inspect_source_prints_groups(tiny_ro: Path, cli) -> None:
     rows = _group_rows(res.stdout)
     for g in GROUPS:
         assert g in rows, g
-    assert rows["attention"][0] == "f8_e4m3"  # as stored: FP8 ...
+    assert rows["attention"][0] == "fp8_block"  # as stored: block FP8 ...
     assert rows["norms"][0] == "bf16"
     assert re.search(rf"^shards\s+{tiny_counts(tiny_ro)[1]}, ", res.stdout, re.M)
     assert rows["total"][0].replace(",", "").isdigit()
+
+
+def test_inspect_counts_a_packed_int4_source_by_its_logical_shape(cli, tmp_path: Path) -> None:
+    """Kimi K2 Thinking's experts are I32 words [n, k/8] + BF16 group scales: params n·k, bytes
+    every stored part, 4.5 bits per weight (group 32), format named, totals = the shards' data."""
+    from support import make_kimi_k2
+
+    from hetquant.convert.source import SourceCheckpoint
+
+    src = make_kimi_k2(tmp_path / "k2t", "thinking")
+    rows = _group_rows(cli("inspect", src).stdout)
+    ck = SourceCheckpoint.open(src)
+    experts = [t for t in ck.tensors.values() if t.role.role.expert == "routed"]
+    params = sum(t.role.shape[0] * t.role.shape[1] for t in experts)
+    stored = sum(t.nbytes for t in experts)
+    assert rows["routed_experts"] == ["ct_pack_quantized", f"{params:,}", f"{stored:,}", "4.500"]
+    assert rows["total"][1] == f"{ck.total_bytes:,}"
 
 
 def test_inspect_artifact_prints_groups(tiny_ro: Path, cli, tiny_artifact: Path) -> None:
