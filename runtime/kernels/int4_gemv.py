@@ -112,10 +112,10 @@ from hetquant.formats.native import NativeBuild, NativeLibrary
 
 __all__ = [
     "BACKENDS",
+    "GEMM_MIN_TOKENS",
     "GROUP_SIZES",
     "ISA_LADDERS",
     "MAX_K",
-    "GEMM_MIN_TOKENS",
     "MAX_NATIVE_TOKENS",
     "PRECISIONS",
     "int4_gemv",
