@@ -76,7 +76,9 @@ def test_a_forked_child_after_pooled_calls() -> None:
 
 @pytest.mark.parametrize("group", [0, 32])
 @pytest.mark.parametrize("n, k, t", [(37, 7168, 17), (1030, 2048, 40), (5, 7168, 64)])
-def test_token_blocking_gives_the_same_bits(monkeypatch, group: int, n: int, k: int, t: int) -> None:
+def test_token_blocking_gives_the_same_bits(
+    monkeypatch, group: int, n: int, k: int, t: int
+) -> None:
     g = torch.Generator().manual_seed(n + t)
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     scale = torch.rand(n, generator=g) + 1e-3
