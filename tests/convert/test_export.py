@@ -23,19 +23,10 @@ from hetquant.formats import HetquantError
 from hetquant.formats.bits import unpack_nibbles_u8
 from hetquant.formats.int4_cpu import LAYER_KEYS
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "examples" / "tiny-deepseek-v3"
-
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hetquant.convert.engine import convert
-    from hetquant.convert.recipes import get_recipe
-    from hetquant.convert.source import SourceCheckpoint
-
-    out = tmp_path_factory.mktemp("hybrid") / "art"
-    convert(SourceCheckpoint.open(TINY), out, get_recipe("ascend-hybrid"), max_shard_size=10**9)
-    return out
+def hybrid(tiny_hybrid: Path) -> Path:
+    return tiny_hybrid
 
 
 @pytest.fixture(scope="module")
