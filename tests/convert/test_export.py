@@ -90,6 +90,8 @@ def test_amxint4_is_the_artifacts_codes_and_scales(hybrid, tmp_path, cli, numa) 
     got = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
     assert got == want_files
     assert cli("verify", out).exit_code == 0
+    shown = cli("inspect", out)
+    assert shown.exit_code == 0 and f"kt-amxint4, {numa} NUMA slice(s)" in shown.stdout
 
 
 def test_amxint4_verify_resume_and_rerun(hybrid, tmp_path, cli, monkeypatch) -> None:
