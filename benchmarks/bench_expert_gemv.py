@@ -20,7 +20,12 @@ Measures, interleaved repeat by repeat (medians reported):
   repeat (order alternating), and its weight-bytes throughput as a ratio of the per-channel
   kernel's: the median over repeats of the per-repeat ratio (issue target ≥ 0.9).
   ``--group`` runs only this comparison (both precisions, 1 and all threads) and writes its own
-  JSON (``results/bench_expert_gemv-group.json``) and README table.
+  JSON (``results/bench_expert_gemv-group.json``) and README table;
+- ``--gemm``: the per-channel kernel (22-bit) at ``--batches`` (default 16 and 64) in its plain
+  order (``token_block=0``) and in the GEMM-shaped, token-blocked order (the default from 16
+  tokens on), back to back on the same copy (order alternating), 1 and all threads: the ratio
+  of their weight GB/s, per repeat, median (``results/bench_expert_gemv-gemm.json`` and the
+  ``bench_expert_gemv:gemm`` README table).
 
 Every matrix is cycled through ``--set-mb`` MB of distinct copies (default 256, 8× the 32 MB L3
 here), so weights stream from DRAM as in serving, not from cache. GB/s counts the weight bytes a
@@ -62,6 +67,8 @@ START = "<!-- bench_expert_gemv:results:start -->"
 END = "<!-- bench_expert_gemv:results:end -->"
 GROUP_START = "<!-- bench_expert_gemv:group:start -->"
 GROUP_END = "<!-- bench_expert_gemv:group:end -->"
+GEMM_START = "<!-- bench_expert_gemv:gemm:start -->"
+GEMM_END = "<!-- bench_expert_gemv:gemm:end -->"
 SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
 GiB = 1 << 30
 
@@ -180,7 +187,14 @@ def main() -> int:
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--group", action="store_true", help="only per-channel vs group-wise")
     ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--gemm", action="store_true", help="only plain vs token-blocked order")
     args = ap.parse_args()
+    if args.gemm:
+        args.group, args.skip_slow, args.no_pool = True, True, True  # the --group code path
+        if args.batches == ap.get_default("batches"):
+            args.batches = [16, 64]
+        if args.json == ap.get_default("json"):
+            args.json = str(HERE / "results" / "bench_expert_gemv-gemm.json")
     if args.group:
         args.skip_slow, args.no_pool = True, True
         if args.json == ap.get_default("json"):
@@ -311,20 +325,29 @@ def main() -> int:
                         for prec in ("high", "fast"):
                             # per-channel and group-wise back to back, order alternating
                             kinds = [
-                                ("", "scale", "int4_bytes"),
-                                ("group", "gscale", "group_bytes"),
+                                ("", "scale", "int4_bytes", None),
+                                ("group", "gscale", "group_bytes", None),
                             ]
-                            for kind, skey, bkey in kinds[:: 1 if rep % 2 else -1]:
+                            if args.gemm:  # per-channel, plain order vs token-blocked
+                                kinds = [("plain", "scale", "int4_bytes", 0),
+                                         ("gemm", "scale", "int4_bytes", None)]  # fmt: skip
+                                if prec == "fast":
+                                    continue
+                            for kind, skey, bkey, tb in kinds[:: 1 if rep % 2 else -1]:
+                                size = str(args.group_size) if kind == "group" else ""
                                 timer.run(
                                     f"{name}/b{b}/int4_native{kind and '_' + kind}"
-                                    f"{kind and str(args.group_size)}_{prec}/{th}t",
-                                    lambda i, x=x, d=d, th=th, prec=prec, skey=skey: G.int4_gemv(
-                                        d["packed"][i],
-                                        d[skey][i],
-                                        x,
-                                        backend="native",
-                                        threads=th,
-                                        precision=prec,
+                                    f"{size}_{prec}/{th}t",
+                                    lambda i, x=x, d=d, th=th, prec=prec, skey=skey, tb=tb: (
+                                        G.int4_gemv(
+                                            d["packed"][i],
+                                            d[skey][i],
+                                            x,
+                                            backend="native",
+                                            threads=th,
+                                            precision=prec,
+                                            token_block=tb,
+                                        )
                                     ),
                                     ncp,
                                     d[bkey],
@@ -388,7 +411,7 @@ def main() -> int:
         v["pct_of_bandwidth"] = 100 * v["gbps"] / bandwidth
         if v.get("cpu_gbps") and bw_cpu:
             v["cpu_pct_of_bandwidth"] = 100 * v["cpu_gbps"] / bw_cpu
-    group_ratios(timer, res)
+    group_ratios(timer, res, "gemm" if args.gemm else "group")
     # speed against bf16 (time ratio) for every GEMV row
     for k, v in res.items():
         parts = k.split("/")
@@ -414,27 +437,30 @@ def main() -> int:
     doc["target_group_ratio"] = 0.9
     write_result(args.json, doc)
     print(f"wrote {args.json}")
-    table = render_group(doc) if args.group else render(doc, nthreads)
+    table = render_group(doc, args.gemm) if args.group else render(doc, nthreads)
     print(table)
     if not args.no_readme:
         if args.group:
-            if not replace_marked(Path(args.readme), GROUP_START, GROUP_END, table):
-                raise SystemExit(f"{args.readme}: no {GROUP_START} … {GROUP_END} markers")
+            start, end = (GEMM_START, GEMM_END) if args.gemm else (GROUP_START, GROUP_END)
+            if not replace_marked(Path(args.readme), start, end, table):
+                raise SystemExit(f"{args.readme}: no {start} … {end} markers")
         else:
             update_readme(Path(args.readme), table)
         print(f"updated {args.readme}")
     return 0
 
 
-def group_ratios(timer: Timer, res: dict[str, dict[str, Any]]) -> None:
-    """For every group-wise row: its weight GB/s over the per-channel row's, per repeat (the two
-    ran back to back), as median / min / max, and the ratio of the medians."""
+def group_ratios(timer: Timer, res: dict[str, dict[str, Any]], kind: str = "group") -> None:
+    """For every ``kind`` row (group-wise, or the token-blocked ``gemm`` order): its weight GB/s
+    over the baseline row's (per-channel; the plain order), per repeat (the two ran back to
+    back), as median / min / max, and the ratio of the medians."""
     for k, v in res.items():
         parts = k.split("/")
-        if len(parts) != 4 or "_group" not in parts[2]:
+        if len(parts) != 4 or f"_{kind}" not in parts[2]:
             continue
         prec = parts[2].rsplit("_", 1)[1]
-        pc = f"{parts[0]}/{parts[1]}/int4_native_{prec}/{parts[3]}"
+        base = "_plain" if kind == "gemm" else ""
+        pc = f"{parts[0]}/{parts[1]}/int4_native{base}_{prec}/{parts[3]}"
         g_rate = [v["bytes"] / t for t in timer.samples[k]]
         pc_rate = [res[pc]["bytes"] / t for t in timer.samples[pc]]
         ratios = sorted(a / b for a, b in zip(g_rate, pc_rate, strict=True))
@@ -455,7 +481,7 @@ def group_ratios(timer: Timer, res: dict[str, dict[str, Any]]) -> None:
             v["ratio_vs_per_channel"]["cpu_time_median"] = median(cpu) if cpu else None
 
 
-def render_group(doc: dict[str, Any]) -> str:
+def render_group(doc: dict[str, Any], gemm: bool = False) -> str:
     m = doc["machine"]
     cpu = m.get("lscpu", {})
     res = doc["results"]
@@ -469,8 +495,8 @@ def render_group(doc: dict[str, Any]) -> str:
         f"`{nat.get('isa')}` · read bandwidth {bw['read']:.1f} GB/s (1 thread by CPU time "
         f"{bw.get('read_1t_cpu_time') or 0:.1f})",
         "",
-        f"| shape | batch | precision | threads | per-channel GB/s | group-{doc['group_size']} "
-        "GB/s | ratio (median of repeats) | min – max | ratio of best samples | time ratio "
+        f"| shape | batch | precision | threads | {'plain order' if gemm else 'per-channel'} GB/s | "
+        f"{'token-blocked' if gemm else 'group-' + str(doc['group_size'])} GB/s | ratio (median of repeats) | min – max | ratio of best samples | time ratio "
         "| ratio by CPU time |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -481,7 +507,7 @@ def render_group(doc: dict[str, Any]) -> str:
         shape, b, method, th = k.split("/")
         n, kk = SHAPES[shape]
         prec = method.rsplit("_", 1)[1]
-        pc = res[f"{shape}/{b}/int4_native_{prec}/{th}"]
+        pc = res[f"{shape}/{b}/int4_native{'_plain' if gemm else ''}_{prec}/{th}"]
         lines.append(
             f"| {shape} [{n}, {kk}] | {b[1:]} | {prec} | {th[:-1]} | {pc['gbps']:.2f} | "
             f"{v['gbps']:.2f} | **{r['median']:.2f}** | {r['min']:.2f} – {r['max']:.2f} | "

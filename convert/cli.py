@@ -18,6 +18,7 @@ import click
 from hetquant.formats import HetquantError
 
 from .cli_base import HetquantGroup, must_exist
+from .exporters import EXPORTERS
 from .os_errors import errors_as_hetquant
 from .run_cli import eval_, run
 
@@ -267,6 +268,41 @@ def verify(artifact: Path) -> None:
         click.echo(f"{artifact}: {len(problems)} problem(s)")
         sys.exit(1)
     click.echo(f"{artifact}: OK ({count_files(artifact_files(artifact, load_manifest(artifact)))})")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("output", type=click.Path(path_type=Path))
+@click.option(
+    "--to",
+    "to",
+    required=True,
+    type=click.Choice(sorted(EXPORTERS)),
+    help="Target layout: kt-kernel AMXINT4 .kt files (per-channel experts) or RAWINT4 "
+    "compressed-tensors files (group-wise experts).",
+)
+@click.option(
+    "--numa",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="kt-kernel thread pools (--kt-threadpool-count) the files are for.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing export in OUTPUT.")
+@errors_as_hetquant
+def export(artifact: Path, output: Path, to: str, numa: int, overwrite: bool) -> None:
+    """Write ARTIFACT's CPU experts into OUTPUT in another engine's layout (a lossless repack)."""
+    must_exist(artifact)
+    from .export import export as run_export
+    from .verify import artifact_files, count_files
+
+    result = run_export(artifact, output, to, numa=numa, overwrite=overwrite)
+    n = count_files(artifact_files(output, result.manifest))
+    layers = len(result.plan.layers)
+    if result.already_complete:
+        click.echo(f"{output}: already complete ({n}; same artifact, target and options)")
+    else:
+        click.echo(f"wrote {output} ({n}): {layers} layer(s) as {to}, {numa} NUMA slice(s)")
 
 
 def _calibrate(src, rec, text: Path, samples: int, seq_len: int):

@@ -38,7 +38,16 @@ from .source import SourceCheckpoint
 from .source_guard import SourceGuard, job_files
 from .workdir import JOURNAL, WorkDir
 
-__all__ = ["ConvertResult", "calibration_record", "convert", "plan_for"]
+__all__ = [
+    "ConvertResult",
+    "calibration_record",
+    "check_paths",
+    "convert",
+    "finished_manifest",
+    "only_lock_left",
+    "plan_for",
+    "refuse_foreign",
+]
 
 log = logging.getLogger("hetquant.convert")
 _MANIFEST_BYTES_PER_FILE = 256  # a file's entry in hetquant.json, with room to spare
@@ -71,7 +80,7 @@ def convert(
     quantized or copied; part of the plan's identity.
     """
     output = output.resolve()
-    _check_paths(source.root, output)
+    check_paths(source.root, output)
     if (calibration is not None or calibrate is not None) and not recipe.calibrates:
         raise HetquantError(f"recipe {recipe.name} does not calibrate; drop --calib-data")
     plan = plan_for(source, recipe, max_shard_size)
@@ -79,7 +88,7 @@ def convert(
     run = _Run(source, plan, output, WorkDir(lock.work))
     try:
         with stop_on_signals(), sigbus_exits(_SIGBUS_MESSAGE.format(root=source.root)):
-            _refuse_foreign(output)
+            refuse_foreign(output)
             lock.acquire()
             if calibrate is not None:
                 calibration = calibrate()
@@ -94,7 +103,7 @@ def convert(
             raise run.disk_full() from e
         raise os_error(e) from e
     finally:
-        lock.release(remove=_only_lock_left(lock.work))
+        lock.release(remove=only_lock_left(lock.work))
 
 
 _SIGBUS_MESSAGE = (
@@ -138,7 +147,9 @@ class _Run:
         record = calibration_record(calibration) if self.plan.recipe.calibrates else None
         digest = self.plan.digest(self.source.fingerprint + json.dumps(record, sort_keys=True))
         guard = SourceGuard.record(self.source)
-        finished = _finished_manifest(self.out, self.source, digest, overwrite, self.work.digest())
+        finished = finished_manifest(
+            self.out, self.source.root, digest, overwrite, self.work.digest()
+        )
         if finished is not None:
             self.work.clear()  # scratch left by a kill after the manifest was written
             return ConvertResult(self.plan, finished, len(self.plan.jobs), already_complete=True)
@@ -214,7 +225,7 @@ class _Run:
         return space_error(self.out, need, free, early=False)
 
 
-def _check_paths(src: Path, out: Path) -> None:
+def check_paths(src: Path, out: Path) -> None:
     if out == src or out.is_relative_to(src):
         raise HetquantError(
             f"OUTPUT {out} is inside SOURCE {src}; the source is never written — choose another OUTPUT"
@@ -223,7 +234,7 @@ def _check_paths(src: Path, out: Path) -> None:
         raise HetquantError(f"SOURCE {src} is inside OUTPUT {out}; choose another OUTPUT")
 
 
-def _refuse_foreign(out: Path) -> None:
+def refuse_foreign(out: Path) -> None:
     """OUTPUT must be a directory that is empty, or holds a hetquant artifact or work."""
     if out.exists() and not out.is_dir():
         raise HetquantError(f"OUTPUT {out} is a file, not a directory; choose a directory")
@@ -235,8 +246,8 @@ def _refuse_foreign(out: Path) -> None:
         )
 
 
-def _finished_manifest(
-    out: Path, source: SourceCheckpoint, digest: str, overwrite: bool, journal_digest: str | None
+def finished_manifest(
+    out: Path, source: Path, digest: str, overwrite: bool, journal_digest: str | None
 ) -> dict[str, Any] | None:
     """The manifest of a complete artifact of this very plan and source directory in ``out``
     (None: work to do); refuses another artifact unless ``overwrite``."""
@@ -249,7 +260,7 @@ def _finished_manifest(
     if overwrite:
         return None
     same = isinstance(manifest, dict) and manifest.get("plan_digest") == digest
-    same = same and manifest.get("source", {}).get("path") == str(source.root)
+    same = same and manifest.get("source", {}).get("path") == str(source)
     if same and manifest.get("complete") is True and _sizes_hold(out, manifest):
         return manifest
     why = "a damaged artifact (run `hetquant verify`)" if same else "an artifact of another source, recipe or options"  # fmt: skip
@@ -269,7 +280,7 @@ def _sizes_hold(out: Path, manifest: dict[str, Any]) -> bool:
         return False
 
 
-def _only_lock_left(work: Path) -> bool:
+def only_lock_left(work: Path) -> bool:
     try:
         return set(os.listdir(work)) <= {LOCK_NAME}
     except FileNotFoundError:

@@ -61,6 +61,8 @@ def describe(path: Path) -> str:
 
 def _describe_artifact(path: Path) -> str:
     m = load_manifest(path)
+    if "export" in m:
+        return _describe_export(path, m)
     src = m["source"]
     files = artifact_files(path, m)
     parts = [f"{k} {len(v['files'])}" for k, v in m["parts"].items()] + [MANIFEST_NAME]
@@ -75,6 +77,19 @@ def _describe_artifact(path: Path) -> str:
         f"files      {count_files(files)} ({', '.join(parts)})",
     ]
     return "\n".join(head) + "\n\n" + format_precision(m["precision"])
+
+
+def _describe_export(path: Path, m: dict) -> str:
+    """An export (``hetquant export``): target, NUMA slices, its source and layers."""
+    x, src = m["export"], m["source"]
+    layers = [layer["layer"] for layer in x["layers"]]
+    return "\n".join([
+        f"export     {path}",
+        f"layout     {x['to']}, {x['numa']} NUMA slice(s)",
+        f"source     {src['path']} (fingerprint {src['fingerprint'][:12]})",
+        f"layers     {len(layers)}: {layers}",
+        f"files      {count_files(artifact_files(path, m))}",
+    ]) + "\n"  # fmt: skip
 
 
 def _describe_source(path: Path) -> str:

@@ -55,8 +55,12 @@ class SourceGuard:
 
     @classmethod
     def record(cls, source: Any) -> SourceGuard:
-        root = Path(source.root)
-        ids = {n: _identity(root / n) for n in source_files(source)}
+        return cls.of_files(Path(source.root), source_files(source))
+
+    @classmethod
+    def of_files(cls, root: Path, names: list[str]) -> SourceGuard:
+        """The identities of ``names`` under ``root`` now (an export's source files)."""
+        ids = {n: _identity(root / n) for n in names}
         return cls(root, {n: i for n, i in ids.items() if i is not None})
 
     def changed(self, files: set[str] | None = None) -> dict[str, str]:

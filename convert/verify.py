@@ -4,7 +4,9 @@ Checks, each reported as a line: the manifest is complete and of a known schema;
 exists with its size and sha256; nothing unlisted lies beside them; every safetensors header is
 valid; the index maps exactly the root shards' tensors; and every file's header is byte-identical
 to the one the plan — replayed from config.json and the manifest's recipe and source dtypes —
-prescribes, which proves every tensor's name, dtype, shape and offset.
+prescribes, which proves every tensor's name, dtype, shape and offset. An export (``hetquant
+export``: another engine's layout) is checked the same way against the plan its manifest's
+``export`` entry replays (``export.replay_export``): every file's size and header.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.families import TensorRole, expected_tensors, load_config, load_json
 from hetquant.formats.filenames import PARTIAL_DIR
 
+from .export import replay_export
 from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, file_digest, module_formats
 from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
@@ -118,13 +121,15 @@ def verify_artifact(root: Path) -> list[str]:
 
 def _check_structure(root: Path, manifest: dict[str, Any]) -> list[str]:
     problems: list[str] = []
-    try:
-        plan = replay_plan(root, manifest)
-    except (HetquantError, KeyError) as e:
+    try:  # an export (``hetquant export``) records its own plan; an artifact, its recipe's
+        plan = replay_export(manifest) if "export" in manifest else replay_plan(root, manifest)
+    except (HetquantError, KeyError, TypeError) as e:
         return [f"cannot replay the plan from the manifest: {e}"]
     for f in plan.files:
         if (root / f.name).is_file():  # a missing one is already reported
             problems += f.check(root / f.name)  # its container's structure (e.g. the header)
+    if "export" in manifest:  # another engine's layout: no index, no root part
+        return problems
     try:  # a corrupt index is a failed check (exit 1), not bad input
         index = load_json(root / INDEX_NAME) if (root / INDEX_NAME).exists() else {}
     except HetquantError as e:

@@ -77,10 +77,13 @@ class WorkDir:
         """Create every container that is missing or not intact; return the jobs of ``done``
         whose output files were intact (the others must run again)."""
         file_of = plan.file_of()
+        created = set()
         for f in plan.files:
             if not f.intact(self.path / f.name):
                 f.create(self.path / f.name)
-                done -= {j.id for j in plan.jobs if any(file_of[o.tensor] is f for o in j.outputs)}
+                created.add(f.name)
+        if created:  # one pass over the jobs (an export has tens of thousands of files)
+            done -= {j.id for j in plan.jobs if any(file_of[o.tensor].name in created for o in j.outputs)}  # fmt: skip
         return done
 
     def _write(self, name: str, text: str) -> None:

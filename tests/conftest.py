@@ -7,6 +7,7 @@ from support import (  # noqa: F401  (fixtures, registered by being imported her
     hetquant_proc,
     tiny_artifact,
     tiny_artifact_1mb,
+    tiny_hybrid,
     tiny_qwen3,
     tiny_ro,
     tiny_ro_hashes,

@@ -401,6 +401,18 @@ def tiny_artifact_1mb(
     return _convert_once(tiny_ro, tmp_path_factory, "art1mb", "--max-shard-size", "1MB")
 
 
+@pytest.fixture(scope="session")
+def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ascend-hybrid artifact of the tiny model (per-channel CPU experts). Read-only for tests."""
+    from hetquant.convert.engine import convert
+    from hetquant.convert.recipes import get_recipe
+    from hetquant.convert.source import SourceCheckpoint
+
+    out = tmp_path_factory.mktemp("hybrid") / "art"
+    convert(SourceCheckpoint.open(TINY), out, get_recipe("ascend-hybrid"), max_shard_size=10**9)
+    return out
+
+
 @pytest.fixture
 def artifact_copy(tiny_artifact: Path, tmp_path: Path) -> Path:
     """A private copy of ``tiny_artifact`` (tests may corrupt it)."""

@@ -61,7 +61,13 @@ developed on an AVX2-only CPU and checked there on SIMDe; the test suite runs it
 CPU with AVX-512 VNNI. Rows go in tiles
 (4 rows per-channel, 2 grouped, at one token) and each tile prefetches the rows ≥ 12 KB ahead
 into L2: without it the kernel waited on DRAM at under half the read bandwidth; into L1 the
-prefetch evicts the 21 KB of digits.
+prefetch evicts the 21 KB of digits. From ``GEMM_MIN_TOKENS`` = 16 tokens on the calls run in a
+GEMM-shaped order: rows in blocks of ~128 KB of weights, and within each row block the tokens in
+blocks whose digit planes take ~160 KB, so both stay in L2 while a block is swept (one row tile
+at a time against one token pair at a time, as before); the digits, 21 KB per token at K = 7168,
+then come from L3 once per row block instead of once per row. Every (row, token) is computed by
+the same tile code in either order, so the bits do not change (``token_block=`` selects it,
+for tests and benchmarks).
 
 ``"torch"`` — the pure-torch reference path, always available: unpack nibbles, subtract 8,
 convert to float32 (times the group scales, exact) and matmul, in blocks of rows so the float
@@ -106,6 +112,7 @@ from hetquant.formats.native import NativeBuild, NativeLibrary
 
 __all__ = [
     "BACKENDS",
+    "GEMM_MIN_TOKENS",
     "GROUP_SIZES",
     "ISA_LADDERS",
     "MAX_K",
@@ -123,6 +130,7 @@ log = logging.getLogger("hetquant.runtime")
 BACKENDS = ("auto", "native", "torch")
 PRECISIONS = {"high": 3, "fast": 2}  # native kernel: signed-byte digits per activation
 MAX_NATIVE_TOKENS = 256  # "auto" uses the native kernel up to this many tokens per call
+GEMM_MIN_TOKENS = 16  # native: the GEMM-shaped (token-blocked) order from this many tokens on
 MAX_K = 1 << 20  # native kernel: int32 lanes cannot overflow for K ≤ 2^20
 GROUP_SIZES = (32, 64, 128)  # grouped scales the native kernel takes (whole 32-element blocks)
 _TORCH_BLOCK_ELEMS = 1 << 22  # torch path: rows per block so that a float block is ~16 MB
@@ -153,6 +161,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn.argtypes = [vp, i64, vp, i64, i64, i64, i64, vp, i64, i64, vp, i64, ci, ci, ci]
     lib.hq_int4_best_isa.restype = ctypes.c_int
     lib.hq_int4_best_isa.argtypes = []
+    lib.hq_int4_token_block.restype = None
+    lib.hq_int4_token_block.argtypes = [ci]
 
 
 _LIBRARY = NativeLibrary(
@@ -297,6 +307,7 @@ def int4_gemv(
     backend: str = "auto",
     threads: int | None = None,
     precision: str = "high",
+    token_block: int | None = None,
 ) -> torch.Tensor:
     """``packed`` U8 [N, K/2] with per-channel ``scale`` F32 [N] or grouped BF16 [N, K/g],
     times ``x`` [T, K] (or [K]) → float32 [T, N] ([N] for 1-D x); formulas in the module
@@ -307,7 +318,10 @@ def int4_gemv(
     come from a pool the calling thread keeps between calls (joined when it exits), and rows are
     dealt in chunks, so any thread count gives the same bits. ``precision`` (native kernel):
     ``"high"`` rounds activations to 22-bit fixed point per token, ``"fast"`` to 14-bit (two
-    digit planes instead of three). See the module docstring for backends and error bounds.
+    digit planes instead of three). ``token_block`` (native kernel): ``None`` the GEMM-shaped
+    order from ``GEMM_MIN_TOKENS`` tokens on, ``0`` never, ``n`` blocks of ``n`` tokens — the
+    same bits either way (module docstring). See the module docstring for backends and error
+    bounds.
     """
     if backend not in BACKENDS:
         raise HetquantError(f"int4_gemv: backend {backend!r} not in {BACKENDS}")
@@ -340,14 +354,20 @@ def int4_gemv(
     rows = (packed.data_ptr(), packed.stride(0) if n > 1 else kb)
     tail = (x32.data_ptr(), x32.stride(0) if t > 1 else 2 * kb, t, y.data_ptr(), n)
     tail += (threads, _isa_cap(nat.best_isa), PRECISIONS[precision])
-    if group:
-        if scale.stride(1) != 1 and n > 0:
-            scale = scale.contiguous()
-        sg = (scale.data_ptr(), scale.stride(0) if n > 1 else scale.shape[1])
-        rc = nat.lib.hq_int4_gemv_grouped(*rows, *sg, n, 2 * kb, group, *tail)
-    else:
-        s = scale.to(torch.float32).contiguous()
-        rc = nat.lib.hq_int4_gemv(*rows, s.data_ptr(), n, 2 * kb, *tail)
+    if token_block is not None:
+        nat.lib.hq_int4_token_block(max(0, int(token_block)))
+    try:
+        if group:
+            if scale.stride(1) != 1 and n > 0:
+                scale = scale.contiguous()
+            sg = (scale.data_ptr(), scale.stride(0) if n > 1 else scale.shape[1])
+            rc = nat.lib.hq_int4_gemv_grouped(*rows, *sg, n, 2 * kb, group, *tail)
+        else:
+            s = scale.to(torch.float32).contiguous()
+            rc = nat.lib.hq_int4_gemv(*rows, s.data_ptr(), n, 2 * kb, *tail)
+    finally:
+        if token_block is not None:
+            nat.lib.hq_int4_token_block(-1)
     if rc == -3:  # NaN/Inf activations: float math propagates them
         return int4_gemv_torch(packed, scale, x)
     if rc < 0:

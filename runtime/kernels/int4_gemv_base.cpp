@@ -111,6 +111,7 @@ struct Job {
   int64_t n0, n1;                             // rows of this worker
   int isa;
   int64_t pf;                                 // prefetch distance in tiles (>= 1)
+  int tb = -1;                                // token blocking (int4_gemv.cpp run_blocked)
 };
 
 static inline const int8_t* digits(const Job& j, int64_t t, int l, int h) {

@@ -58,15 +58,9 @@ TINY = REPO / "examples" / "tiny-deepseek-v3"
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hybrid(tiny_hybrid: Path) -> Path:
     """The ascend-hybrid artifact of the tiny model (read-only for tests)."""
-    from hetquant.convert.engine import convert
-    from hetquant.convert.recipes import get_recipe
-    from hetquant.convert.source import SourceCheckpoint
-
-    out = tmp_path_factory.mktemp("hybrid") / "art"
-    convert(SourceCheckpoint.open(TINY), out, get_recipe("ascend-hybrid"), max_shard_size=10**9)
-    return out
+    return tiny_hybrid
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The native INT4 GEMV's persistent worker pool: any thread count gives the same bits, pools are
-reused across calls, concurrent callers keep their own workers, and a forked child works."""
+reused across calls, concurrent callers keep their own workers, and a forked child works; the
+GEMM-shaped (token-blocked) order gives the same bits as the plain one on every path."""
 
 from __future__ import annotations
 
@@ -71,3 +72,26 @@ def test_a_forked_child_after_pooled_calls() -> None:
     p.join(timeout=60)
     assert p.exitcode == 0
     assert torch.equal(torch.tensor(got), want)
+
+
+@pytest.mark.parametrize("group", [0, 32])
+@pytest.mark.parametrize("n, k, t", [(37, 7168, 17), (1030, 2048, 40), (5, 7168, 64)])
+def test_token_blocking_gives_the_same_bits(
+    monkeypatch, group: int, n: int, k: int, t: int
+) -> None:
+    g = torch.Generator().manual_seed(n + t)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, generator=g) + 1e-3
+    if group:
+        scale = (torch.rand(n, k // group, generator=g) + 1e-3).bfloat16()
+    x = torch.randn(t, k, generator=g)
+    for isa in G.isa_names():
+        monkeypatch.setenv("HETQUANT_INT4_ISA", isa)
+        if isa == "avx512_vnni" and G.native_info()["isa"] != isa:
+            continue  # this CPU lacks it (the cross-ISA test runs it on SIMDe)
+        plain = G.int4_gemv(packed, scale, x, backend="native", token_block=0, threads=1)
+        for tb, threads in ((None, 1), (2, 1), (5, 3), (None, 2)):
+            y = G.int4_gemv(packed, scale, x, backend="native", token_block=tb, threads=threads)
+            assert torch.equal(y, plain), (isa, tb, threads)
+        ref = G.int4_gemv_torch(packed, scale, x)
+        assert (plain - ref).abs().max() <= 1e-4 * ref.abs().max()

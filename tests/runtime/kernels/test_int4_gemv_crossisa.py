@@ -159,11 +159,13 @@ RANDOM = [
     Case(33, 1002, 2, rs_pad=17),
     Case(65, 2050, 1),
     Case(9, 7168, 1),
+    Case(9, 7168, 17),  # token-blocked (GEMM-shaped) order: 17 tokens in blocks of 6
     Case(1, 32, 1, group=32),
     Case(5, 96, 3, group=32, ss_pad=1),
     Case(7, 384, 1, group=64, rs_pad=5),
     Case(13, 544, 5, group=32, precision="fast"),
     Case(3, 1056, 16, group=32),
+    Case(5, 7168, 18, group=32),  # token-blocked
     Case(33, 1152, 7, group=128, rs_pad=64, ss_pad=3),
     Case(65, 2080, 1, group=32),
     Case(9, 7168, 2, group=128),
