@@ -4,7 +4,7 @@
 # own torch runs them: PYTHONPATH=.ktcarry python3 benchmarks/kt_check.py (benchmarks/README.md).
 # Run on a machine that reaches PyPI; PYVER is the target host's Python (its wheels are per
 # CPython version: cp311, cp312). About 43 MB (kt_kernel 41 MB: six CPU variants), under the
-# device's 64 MiB carry.
+# device's 64 MiB carry; VARIANT=amx keeps one CPU build (about 12 MB).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYVER=${PYVER:-3.12}
@@ -19,4 +19,7 @@ for whl in "$tmp"/*.whl; do
 done
 cp -r "$tmp/x/kt_kernel" "$tmp/x/kt_kernel.libs" "$tmp/x/gguf" "$DEST/"
 rm -rf "$DEST/kt_kernel/cli" "$DEST/kt_kernel/sft"  # not imported by the MoE path
+if [ -n "${VARIANT:-}" ]; then  # e.g. VARIANT=amx: one CPU build (9 MB), for a tree near the 64 MiB carry
+  find "$DEST/kt_kernel" -maxdepth 1 -name '_kt_kernel_ext_*.so' ! -name "_kt_kernel_ext_${VARIANT}.*" -delete
+fi
 du -sh "$DEST"
