@@ -208,10 +208,13 @@ class W4A8Dynamic(WeightFormat):
         if len(shape) != 2 or min(shape) <= 0:
             raise HetquantError(f"w4a8_dynamic: stores 2-D weights [out, in], got {list(shape)}")
         n, k = int(shape[0]), int(shape[1])
-        if n % 2 or k % self.bias_chunks:
+        why = ["out must be even (int4 pairs along out)"] if n % 2 else []
+        if k % self.bias_chunks:
+            why.append(f"in must be a multiple of {self.bias_chunks} (scale_bias chunks)")
+        if why:
             raise HetquantError(
-                f"w4a8_dynamic: weight [out={n}, in={k}] does not pack: out must be even (int4 "
-                f"pairs along out) and in a multiple of {self.bias_chunks} (scale_bias chunks)"
+                f"w4a8_dynamic: weight [out={n}, in={k}] does not pack: {'; '.join(why)}; "
+                "keep this module in another format"
             )
         return n, k
 

@@ -71,7 +71,9 @@ def _ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
             doc.update(description_entries(prefix, job.target.fmt, keys))
     doc["group_size"] = _description_group(plan)
     cfg.pop("quantization_config", None)
-    if any(j.target.fmt == "w4a8_dynamic" for j in plan.jobs):
+    if any(j.target.fmt == "w4a8_dynamic" for j in plan.jobs) and (
+        cfg.get("model_type") in _W4A8_CONFIG_KEYS_FOR
+    ):
         cfg.update(_w4a8_config_keys(plan))
     files[DESCRIPTION_NAME] = doc
 
@@ -98,6 +100,10 @@ def _description_group(plan: Any) -> int:
             f"{sorted(groups)} ({', '.join(groups.values())}); use one group size"
         )
     return next(iter(groups), 0)
+
+
+# the model types whose msModelSlim 26.1.0 adapters add W4A8 config keys (others add none)
+_W4A8_CONFIG_KEYS_FOR = frozenset({"deepseek_v3", "kimi_k2"})
 
 
 def _w4a8_config_keys(plan: Any) -> dict[str, str]:

@@ -14,7 +14,15 @@ from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.convert.verify import verify_artifact
 
-RECIPES = ["bf16", "ascend-hybrid", "ascend-w8a8", "awq-w4a16", "fp4"]
+RECIPES = [
+    "bf16",
+    "ascend-hybrid",
+    "ascend-w8a8",
+    "awq-w4a16",
+    "fp4",
+    "ascend-w4a8",
+    "ascend-w4a16",
+]
 K2_FILES = ["chat_template.jinja", "generation_config.json", "tiktoken.model",
             "tokenization_kimi.py", "tokenizer_config.json"]  # fmt: skip
 

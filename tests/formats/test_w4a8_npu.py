@@ -206,7 +206,7 @@ def test_shard_recomputes_its_scale_bias() -> None:
     ("fmt", "shape", "needle"),
     [
         (COL, (3, 16), "out must be even"),
-        (ROW, (4, 40), "multiple of 16"),
+        (ROW, (4, 40), "in must be a multiple of 16"),
         (COL, (0, 16), "2-D weights"),
     ],
 )
