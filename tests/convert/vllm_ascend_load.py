@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors import safe_open
 from vllm_ascend_port import Module, Param, model_params, plain_params, read_description
 
-__all__ = ["load_report"]
+__all__ = ["checkpoint_metas", "load_moe", "load_report"]
 
 # a parameter of lower rank rounds what copy_ puts in it: F32 scales on disk into BF16 params
 # (w8a8_dynamic.py:65-73); integers never go into floats or back
@@ -24,7 +24,7 @@ STACKED = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
 EXPERT_SHARDS = {"gate_proj": ("w13", "w1"), "up_proj": ("w13", "w3"), "down_proj": ("w2", "w2")}
 
 
-def _checkpoint(root: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+def checkpoint_metas(root: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every root tensor (index + headers): name → (dtype, shape)."""
     weight_map = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
     out = {}
@@ -68,7 +68,7 @@ def _load_linear(mod: Module, p: Param, loaded: tuple, shard: int | None, tp: in
         raise AssertionError(f"param_data.shape {list(want)} != loaded_weight.shape {list(loaded)}")
 
 
-def _load_moe(p: Param, loaded: tuple, sid: str, tp: int, r: int) -> None:
+def load_moe(p: Param, loaded: tuple, sid: str, tp: int, r: int) -> None:
     """``FusedMoE.weight_loader`` for one expert's tensor (per-expert slice of the param)."""
     ed = p.shape[1:]
     if p.kind == "single" or (p.kind == "channel" and sid == "w2"):
@@ -116,7 +116,7 @@ def load_report(root: Path, tp: int = 1) -> tuple[list[str], list[str]]:
              for e in range(cfg["n_routed_experts"])
              for sid in (("w2",) if n.rpartition(".")[2].startswith("w2") else ("w1", "w3"))}  # fmt: skip
     filled = set()
-    for name, (dtype, shape) in _checkpoint(root).items():
+    for name, (dtype, shape) in checkpoint_metas(root).items():
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
         if layer is not None and int(layer) >= cfg["num_hidden_layers"]:
             continue  # the MTP layer: skipped by the main model (deepseek_v2.py:1398-1400)
@@ -130,7 +130,7 @@ def load_report(root: Path, tp: int = 1) -> tuple[list[str], list[str]]:
             mod, p = params[mapped]  # KeyError, as in deepseek_v2.py load_weights
             for r in range(tp):
                 if mod.layer == "moe":
-                    _load_moe(p, shape, shard[1], tp, r)  # type: ignore[index]
+                    load_moe(p, shape, shard[1], tp, r)  # type: ignore[index]
                 else:
                     _load_linear(mod, p, shape, shard, tp, r)  # type: ignore[arg-type]
             filled.add((mapped, 0 if shard is None else shard))

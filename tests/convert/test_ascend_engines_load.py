@@ -1,9 +1,12 @@
-"""Every Ascend recipe's root part through the port of vllm-ascend's loading (``vllm_ascend_port``,
-``vllm_ascend_load``: description, per-module scheme, declared parameters, TP weight loaders):
-ascend-w8a8, ascend-w4a8 and ascend-w4a16 load at TP 1, 2 and 4 with no problem, on DeepSeek-V3
-and Kimi K2 (Thinking's INT4 experts kept as they are); the ascend-hybrid root does not (its
-routed experts are in ``cpu_experts/``); and the port is able to fail — each mutation of a good
-artifact is reported."""
+"""Every Ascend recipe's root part through ports of the Ascend engines' loading.
+
+vllm-ascend (``vllm_ascend_port``, ``vllm_ascend_load``: description, per-module scheme, declared
+parameters, TP weight loaders): ascend-w8a8, ascend-w4a8 and ascend-w4a16 load at TP 1, 2 and 4
+with no problem, on DeepSeek-V3 and Kimi K2 (Thinking's INT4 experts kept as they are); the
+ascend-hybrid root does not (its routed experts are in ``cpu_experts/``); and the port is able to
+fail — each mutation of a good artifact is reported. SGLang-NPU (``sglang_npu_port``, routed
+experts only): W8A8_DYNAMIC and W4A8_DYNAMIC experts load at MoE TP 1; it has no W4A16 MoE scheme,
+and its W4A8 ``scale_bias`` loader fits MoE TP 1 only."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from sglang_npu_port import moe_report
 from support import TINY, make_kimi_k2
 from vllm_ascend_load import load_report
 
@@ -126,3 +130,30 @@ def test_tp_beyond_the_packed_layout_is_refused(artifacts: dict[str, Path]) -> N
     problems, _ = load_report(artifacts["ascend-w4a8"], 32)  # w4a8.py:366-367
     assert problems == ["model construction: ValueError: The current weight does not support "
                         "moe part tp>16."]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["ascend-w8a8", "ascend-w4a8"])
+def test_sglang_npu_loads_w8a8_and_w4a8_experts(artifacts: dict[str, Path], key: str) -> None:
+    assert moe_report(artifacts[key], 1) == []
+
+
+def test_sglang_npu_w4a8_scale_bias_needs_moe_tp_1(artifacts: dict[str, Path]) -> None:
+    """SGLang loads w2_scale_bias [E, H, 16/tp] as a per-channel w2 scale: copied whole, so the
+    [H, 16] msModelSlim writes (and we do) fits only at MoE TP 1 (EP or TP 1 for the experts)."""
+    problems = moe_report(artifacts["ascend-w4a8"], 2)
+    assert problems and all("scale_bias" in p for p in problems)
+    assert (
+        "down_proj.scale_bias: AssertionError: expert_data [256, 8] != loaded_weight [256, 16]"
+        in (problems[0])
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "needle"),
+    [("ascend-w4a16", "Unsupported ModelSlim MoE schemes for layer model.layers.1.mlp.experts: "
+                      "W13='W4A16', W2='W4A16'"),
+     ("ascend-hybrid", "Missing ModelSlim MoE quantization description for layer "
+                       "model.layers.1.mlp.experts")],
+)  # fmt: skip
+def test_sglang_npu_refuses(artifacts: dict[str, Path], key: str, needle: str) -> None:
+    assert moe_report(artifacts[key]) == [f"model construction: ValueError: {needle}"]
