@@ -157,3 +157,22 @@ def test_sglang_npu_w4a8_scale_bias_needs_moe_tp_1(artifacts: dict[str, Path]) -
 )  # fmt: skip
 def test_sglang_npu_refuses(artifacts: dict[str, Path], key: str, needle: str) -> None:
     assert moe_report(artifacts[key]) == [f"model construction: ValueError: {needle}"]
+
+
+@pytest.mark.parametrize("key", [*LOADABLE, "ascend-hybrid"])
+def test_transformers_does_not_read_ascend_artifacts(artifacts: dict[str, Path], key: str) -> None:
+    """No quantization_config: transformers builds a BF16 DeepseekV3 and finds the scales
+    unexpected, packed experts mismatched (refused) or missing (reinitialised at random)."""
+    import torch
+    import transformers
+
+    try:
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(
+            artifacts[key], dtype=torch.bfloat16, output_loading_info=True
+        )
+    except RuntimeError as e:  # the W4A8 experts' [n/2, k] codes against [n, k] weights
+        assert key == "ascend-w4a8" and "ignore_mismatched_sizes" in str(e)
+        return
+    assert any(k.endswith(".weight_scale") for k in info["unexpected_keys"])
+    if key != "ascend-w8a8":  # w4a16 (weight_packed) and the hybrid (cpu_experts/): absent
+        assert any(".mlp.experts" in k for k in info["missing_keys"]), info["missing_keys"]

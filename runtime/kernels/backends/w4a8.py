@@ -8,8 +8,11 @@ x_scale`` — on codes that happen to lie in [-8, 7]. So each backend's ``w8a8_d
 ``npu_quant_matmul`` on an NZ int8 weight) gives the W4A8 numbers bit for bit, at twice the
 weight memory of the packed layout. vllm-ascend runs W4A8 experts through its fused MoE path
 (``npu_grouped_matmul`` on the int4 words, with ``scale_bias``); a per-linear op of that kind is
-not part of torch_npu's documented contracts, so it is not emulated here. ``scale_bias`` is checked
-against the codes and scales (:func:`hetquant.formats.w4a8_npu.check_scale_bias`), then unused.
+not part of torch_npu's documented contracts, so it is not emulated here. One difference: on npu
+with BF16 activations the W8A8 kernel holds ``weight_scale`` in BF16 (vllm-ascend's W8A8 parameter
+dtype), where vllm-ascend's W4A8 MoE keeps the F32 bits (``methods/w4a8.py:595-601``).
+``scale_bias`` is checked against the codes and scales
+(:func:`hetquant.formats.w4a8_npu.check_scale_bias`), then unused.
 """
 
 from __future__ import annotations
