@@ -53,5 +53,7 @@ register_recipe(
         "vllm-ascend W4A16 MoE: routed experts int4 weight-only (pack-quantized, group 32 or 128; an INT4 group-32 source kept as is), the rest as ascend-w8a8",
         rules={**_W8A8, "routed": "ct_pack_quantized"},
         choices={**_MTP, "group_size": (32, 128)},
+        # vllm-ascend's W4A16 MoE scheme declares weight_shape int32 (methods/w4a16.py:237-238)
+        fixed={"ct_pack_quantized": (("shape_dtype", "I32"),)},
     )
 )

@@ -66,9 +66,11 @@ def role_class(role: TensorRole) -> str:
 
 @dataclass(frozen=True)
 class RuleRecipe(Recipe):
-    """A recipe given by ``rules`` (class → format or KEEP) and option choices."""
+    """A recipe given by ``rules`` (class → format or KEEP), option choices and parameters it
+    fixes for a format (``fixed``)."""
 
     rules: dict[str, str] = field(default_factory=dict)
+    fixed: dict[str, tuple[tuple[str, Any], ...]] = field(default_factory=dict)  # format → params
 
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         if role.mtp and self.option("mtp") == "drop":
@@ -143,8 +145,9 @@ class RuleRecipe(Recipe):
             return Target(fmt, CPU_EXPERTS, file=file)
         if fmt == "nvfp4*":
             return Target("nvfp4_ascend" if self.option("fp4_layout") == "ascend" else "nvfp4")
-        params = _TARGET_PARAMS.get(fmt)
-        return Target(fmt, params=params(self, role)) if params else Target(fmt)
+        params = _TARGET_PARAMS[fmt](self, role) if fmt in _TARGET_PARAMS else ()
+        params += self.fixed.get(fmt, ())
+        return Target(fmt, params=params) if params else Target(fmt)
 
 
 # a target format's parameters, from the recipe's options and the tensor's role
@@ -152,11 +155,7 @@ _TARGET_PARAMS: dict[str, Callable[[RuleRecipe, TensorRole], tuple[tuple[str, An
     "awq_w4a16": lambda r, role: (("group_size", r.option("group_size")),),
     # msModelSlim sums scale_bias in 16 chunks for row-parallel linears (down), 1 for others
     "w4a8_dynamic": lambda r, role: (("bias_chunks", 16 if role.role.tp == "row" else 1),),
-    # vllm-ascend's W4A16 MoE scheme declares weight_shape int32 (methods/w4a16.py:237-238)
-    "ct_pack_quantized": lambda r, role: (
-        ("group_size", r.option("group_size")),
-        ("shape_dtype", "I32"),
-    ),
+    "ct_pack_quantized": lambda r, role: (("group_size", r.option("group_size")),),
 }
 
 

@@ -234,3 +234,14 @@ def test_other_bad_inputs() -> None:
         w4.check_scale_bias({**t, "scale_bias": t["scale_bias"] + 1}, 1)
     with pytest.raises(HetquantError, match="pairs"):
         w4.pack_out_pairs(torch.zeros(3, 4, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("fmt", [COL, ROW], ids=["col", "row"])
+def test_fake_quant_is_per_row(fmt) -> None:
+    """``dequantize(quantize(W))`` as calibration uses it: float in, float out, rows independent
+    (a block of rows quantizes as those rows of the whole weight do)."""
+    w = torch.randn(12, 64, generator=torch.Generator().manual_seed(5))
+    whole = fmt.dequantize(fmt.quantize(w))
+    assert whole.dtype == torch.float32 and whole.shape == w.shape
+    for r0, r1 in ((0, 2), (4, 10), (10, 12)):
+        assert torch.equal(fmt.dequantize(fmt.quantize(w[r0:r1])), whole[r0:r1])
