@@ -1,7 +1,8 @@
 """Accuracy of every recipe on the trained tiny model, against its FP8 reference.
 
 Converts ``examples/tiny-deepseek-v3-trained`` with bf16, ascend-hybrid, ascend-w8a8, awq-w4a16
-(round-to-nearest and AWQ-calibrated on ``calib.txt``, training-split text) and fp4, then scores
+(round-to-nearest and AWQ-calibrated on ``calib.txt``, training-split text), fp4, ascend-w4a8 and
+ascend-w4a16 (round-to-nearest), then scores
 each artifact on the held-out text (``heldout.txt``, never trained or calibrated on) through the
 runtime's quantized ops (W8A8 activation quantization included): perplexity, ΔPPL against the
 FP8 reference, mean KL(reference ‖ artifact) of next-token distributions, top-1 agreement.
@@ -33,7 +34,8 @@ TEXTS = REPO / "examples" / "tiny-tools"
 RESULTS = REPO / "benchmarks" / "results" / "accuracy.json"
 ROWS = [("bf16", "bf16", {}), ("ascend-hybrid", "ascend-hybrid", {}), ("ascend-w8a8", "ascend-w8a8", {}),
         ("awq-w4a16 RTN", "awq-w4a16", {}), ("awq-w4a16 AWQ", "awq-w4a16", {"calibrate": True}),
-        ("fp4 (nvfp4 layout)", "fp4", {"fp4_layout": "nvfp4"})]  # fmt: skip
+        ("fp4 (nvfp4 layout)", "fp4", {"fp4_layout": "nvfp4"}),
+        ("ascend-w4a8 RTN", "ascend-w4a8", {}), ("ascend-w4a16 RTN", "ascend-w4a16", {})]  # fmt: skip
 # hidden 384 is not a multiple of the Ascend FP4 tile group (N % 256): the tiled layout refuses
 # this model's down_proj; the canonical layout holds the same values (tiling is a lossless reorder).
 

@@ -95,7 +95,9 @@ def main(verbose: bool) -> None:
     type=click.Choice(["keep", "drop"]),
     help="Multi-token-prediction layer: quantized like a MoE layer (keep, default) or left out.",
 )
-@click.option("--group-size", type=int, help="AWQ group size (awq-w4a16: 128 or 64).")
+@click.option(
+    "--group-size", type=int, help="Group size (awq-w4a16: 128 or 64; ascend-w4a16: 32 or 128)."
+)
 @click.option(
     "--fp4-layout",
     type=click.Choice(["ascend", "nvfp4"]),

@@ -21,6 +21,7 @@ from hetquant.formats import HetquantError, get_expert_format, get_format
 from hetquant.formats.base import check_finite
 from hetquant.formats.dtypes import st_dtype, torch_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
+from hetquant.formats.linear_repack import LINEAR_REPACKS
 
 from .containers import PieceWriter
 from .plan import Job, OutPiece, Plan
@@ -70,7 +71,13 @@ class JobRunner:
 
     def _linear(self, job: Job) -> None:
         fmt = get_format(job.target.fmt, **dict(job.target.params))
-        shape = self.source.tensors[job.source].shape
+        src = self.source.tensors[job.source]
+        repack = LINEAR_REPACKS.get((src.fmt_name, fmt.name))
+        if repack and repack.holds(src.fmt, fmt) is None and not self._calibrated(job.source):
+            stored = repack.repack(self.source.stored(job.source), fmt)
+            self._write_repacked(job, stored)
+            return
+        shape = src.shape
         plan = fmt.streaming(shape)  # type: ignore[arg-type]
         if plan is None:
             w = self.source.dequantized(job.source)
@@ -127,7 +134,10 @@ class JobRunner:
 
     def _repack(self, job: Job, repack: Any) -> None:
         """Source codes and scales carried over as they are (``formats/expert_repack.py``)."""
-        stored = repack(*(self.source.stored(name) for name in job.sources))
+        self._write_repacked(job, repack(*(self.source.stored(name) for name in job.sources)))
+
+    def _write_repacked(self, job: Job, stored: dict[str, torch.Tensor]) -> None:
+        """Write repacked tensors, each checked against the plan's dtype and shape."""
         for piece in job.outputs:
             got = stored[piece.key]
             if st_dtype(got.dtype) != piece.meta.dtype or tuple(got.shape) != piece.meta.shape:

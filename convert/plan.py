@@ -145,7 +145,7 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
     stacked: dict[str, Container] = {}
     experts: dict[tuple[str, int, int], dict[str, SourceItem]] = {}
     for item in items:
-        target = recipe.refine(recipe.assign(item.role, item.fmt), item.params)
+        target = _target(recipe, item)
         if target.fmt == DROP:
             continue
         if target.fmt in EXPERT_FORMATS:
@@ -163,13 +163,25 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
     return Plan(recipe, items, jobs, files, max_shard_size)
 
 
+def _target(recipe: Recipe, item: SourceItem) -> Target:
+    """What ``recipe`` makes of ``item``; an error names the tensor."""
+    target = recipe.assign(item.role, item.fmt)
+    try:
+        return recipe.refine(target, item.params, item.fmt)
+    except HetquantError as e:
+        raise HetquantError(f"{item.name}: {e}") from None
+
+
 def _job(idx: int, item: SourceItem, target: Target) -> Job:
     if target.fmt == COPY:
         meta = TensorMeta(item.dtype, item.role.shape)
         return Job(idx, COPY, (item.name,), target, (OutPiece(item.name, item.name, 0, meta),))
     fmt = get_format(target.fmt, **dict(target.params))
     prefix = item.name.removesuffix(WEIGHT_SUFFIX)
-    stored = fmt.stored(item.role.shape)  # type: ignore[arg-type]
+    try:
+        stored = fmt.stored(item.role.shape)  # type: ignore[arg-type]
+    except HetquantError as e:
+        raise HetquantError(f"{item.name}: {e}") from None
     outputs = tuple(OutPiece(f"{prefix}.{k}", k, 0, m) for k, m in stored.items())
     return Job(idx, "linear", (item.name,), target, outputs)
 
@@ -184,7 +196,7 @@ def _expert_job(
             f"layer {layer} expert {e}: recipe {recipe.name} stacks {sorted(members)} but not {missing}"
         )
     gate, down = members["gate"], members["down"]
-    target = recipe.refine(recipe.assign(gate.role, gate.fmt), gate.params)
+    target = _target(recipe, gate)
     if target.part == ROOT:
         raise HetquantError(
             f"recipe {recipe.name}: stacked experts must go to a part of their own, not the root"

@@ -57,7 +57,7 @@ Decisions and open points:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -95,6 +95,8 @@ _QUANT_TYPE_OF_FORMAT = {
     "w8a8_dynamic": QUANT_TYPE_W8A8_DYNAMIC,
     "w8a8": QUANT_TYPE_W8A8,
     "bf16": QUANT_TYPE_FLOAT,
+    "w4a8_dynamic": "W4A8_DYNAMIC",  # formats/w4a8_npu.py
+    "ct_pack_quantized": "W4A16",  # vllm-ascend's W4A16 MoE scheme reads this layout
 }
 _ANY_SHAPE = (1, 1)  # stored-tensor names of these formats do not depend on the shape
 _WEIGHT_AXES: dict[str, tuple[int | None, int | None]] = {
@@ -334,12 +336,16 @@ def static_quant_matmul(
     return (acc.to(torch.float32) * tensors["deq_scale"]).to(x.dtype)  # (..., n)
 
 
-def description_entries(module_prefix: str, fmt_name: str) -> dict[str, str]:
+def description_entries(
+    module_prefix: str, fmt_name: str, keys: Iterable[str] | None = None
+) -> dict[str, str]:
     """``quant_model_description.json`` entries for one module stored in ``fmt_name``.
 
-    Every stored tensor is listed (msModelSlim does so; vllm-ascend reads ``<prefix>.weight``).
-    Float tensors that are not a module weight (a layer bias, ``e_score_correction_bias``) are
-    listed by the caller as ``{name: QUANT_TYPE_FLOAT}``.
+    Every stored tensor is listed (msModelSlim does so; vllm-ascend reads ``<prefix>.weight``,
+    with ``weight_packed`` standing for ``weight``); ``keys``: the module's stored keys (default:
+    the format's, for formats whose keys do not depend on the shape). Float tensors that are not
+    a module weight (a layer bias, ``e_score_correction_bias``) are listed by the caller as
+    ``{name: QUANT_TYPE_FLOAT}``.
     """
     try:
         quant_type = _QUANT_TYPE_OF_FORMAT[fmt_name]
@@ -348,7 +354,7 @@ def description_entries(module_prefix: str, fmt_name: str) -> dict[str, str]:
             f"{module_prefix}: format {fmt_name!r} has no Ascend description type; "
             f"known: {', '.join(sorted(_QUANT_TYPE_OF_FORMAT))}"
         ) from None
-    names = get_format(fmt_name).stored(_ANY_SHAPE)
+    names = get_format(fmt_name).stored(_ANY_SHAPE) if keys is None else keys
     return {f"{module_prefix}.{local}": quant_type for local in names}
 
 

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError
+from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError, get_format
 from hetquant.formats.expert_repack import EXPERT_REPACKS, repack_target
 from hetquant.formats.families import TensorRole
 from hetquant.formats.families.roles import MTP
+from hetquant.formats.linear_repack import LINEAR_REPACKS
 
 from . import DROP, Recipe, Target, keep, register_recipe
 
@@ -64,14 +66,19 @@ def role_class(role: TensorRole) -> str:
 
 @dataclass(frozen=True)
 class RuleRecipe(Recipe):
-    """A recipe given by ``rules`` (class → format or KEEP) and option choices."""
+    """A recipe given by ``rules`` (class → format or KEEP), option choices and parameters it
+    fixes for a format (``fixed``)."""
 
     rules: dict[str, str] = field(default_factory=dict)
+    fixed: dict[str, tuple[tuple[str, Any], ...]] = field(default_factory=dict)  # format → params
 
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         if role.mtp and self.option("mtp") == "drop":
             return Target(DROP)
-        fmt = self.rules[role_class(role)]
+        cls = role_class(role)
+        if role.mtp and f"mtp_{cls}" in self.rules:  # the MTP layer's own rule for this class
+            cls = f"mtp_{cls}"
+        fmt = self.rules[cls]
         if fmt == KEEP:
             return keep(source_fmt)
         if fmt == "int4_cpu*":  # the source's lossless CPU repack if it has one, else per-channel
@@ -80,9 +87,17 @@ class RuleRecipe(Recipe):
         self._check_requantize(role, source_fmt, target)
         return target
 
-    def refine(self, target: Target, source_params: tuple[tuple[str, Any], ...]) -> Target:
+    def refine(
+        self, target: Target, source_params: tuple[tuple[str, Any], ...], source_fmt: str = ""
+    ) -> Target:
         """A lossless repack target takes the source variant's parameters it shares (the
-        compressed-tensors group size becomes the CPU group format's)."""
+        compressed-tensors group size becomes the CPU group format's). A linear target with a
+        repack from the source's format (``formats/linear_repack.py``) keeps the recipe's
+        parameters; where those do not hold the source's codes, re-quantizing is refused unless
+        ``requantize`` was asked for."""
+        if (source_fmt, target.fmt) in LINEAR_REPACKS:
+            self._check_repack(target, source_params, source_fmt)
+            return target
         fmt = EXPERT_FORMATS.get(target.fmt)
         if fmt is None or not source_params or target.params:
             return target
@@ -109,15 +124,43 @@ class RuleRecipe(Recipe):
             "or a recipe that keeps it (bf16 dequantizes it exactly)"
         )
 
+    def _check_repack(
+        self, target: Target, source_params: tuple[tuple[str, Any], ...], source_fmt: str
+    ) -> None:
+        if self.option("requantize"):
+            return
+        src = get_format(source_fmt, **dict(source_params))
+        why = LINEAR_REPACKS[source_fmt, target.fmt].holds(src, _variant(target))
+        if why is not None:
+            raise HetquantError(
+                f"recipe {self.name} cannot keep the source's {source_fmt} codes: {why}; "
+                f"re-quantizing them loses accuracy twice. Choose the source's group "
+                f"(--group-size {dict(source_params).get('group_size')}) to keep them, or "
+                "--requantize to accept that"
+            )
+
     def _target(self, fmt: str, role: TensorRole) -> Target:
         if fmt in EXPERT_FORMATS:
             file = f"{CPU_EXPERTS}/layer_{role.layer:03d}.safetensors"
             return Target(fmt, CPU_EXPERTS, file=file)
-        if fmt == "awq_w4a16":
-            return Target(fmt, params=(("group_size", self.option("group_size")),))
         if fmt == "nvfp4*":
             return Target("nvfp4_ascend" if self.option("fp4_layout") == "ascend" else "nvfp4")
-        return Target(fmt)
+        params = _TARGET_PARAMS[fmt](self, role) if fmt in _TARGET_PARAMS else ()
+        params += self.fixed.get(fmt, ())
+        return Target(fmt, params=params) if params else Target(fmt)
+
+
+# a target format's parameters, from the recipe's options and the tensor's role
+_TARGET_PARAMS: dict[str, Callable[[RuleRecipe, TensorRole], tuple[tuple[str, Any], ...]]] = {
+    "awq_w4a16": lambda r, role: (("group_size", r.option("group_size")),),
+    # msModelSlim sums scale_bias in 16 chunks for row-parallel linears (down), 1 for others
+    "w4a8_dynamic": lambda r, role: (("bias_chunks", 16 if role.role.tp == "row" else 1),),
+    "ct_pack_quantized": lambda r, role: (("group_size", r.option("group_size")),),
+}
+
+
+def _variant(target: Target) -> Any:
+    return get_format(target.fmt, **dict(target.params))
 
 
 @functools.cache
