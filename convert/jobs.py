@@ -88,7 +88,7 @@ class JobRunner:
             for k, m in chunk_metas.items()
             if k not in direct
         }
-        opts = {"weight_amax": self.source.absmax(job.source)} if plan.needs_amax else {}
+        opts = {"weight_amax": self._absmax(job)} if plan.needs_amax else {}
         for row0, rows in self.source.rows(job.source):
             if self._calibrated(job.source):
                 rows = self.calibration.apply(job.source, rows, row0)
@@ -109,6 +109,11 @@ class JobRunner:
         for key, piece in pieces.items():
             if key not in direct:
                 self._write(piece, final[key])
+
+    def _absmax(self, job: Job) -> float:
+        """``max |W|`` over the job's weight and the others of its merged module
+        (``Job.amax_group``), so that they share one per-tensor scale."""
+        return max(self.source.absmax(name) for name in job.amax_group or job.sources)
 
     def _experts(self, job: Job) -> None:
         fmt = dataclasses.replace(get_expert_format(job.target.fmt), **dict(job.target.params))
