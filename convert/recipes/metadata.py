@@ -55,7 +55,7 @@ def unconverted_modules(plan: Any) -> list[str]:
 
 
 def _ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
-    doc: dict[str, Any] = dict(description_header())
+    doc: dict[str, Any] = {}
     for job in plan.jobs:
         if job.target.part != ROOT:
             continue
@@ -63,6 +63,7 @@ def _ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
             doc[job.source] = QUANT_TYPE_FLOAT
         else:
             doc.update(description_entries(job.source.removesuffix(".weight"), job.target.fmt))
+    doc.update(description_header())  # after the entries, as msModelSlim writes them
     cfg.pop("quantization_config", None)
     files[DESCRIPTION_NAME] = doc
 

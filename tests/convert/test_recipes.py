@@ -169,10 +169,12 @@ def test_streamed_jobs_store_exactly_the_whole_tensor_quantization(
 def test_ascend_description_covers_exactly_the_root(artifacts: dict[str, Path], key: str) -> None:
     root = artifacts[key]
     desc = load_json(root / "quant_model_description.json")
-    header = {"model_quant_type", "version", "group_size"}
+    header = ["version", "model_quant_type", "metadata", "group_size", "optional"]
+    assert list(desc)[-len(header) :] == header  # after the entries, as msModelSlim writes them
+    assert desc["metadata"] == desc["optional"] == {}
     assert desc["model_quant_type"] == "W8A8_DYNAMIC"
     index = load_json(root / "model.safetensors.index.json")["weight_map"]
-    assert set(desc) - header == set(index)
+    assert set(desc) - set(header) == set(index)
     for name, qt in desc.items():
         if name in header:
             continue
