@@ -94,7 +94,9 @@ def main(verbose: bool) -> None:
     type=click.Choice(["keep", "drop"]),
     help="Multi-token-prediction layer: quantized like a MoE layer (keep, default) or left out.",
 )
-@click.option("--group-size", type=int, help="AWQ group size (awq-w4a16: 128 or 64).")
+@click.option(
+    "--group-size", type=int, help="Group size (awq-w4a16: 128 or 64; ct-w4a16: 32 or 128)."
+)
 @click.option(
     "--fp4-layout",
     type=click.Choice(["ascend", "nvfp4"]),
@@ -270,14 +272,34 @@ def verify(artifact: Path) -> None:
 
 
 def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
-    """AWQ calibration of ``src`` on ``text`` (streaming, one layer at a time)."""
+    """AWQ calibration of ``src`` on ``text`` (streaming, one layer at a time), for the format
+    and the weights the recipe quantizes (``_calibrated_targets``)."""
     from hetquant.calib.calibrate import AwqOptions, calibrate
     from hetquant.calib.data import load_tokenizer, token_blocks
 
+    fmt, group, quantized = _calibrated_targets(src, rec)
     tokenizer, eos = load_tokenizer(src.root)
     tokens = token_blocks([text], tokenizer, eos, samples, seq_len)
-    log.info("calibrating on %d x %d tokens of %s", samples, seq_len, text)
-    return calibrate(src, tokens, AwqOptions(group_size=rec.option("group_size")), log=log.info)
+    log.info("calibrating %s on %d x %d tokens of %s", fmt, samples, seq_len, text)
+    opts = AwqOptions(group_size=group, quantizer=fmt)
+    return calibrate(src, tokens, opts, quantized=quantized, log=log.info)
+
+
+def _calibrated_targets(src, rec) -> tuple[str, int, list[str]]:
+    """(format, group size, weight names) of what ``rec`` writes in the one format AWQ can
+    calibrate for (``calib.awq.FAKE_QUANTIZERS``)."""
+    from hetquant.calib.awq import FAKE_QUANTIZERS
+
+    targets = {n: rec.refine(rec.assign(t.role, t.fmt_name), t.fmt_params)
+               for n, t in src.tensors.items()}  # fmt: skip
+    fmts = sorted({t.fmt for t in targets.values()} & FAKE_QUANTIZERS.keys())
+    if len(fmts) != 1:
+        raise HetquantError(
+            f"recipe {rec.name} writes {fmts or 'no format'} that AWQ calibrates; it calibrates "
+            f"exactly one of {sorted(FAKE_QUANTIZERS)}"
+        )
+    quantized = [n for n, t in targets.items() if t.fmt == fmts[0]]
+    return fmts[0], dict(targets[quantized[0]].params)["group_size"], quantized
 
 
 def _register_runtime() -> None:

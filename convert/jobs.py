@@ -70,6 +70,9 @@ class JobRunner:
 
     def _linear(self, job: Job) -> None:
         fmt = get_format(job.target.fmt, **dict(job.target.params))
+        if self.source.tensors[job.source].fmt == fmt and not self._calibrated(job.source):
+            self._as_stored(job)
+            return
         shape = self.source.tensors[job.source].shape
         plan = fmt.streaming(shape)  # type: ignore[arg-type]
         if plan is None:
@@ -109,6 +112,15 @@ class JobRunner:
         for key, piece in pieces.items():
             if key not in direct:
                 self._write(piece, final[key])
+
+    def _as_stored(self, job: Job) -> None:
+        """A source module already in the target variant: its stored tensors, validated (the
+        format's own source checks: NaN/Inf scales, bad shapes), written as they are."""
+        for _ in self.source.rows(job.source):
+            pass
+        stored = self.source.stored(job.source)
+        for piece in job.outputs:
+            self._write(piece, stored[piece.key])
 
     def _absmax(self, job: Job) -> float:
         """``max |W|`` over the job's weight and the others of its merged module

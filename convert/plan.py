@@ -165,7 +165,8 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
     jobs: list[Job] = []
     stacked: dict[str, Container] = {}
     experts: dict[tuple[str, int, int], dict[str, SourceItem]] = {}
-    assigned = [(i, recipe.refine(recipe.assign(i.role, i.fmt), i.params)) for i in items]
+    assigned = [(i, _as_stored(i, recipe.refine(recipe.assign(i.role, i.fmt), i.params)))
+                for i in items]  # fmt: skip
     groups = _amax_groups(assigned)
     for item, target in assigned:
         if target.fmt == DROP:
@@ -183,6 +184,18 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
         jobs.append(_expert_job(len(jobs), file, layer, e, n, members, recipe, stacked))
     files = _shard_root(jobs, max_shard_size) + [stacked[k] for k in sorted(stacked)]
     return Plan(recipe, items, jobs, files, max_shard_size)
+
+
+def _as_stored(item: SourceItem, target: Target) -> Target:
+    """A target in the source's own format whose parameters agree with the source variant's
+    takes that variant whole (Kimi K2 Thinking's experts: compressed-tensors group 32 with an
+    I32 ``weight_shape``): the converter then keeps the stored tensors as they are, no rounding
+    (``JobRunner``)."""
+    if target.fmt != item.fmt or not item.params:
+        return target
+    source = dict(item.params)
+    same = {**source, **dict(target.params)} == source
+    return dataclasses.replace(target, params=item.params) if same else target
 
 
 def _amax_groups(assigned: list[tuple[SourceItem, Target]]) -> dict[str, tuple[str, ...]]:
@@ -208,7 +221,10 @@ def _job(idx: int, item: SourceItem, target: Target, amax_group: tuple[str, ...]
         return Job(idx, COPY, (item.name,), target, (OutPiece(item.name, item.name, 0, meta),))
     fmt = get_format(target.fmt, **dict(target.params))
     prefix = item.name.removesuffix(WEIGHT_SUFFIX)
-    stored = fmt.stored(item.role.shape)  # type: ignore[arg-type]
+    try:
+        stored = fmt.stored(item.role.shape)  # type: ignore[arg-type]
+    except HetquantError as e:  # a shape the format cannot store: name the tensor
+        raise HetquantError(f"{item.name} {list(item.role.shape)}: {e}") from None
     outputs = tuple(OutPiece(f"{prefix}.{k}", k, 0, m) for k, m in stored.items())
     return Job(idx, "linear", (item.name,), target, outputs, amax_group)
 

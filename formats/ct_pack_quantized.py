@@ -222,8 +222,9 @@ class CtPackQuantized(WeightFormat):
         if n <= 0 or k <= 0 or k % self.group_size:
             raise HetquantError(
                 f"ct_pack_quantized: weight [out={n}, in={k}]: in must be a positive multiple "
-                f"of group_size {self.group_size} (out positive); use another group size or keep "
-                "this module unquantized"
+                f"of group_size {self.group_size} (out positive); the format takes group_size "
+                f"{' or '.join(map(str, sorted(GROUP_SIZES)))}: use another that divides {k}, or "
+                "keep this module unquantized"
             )
         return n, k
 

@@ -36,6 +36,11 @@ CASES: dict[str, list[str]] = {
     ],
     "fp4": ["--recipe", "fp4"],
     "fp4-nvfp4": ["--recipe", "fp4", "--fp4-layout", "nvfp4"],
+    "ct-w4a16": ["--recipe", "ct-w4a16"],
+    "ct-w4a16-calibrated": [
+        "--recipe", "ct-w4a16", "--calib-data", "examples/tiny-deepseek-v3/calib.txt",
+        "--calib-samples", "4", "--calib-seq-len", "64",
+    ],
 }  # fmt: skip
 
 
