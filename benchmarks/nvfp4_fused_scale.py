@@ -20,18 +20,16 @@ worst module. The baseline is the same module dequantized with its own stored sc
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
 import torch
+from _measure import open_sources
 
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import get_format
 
-REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("examples/tiny-deepseek-v3", "examples/tiny-deepseek-v3-trained")
 RESULTS = Path(__file__).parent / "results" / "nvfp4_fused_scale.json"
 NVFP4 = get_format("nvfp4")
 
@@ -97,12 +95,8 @@ def summary(rows: list[dict[str, object]]) -> dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sources", nargs="*", default=list(SOURCES))
-    args = ap.parse_args()
     results = {}
-    for s in args.sources:
-        src = SourceCheckpoint.open(REPO / s if not Path(s).is_absolute() else s)
+    for s, src in open_sources(__doc__.splitlines()[0]):
         res = summary(measure(src))
         results[s] = res
         m, w = res["mean"], res["worst_before_vllm"]

@@ -27,11 +27,11 @@ and the share of codes that differ from ``after``. Ratios are against ``before``
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
+from _measure import open_sources
 
 from hetquant.convert.plan import plan_for
 from hetquant.convert.recipes import get_recipe
@@ -39,8 +39,6 @@ from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import get_format
 from hetquant.formats.w8a8_npu import INT8_MAX, INT8_MIN, SCALE_FLOOR
 
-REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("examples/tiny-deepseek-v3", "examples/tiny-deepseek-v3-trained")
 RESULTS = Path(__file__).parent / "results" / "w8a8_scale_exact.json"
 DYN = get_format("w8a8_dynamic")
 METHODS = ("before", "after", "msmodelslim")
@@ -102,12 +100,9 @@ def measure(src: SourceCheckpoint) -> dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sources", nargs="*", default=list(SOURCES))
-    args = ap.parse_args()
     results = {}
-    for s in args.sources:
-        res = measure(SourceCheckpoint.open(REPO / s if not Path(s).is_absolute() else s))
+    for s, src in open_sources(__doc__.splitlines()[0]):
+        res = measure(src)
         results[s] = res
         base = res["before"]["mean_rel_err"]  # type: ignore[index]
         print(f"{s}: {res['linears']} W8A8_DYNAMIC linears, {res['elements']} weights")

@@ -273,33 +273,18 @@ def verify(artifact: Path) -> None:
 
 def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
     """AWQ calibration of ``src`` on ``text`` (streaming, one layer at a time), for the format
-    and the weights the recipe quantizes (``_calibrated_targets``)."""
+    and the weights the recipe quantizes (``engine.calibration_targets``)."""
     from hetquant.calib.calibrate import AwqOptions, calibrate
     from hetquant.calib.data import load_tokenizer, token_blocks
 
-    fmt, group, quantized = _calibrated_targets(src, rec)
+    from .engine import calibration_targets
+
+    fmt, group, quantized = calibration_targets(src, rec)
     tokenizer, eos = load_tokenizer(src.root)
     tokens = token_blocks([text], tokenizer, eos, samples, seq_len)
     log.info("calibrating %s on %d x %d tokens of %s", fmt, samples, seq_len, text)
     opts = AwqOptions(group_size=group, quantizer=fmt)
     return calibrate(src, tokens, opts, quantized=quantized, log=log.info)
-
-
-def _calibrated_targets(src, rec) -> tuple[str, int, list[str]]:
-    """(format, group size, weight names) of what ``rec`` writes in the one format AWQ can
-    calibrate for (``calib.awq.FAKE_QUANTIZERS``)."""
-    from hetquant.calib.awq import FAKE_QUANTIZERS
-
-    targets = {n: rec.refine(rec.assign(t.role, t.fmt_name), t.fmt_params)
-               for n, t in src.tensors.items()}  # fmt: skip
-    fmts = sorted({t.fmt for t in targets.values()} & FAKE_QUANTIZERS.keys())
-    if len(fmts) != 1:
-        raise HetquantError(
-            f"recipe {rec.name} writes {fmts or 'no format'} that AWQ calibrates; it calibrates "
-            f"exactly one of {sorted(FAKE_QUANTIZERS)}"
-        )
-    quantized = [n for n, t in targets.items() if t.fmt == fmts[0]]
-    return fmts[0], dict(targets[quantized[0]].params)["group_size"], quantized
 
 
 def _register_runtime() -> None:
