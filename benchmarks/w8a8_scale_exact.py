@@ -20,7 +20,9 @@ For every linear the ``ascend-w8a8`` recipe stores as W8A8_DYNAMIC (exact BF16 s
 Reported per source: mean and max over linears of the relative Frobenius error ‖Ŵ − W‖ / ‖W‖;
 the share of elements whose error exceeds half a step of the scale the NPU uses (the bound a
 consistent round-to-nearest keeps: ``> s/2`` means a code is off for that scale, or clipped);
-and the share of codes that differ from ``after``. Ratios are against ``before``.
+and the share of codes that differ from ``after``. Ratios are against ``before``. For reference,
+``before_f32``: the old codes with their F32 scale held as F32 (a consumer that keeps F32 scales,
+such as hetquant's CPU runtime: what the old artifact was at its best).
 
     python benchmarks/w8a8_scale_exact.py [SOURCE ...]   # default: both embedded tiny models
 """
@@ -41,7 +43,7 @@ from hetquant.formats.w8a8_npu import INT8_MAX, INT8_MIN, SCALE_FLOOR
 
 RESULTS = Path(__file__).parent / "results" / "w8a8_scale_exact.json"
 DYN = get_format("w8a8_dynamic")
-METHODS = ("before", "after", "msmodelslim")
+METHODS = ("before", "after", "msmodelslim", "before_f32")
 
 
 def before(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,9 +67,9 @@ def msmodelslim(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.clamp_(INT8_MIN, INT8_MAX).to(torch.float32), s.to(torch.float32)
 
 
-def loaded(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight the NPU computes with, its scale): the file scale rounded into BF16."""
-    held = s.to(torch.bfloat16).to(torch.float32)
+def loaded(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(weight the consumer computes with, its scale): the file scale held in ``dtype``."""
+    held = s.to(dtype).to(torch.float32)
     return q * held, held
 
 
@@ -79,10 +81,11 @@ def measure(src: SourceCheckpoint) -> dict[str, object]:
     for name in names:
         w = src.dequantized(name)  # exact BF16
         ref = w.to(torch.float64)
-        codes = {m: fn(w) for m, fn in zip(METHODS, (before, after, msmodelslim), strict=True)}
+        fns = (before, after, msmodelslim, before)
+        codes = {m: fn(w) for m, fn in zip(METHODS, fns, strict=True)}
         elements += w.numel()
         for m, (q, s) in codes.items():
-            deq, held = loaded(q, s)
+            deq, held = loaded(q, s, torch.float32 if m == "before_f32" else torch.bfloat16)
             err = (deq.double() - ref).abs()
             stats[m]["rel"].append(float(err.norm() / ref.norm()))
             stats[m]["over"] += int((err > held.double() / 2).sum())
