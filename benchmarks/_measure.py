@@ -37,6 +37,7 @@ __all__ = [
     "drop_page_cache",
     "machine_info",
     "median",
+    "open_sources",
     "proc_status_kib",
     "read_files",
     "replace_marked",
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 _READ_BLOCK = 8 << 20
+_REPO = Path(__file__).resolve().parents[1]
+TINY_SOURCES = ("examples/tiny-deepseek-v3", "examples/tiny-deepseek-v3-trained")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -392,3 +395,16 @@ def replace_marked(path: Path, start: str, end: str, text: str) -> bool:
     tmp.write_text(body[:a] + f"{start}\n{text}{end}" + body[b:], encoding="utf-8")
     os.replace(tmp, path)
     return True
+
+
+def open_sources(description: str) -> list[tuple[str, Any]]:
+    """(argument, ``SourceCheckpoint``) of each SOURCE on the command line of a script measuring
+    checkpoints (default: the two embedded tiny models; relative paths from the repository)."""
+    import argparse
+
+    from hetquant.convert.source import SourceCheckpoint
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("sources", nargs="*", default=list(TINY_SOURCES))
+    args = ap.parse_args()
+    return [(s, SourceCheckpoint.open(_REPO / s)) for s in args.sources]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -81,13 +81,17 @@ def calibrate(
     device: str | torch.device | None = None,
     weights_fn: Callable[[str], torch.Tensor] | None = None,
     names: list[str] | None = None,
+    quantized: Collection[str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CalibrationResult:
     """Calibrate ``source`` on ``tokens`` [N, T] (see module docstring).
 
     ``source``: anything with ``.config`` (a ``formats.families.ModelConfig``) and ``.tensors``
     (names), and — unless ``weights_fn(name) -> tensor`` is given — ``.dequantized(name)`` (BF16
-    weights). ``names`` overrides the tensor names. Options left to the family (``clip_skip``)
+    weights). ``names`` overrides the tensor names. ``quantized``: the linear weights the
+    artifact quantizes (default: every decoder-layer linear, ``is_quantized_linear``; the MTP
+    layers are never calibrated); only their errors score a search and only they are clipped,
+    while every linear reading a balanced input takes its scale. Options left to the family (``clip_skip``)
     are filled in from it. Deterministic: same inputs, same device type → same
     transforms (bit-identical on the CPU).
     """
@@ -101,7 +105,8 @@ def calibrate(
     dev = torch.device(device) if device is not None else default_device()
     tokens = check_tokens(tokens, cfg.vocab_size)
     roles = fam.expected_tensors(cfg)
-    quantized = tuple(n for n in names if n in roles and is_quantized_linear(roles[n]))
+    chosen = names if quantized is None else sorted(set(names) & set(quantized), key=names.index)
+    quantized = tuple(n for n in chosen if n in roles and is_quantized_linear(roles[n]))
     ctx = _Context(cfg, opts, dev, opts.compute_dtype(dev), tokens.shape[1])
     start = time.perf_counter()
     transforms: dict[str, Transform] = {}

@@ -41,6 +41,7 @@ from .workdir import JOURNAL, WorkDir
 __all__ = [
     "ConvertResult",
     "calibration_record",
+    "calibration_targets",
     "check_paths",
     "convert",
     "finished_manifest",
@@ -111,6 +112,23 @@ _SIGBUS_MESSAGE = (
     "(SIGBUS); no manifest was written — once the source is complete and stable, re-run the same "
     "command to resume"
 )
+
+
+def calibration_targets(src: Any, rec: Recipe) -> tuple[str, int, list[str]]:
+    """(format, group size, weight names) of what ``rec`` writes in the one format AWQ can
+    calibrate for (``calib.awq.FAKE_QUANTIZERS``)."""
+    from hetquant.calib.awq import FAKE_QUANTIZERS
+
+    targets = {n: rec.refine(rec.assign(t.role, t.fmt_name), t.fmt_params)
+               for n, t in src.tensors.items()}  # fmt: skip
+    fmts = sorted({t.fmt for t in targets.values()} & FAKE_QUANTIZERS.keys())
+    if len(fmts) != 1:
+        raise HetquantError(
+            f"recipe {rec.name} writes {fmts or 'no format'} that AWQ calibrates; it calibrates "
+            f"exactly one of {sorted(FAKE_QUANTIZERS)}"
+        )
+    quantized = [n for n, t in targets.items() if t.fmt == fmts[0]]
+    return fmts[0], dict(targets[quantized[0]].params)["group_size"], quantized
 
 
 def calibration_record(calibration: Any) -> dict[str, Any]:

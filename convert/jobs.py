@@ -72,6 +72,9 @@ class JobRunner:
     def _linear(self, job: Job) -> None:
         fmt = get_format(job.target.fmt, **dict(job.target.params))
         src = self.source.tensors[job.source]
+        if src.fmt == fmt and not self._calibrated(job.source):
+            self._as_stored(job)
+            return
         repack = LINEAR_REPACKS.get((src.fmt_name, fmt.name))
         if repack and repack.holds(src.fmt, fmt) is None and not self._calibrated(job.source):
             stored = repack.repack(self.source.stored(job.source), fmt)
@@ -95,7 +98,7 @@ class JobRunner:
             for k, m in chunk_metas.items()
             if k not in direct
         }
-        opts = {"weight_amax": self.source.absmax(job.source)} if plan.needs_amax else {}
+        opts = {"weight_amax": self._absmax(job)} if plan.needs_amax else {}
         for row0, rows in self.source.rows(job.source):
             if self._calibrated(job.source):
                 rows = self.calibration.apply(job.source, rows, row0)
@@ -116,6 +119,20 @@ class JobRunner:
         for key, piece in pieces.items():
             if key not in direct:
                 self._write(piece, final[key])
+
+    def _as_stored(self, job: Job) -> None:
+        """A source module already in the target variant: its stored tensors, validated (the
+        format's own source checks: NaN/Inf scales, bad shapes), written as they are."""
+        for _ in self.source.rows(job.source):
+            pass
+        stored = self.source.stored(job.source)
+        for piece in job.outputs:
+            self._write(piece, stored[piece.key])
+
+    def _absmax(self, job: Job) -> float:
+        """``max |W|`` over the job's weight and the others of its merged module
+        (``Job.amax_group``), so that they share one per-tensor scale."""
+        return max(self.source.absmax(name) for name in job.amax_group or job.sources)
 
     def _experts(self, job: Job) -> None:
         fmt = dataclasses.replace(get_expert_format(job.target.fmt), **dict(job.target.params))

@@ -15,6 +15,15 @@ files, from the formats the plan uses (a table, format → writer):
   = the full module names of the linears left unquantized. Readers match these as *substrings*
   (AutoAWQ, vLLM), so a bare ``"gate"`` would also skip every ``gate_proj``; a full name such as
   ``model.layers.3.mlp.gate`` matches only the router.
+- compressed-tensors (``ct_pack_quantized``): the ``quantization_config`` compressed-tensors
+  writes for pack-quantized W4A16 (``CtPackQuantized.quantization_config``): one group,
+  ``targets: ["Linear"]``, ``ignore`` = the full names of the linear-like modules kept at source
+  precision (matched exactly by compressed-tensors, vLLM and vllm-ascend alike), plus a top-level
+  ``group_size``, which vllm-ascend's W4A16 MoE method reads from the config and takes as 32
+  without it (``quantization/methods/w4a16.py:185``; compressed-tensors ignores it). Targets need
+  no editing for vllm-ascend: it maps a ``Linear`` target onto ``FusedMoE`` layers
+  (``compressed_tensors_config.py:97-106``), which it looks up as ``<experts>.0.gate_proj``
+  (:181); every other linear is ignored, as it must be (vllm-ascend has no W4A16 linear).
 - NVFP4 canonical (``nvfp4``): ModelOpt's ``hf_quant_config.json`` and the matching
   ``quantization_config``, with ``exclude_modules`` likewise.
 - NVFP4 Ascend tiled (``nvfp4_ascend``): a ``quantization_config`` with ``quant_method:
@@ -59,7 +68,7 @@ def unconverted_modules(plan: Any) -> list[str]:
 
 
 def _ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
-    doc: dict[str, Any] = dict(description_header())
+    doc: dict[str, Any] = {}
     for job in plan.jobs:
         if job.target.part != ROOT:
             continue
@@ -69,7 +78,8 @@ def _ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
             keys = [p.key for p in job.outputs]
             prefix = job.source.removesuffix(".weight")
             doc.update(description_entries(prefix, job.target.fmt, keys))
-    doc["group_size"] = _description_group(plan)
+    doc.update(description_header())  # after the entries, as msModelSlim writes them
+    doc["group_size"] = _description_group(plan)  # the header's slot: 0 unless a 4-bit scheme
     cfg.pop("quantization_config", None)
     if any(j.target.fmt == "w4a8_dynamic" for j in plan.jobs) and (
         cfg.get("model_type") in _W4A8_CONFIG_KEYS_FOR
@@ -126,6 +136,17 @@ def _awq(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
     )
 
 
+def _ct(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
+    group = next(
+        dict(j.target.params)["group_size"]
+        for j in plan.jobs
+        if j.target.fmt == "ct_pack_quantized"
+    )
+    ignore = sorted(set(unconverted_modules(plan)))
+    qc = get_format("ct_pack_quantized", group_size=group).quantization_config(ignore=ignore)
+    cfg["quantization_config"] = {**qc, "group_size": group}
+
+
 def _nvfp4(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
     hf, qc = hf_quant_config(unconverted_modules(plan))
     files[HF_QUANT_CONFIG_NAME] = hf
@@ -147,6 +168,7 @@ _WRITERS: dict[str, Callable[[Any, dict[str, Any], dict[str, Any]], None]] = {
     "w8a8": _ascend,
     "w4a8_dynamic": _ascend,
     "awq_w4a16": _awq,
+    "ct_pack_quantized": _ct,
     "nvfp4": _nvfp4,
     "nvfp4_ascend": _nvfp4_ascend,
 }

@@ -16,10 +16,18 @@ out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 | ascend-w8a8 | w8a8_dynamic | KEEP | w8a8_dynamic | w8a8_dynamic | KEEP |
 | awq-w4a16 | awq_w4a16 | awq_w4a16 | awq_w4a16 | awq_w4a16 | KEEP |
 | fp4 | KEEP | KEEP | nvfp4_ascend / nvfp4 | nvfp4_ascend / nvfp4 | KEEP |
+| ct-w4a16 | KEEP | KEEP | KEEP | ct_pack_quantized | KEEP |
 
 vllm-ascend requires ``kv_b_proj`` unquantized (``mla_v1.py``: "We currently do not support quant
 kv_b_proj"); the router is not an nn.Linear in DeepSeek's modeling code and stays FLOAT in
 msModelSlim's output (reference/ascend_formats.md §2.3).
+
+ct-w4a16 quantizes only what vllm-ascend can serve in W4A16: it registers that scheme for MoE
+layers alone (``quantization/methods/w4a16.py:111``, ``@register_scheme("W4A16", "moe")``) and
+raises NotImplementedError for a W4A16 linear (``compressed_tensors_config.py:333-338``), so every
+other linear stays at source precision and is listed in ``ignore`` (Kimi-K2-Thinking's layout).
+It is symmetric because that MoE method builds all-zero offsets and never loads a zero point
+(``w4a16.py:239-244``); the AWQ calibration then searches with the symmetric quantizer.
 """
 
 from __future__ import annotations
@@ -229,4 +237,11 @@ register_recipe(RuleRecipe(
     "fp4", "NVFP4 (E2M1 + E4M3 per 16 + F32 global) for dense MLP and experts, Ascend 8×8 tiled layout by default",
     rules={"attention": KEEP, "absorbed": KEEP, "dense": "nvfp4*", "shared": "nvfp4*", "routed": "nvfp4*", **_KEEPS},
     choices={**_MTP, "fp4_layout": ("ascend", "nvfp4")},
+))  # fmt: skip
+register_recipe(RuleRecipe(
+    "ct-w4a16",
+    "compressed-tensors pack-quantized W4A16 (symmetric, group 32 or 128) for the routed experts, the rest at source precision, as vllm-ascend's W4A16 MoE and vLLM load it; AWQ-calibrated with --calib-data, else round-to-nearest",
+    rules={"attention": KEEP, "absorbed": KEEP, "dense": KEEP, "shared": KEEP, "routed": "ct_pack_quantized", **_KEEPS},
+    choices={**_MTP, "group_size": (32, 128)},
+    calibrates=True,
 ))  # fmt: skip

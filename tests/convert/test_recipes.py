@@ -156,14 +156,19 @@ def test_streamed_jobs_store_exactly_the_whole_tensor_quantization(
     artifacts: dict[str, Path], source: SourceCheckpoint, key: str
 ) -> None:
     """The converter streams block rows (absmax from FP8 codes, experts row by row, chunks packed
-    straight into their final layout); the bytes must equal quantizing the whole weight at once."""
+    straight into their final layout); the bytes must equal quantizing the whole weight at once
+    (with the joint absmax of its merged module where the plan groups one)."""
     root = artifacts[key]
     plan = replay_plan(root, load_json(root / MANIFEST_NAME))
     stored = _load(root)
     for job in (j for j in plan.jobs if j.kind != "copy"):
         refs = [_src_bf16(source, name).to(torch.bfloat16) for name in job.sources]
         if job.kind == "linear":
-            whole = get_format(job.target.fmt, **dict(job.target.params)).quantize(refs[0])
+            fmt = get_format(job.target.fmt, **dict(job.target.params))
+            # a merged module's members share the per-tensor scale of their joint absmax
+            group = [_src_bf16(source, n).abs().amax() for n in job.amax_group]
+            opts = {"weight_amax": float(max(group))} if group else {}
+            whole = fmt.quantize(refs[0], **opts)
         else:
             whole = get_expert_format(job.target.fmt).quantize_expert(*refs)
         for piece in job.outputs:
@@ -175,10 +180,12 @@ def test_streamed_jobs_store_exactly_the_whole_tensor_quantization(
 def test_ascend_description_covers_exactly_the_root(artifacts: dict[str, Path], key: str) -> None:
     root = artifacts[key]
     desc = load_json(root / "quant_model_description.json")
-    header = {"model_quant_type", "version", "group_size"}
+    header = ["version", "model_quant_type", "metadata", "group_size", "optional"]
+    assert list(desc)[-len(header) :] == header  # after the entries, as msModelSlim writes them
+    assert desc["metadata"] == desc["optional"] == {}
     assert desc["model_quant_type"] == "W8A8_DYNAMIC"
     index = load_json(root / "model.safetensors.index.json")["weight_map"]
-    assert set(desc) - header == set(index)
+    assert set(desc) - set(header) == set(index)
     for name, qt in desc.items():
         if name in header:
             continue
