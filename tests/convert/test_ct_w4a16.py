@@ -12,7 +12,7 @@ from compressed_tensors.compressors import PackedQuantizationCompressor  # the t
 from compressed_tensors.quantization import QuantizationConfig
 from compressed_tensors.utils.match import match_named_modules
 from safetensors.torch import load_file
-from support import REPO, TINY, make_kimi_k2, read_json
+from support import REPO, TINY, TOOLS, make_kimi_k2, read_json
 from torch import nn
 
 from hetquant.convert.engine import convert
@@ -20,7 +20,7 @@ from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import get_format
 
-CALIB = ["--calib-data", str(TINY / "calib.txt"), "--calib-samples", "4", "--calib-seq-len", "64"]
+CALIB = ["--calib-data", str(TOOLS / "calib.txt"), "--calib-samples", "4", "--calib-seq-len", "64"]
 KEYS = ("weight_packed", "weight_scale", "weight_shape")
 EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj")
 
