@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,9 @@ from hetquant.formats import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
 from .diskspace import free_bytes, space_error, space_needed
-from .execute import CALIBRATION_DIR, Stopped, run_jobs, sigbus_exits, stop_on_signals
+from .execute import Stopped, run_jobs, sigbus_exits, stop_on_signals
 from .finalize import AUX_PATTERNS, aux_files, build, json_size, metadata_docs, move_in
+from .hashing import FileHashes, fill_order, hash_threads
 from .os_errors import DISK_FULL, os_error
 from .output_lock import LOCK_NAME, OutputLock
 from .plan import Plan, plan_for
@@ -127,6 +129,7 @@ class _Run:
     out: Path
     work: WorkDir
     journaled: int = 0
+    timings: dict[str, Any] = field(default_factory=dict)  # logged at debug level
 
     def execute(
         self,
@@ -146,13 +149,16 @@ class _Run:
             self._check_space()  # before anything is written
         done = self._resume_or_start(digest, overwrite, guard)
         if not (self.work.path / MANIFEST_NAME).exists():  # else only the move into OUTPUT is left
-            if calibration is not None and workers > 1:
-                calibration.save(self.work.path / CALIBRATION_DIR)  # workers load it
             done = self.work.open_files(self.plan, done)
-            self._run(done, workers, guard, progress, calibration)
-            build(self.source, self.plan, self.work.path, digest, record, guard)
+            digests = self._run(done, workers, guard, progress, calibration)
+            t0 = time.perf_counter()
+            build(self.source, self.plan, self.work.path, digest, record, guard, digests)
+            self.timings["build_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         manifest = move_in(self.out, self.work.path)
         self.work.clear()
+        self.timings["move_in_s"] = time.perf_counter() - t0
+        log.debug("timings %s", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in self.timings.items()}))  # fmt: skip
         return ConvertResult(self.plan, manifest, len(done))
 
     def _resume_or_start(self, digest: str, overwrite: bool, guard: SourceGuard) -> set[int]:
@@ -180,17 +186,34 @@ class _Run:
     def _run(
         self, done: set[int], workers: int, guard: SourceGuard,
         progress: Callable[[int], None] | None, calibration: Any,
-    ) -> None:  # fmt: skip
+    ) -> dict[str, dict[str, Any]]:  # fmt: skip
+        """Run the jobs not ``done``, journaling each; the containers' digests (``hashing``)."""
+        width = hash_threads(workers)
+        hashes = FileHashes(self.plan, self.work.path, width)
         todo = [j for j in self.plan.jobs if j.id not in done]
+        by_id = {j.id: j for j in todo}
         self.journaled = len(done)
         if done:  # a fresh run stays quiet: a bad-input error must be the only line on stderr
             log.info("%d jobs, %d already done (resume)", len(self.plan.jobs), len(done))
-        jobs = run_jobs(self.source, self.plan, self.work.path, todo, workers, guard, progress, calibration)  # fmt: skip
-        with open(self.work.path / JOURNAL, "a") as journal:
-            for job_id in jobs:
-                journal.write(f"{job_id}\n")
-                journal.flush()
-                self.journaled += 1
+        try:
+            for job in self.plan.jobs:
+                if job.id in done:
+                    hashes.written(job)
+            t0 = time.perf_counter()
+            order = fill_order(self.plan, todo, width)
+            jobs = run_jobs(self.source, self.plan, self.work.path, order, workers, guard, progress, calibration, hashes.start, self.timings)  # fmt: skip
+            with open(self.work.path / JOURNAL, "a") as journal:
+                for job_id in jobs:
+                    journal.write(f"{job_id}\n")
+                    journal.flush()
+                    self.journaled += 1
+                    hashes.written(by_id[job_id])
+            t1 = time.perf_counter()
+            digests = hashes.finish()
+            self.timings.update(jobs_s=t1 - t0, hash_tail_s=time.perf_counter() - t1)
+            return digests
+        finally:
+            hashes.close()
 
     def space_needed(self) -> int:
         extra = [json_size(doc) for doc in metadata_docs(self.plan, self.source).values()]
