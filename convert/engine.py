@@ -76,9 +76,11 @@ def convert(
     _check_paths(source.root, output)
     if (calibration is not None or calibrate is not None) and not recipe.calibrates:
         raise HetquantError(f"recipe {recipe.name} does not calibrate; drop --calib-data")
+    entered = time.time()
     plan = plan_for(source, recipe, max_shard_size)
     lock = OutputLock(output)
     run = _Run(source, plan, output, WorkDir(lock.work))
+    run.timings.update(entered=entered, plan_s=time.time() - entered)
     try:
         with stop_on_signals(), sigbus_exits(_SIGBUS_MESSAGE.format(root=source.root)):
             _refuse_foreign(output)
@@ -200,6 +202,7 @@ class _Run:
                 if job.id in done:
                     hashes.written(job)
             t0 = time.perf_counter()
+            self.timings["jobs_started"] = time.time()
             order = fill_order(self.plan, todo, width)
             jobs = run_jobs(self.source, self.plan, self.work.path, order, workers, guard, progress, calibration, hashes.start, self.timings)  # fmt: skip
             with open(self.work.path / JOURNAL, "a") as journal:
@@ -209,6 +212,7 @@ class _Run:
                     self.journaled += 1
                     hashes.written(by_id[job_id])
             t1 = time.perf_counter()
+            self.timings["hashed_at_jobs_end"] = hashes.hashed_bytes() / max(1, sum(f.size for f in self.plan.files))  # fmt: skip
             digests = hashes.finish()
             self.timings.update(jobs_s=t1 - t0, hash_tail_s=time.perf_counter() - t1)
             return digests

@@ -13,8 +13,9 @@ Two ways to start (``start_method``):
 Either way a worker ignores SIGINT (a Ctrl-C reaches the whole process group; the parent
 decides), takes SIGTERM's default action, dies with its parent (``PR_SET_PDEATHSIG`` on Linux
 plus a watchdog thread that exits when the parent PID changes), reports a SIGBUS (a shard
-truncated under its memory map) by its exit status, and runs torch on one thread: jobs are block
-rows, and the pool is the parallelism.
+truncated under its memory map) by its exit status, runs torch on one thread (jobs are block
+rows, and the pool is the parallelism) at nice +5 (``WORKER_NICE``), and stores into the
+containers through shared memory maps (``writer.py``: pwrite into one file serializes writers).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ __all__ = [
 CALIBRATION_DIR = "calibration"
 SIGBUS_STATUS = 128 + signal.SIGBUS  # what a shell shows for a SIGBUS death, without a core dump
 START_ENV = "HETQUANT_WORKER_START"
+# Workers yield the CPU to the parent's hashing threads: a file's sha256 is one sequential stream
+# (~1 GB/s), the critical path once the jobs are fast; the workers have slack.
+WORKER_NICE = 5
 _PR_SET_PDEATHSIG = 1
 _WATCHDOG_SECONDS = 1.0
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -119,7 +123,7 @@ def init_forked(parent: int, ids: dict[str, Identity]) -> None:
     assert _INHERITED is not None, "inherit() before the pool forks"
     source, plan, work, calibration = _INHERITED
     _setup(parent, source.root, ids)
-    _WORKER = JobRunner(source, plan, work, calibration)
+    _WORKER = JobRunner(source, plan, work, calibration, shared=True)
     _ready()
 
 
@@ -138,7 +142,7 @@ def init_spawned(
 
             calibration = CalibrationResult.load(Path(work) / CALIBRATION_DIR)
         plan = plan_for(source, recipe, max_shard_size)
-        _WORKER = JobRunner(source, plan, Path(work), calibration)
+        _WORKER = JobRunner(source, plan, Path(work), calibration, shared=True)
     except Exception as e:  # raised with the first job (the pool would print a traceback)
         _INIT_ERROR = e
     _ready()
@@ -160,6 +164,7 @@ def _setup(parent: int, root: Path, ids: dict[str, Identity]) -> None:
     _die_with(parent)
     on_sigbus(b"", SIGBUS_STATUS)  # the parent reports it (a changed source, or the death)
     torch.set_num_threads(1)
+    os.nice(WORKER_NICE)
     _GUARD = SourceGuard(root, ids)
 
 

@@ -223,17 +223,25 @@ class Fp8Block(WeightFormat):
         bytes to its accelerator) the same torch arithmetic there, bit-identical — the integer
         E4M3 decode, one float32 multiply, the RNE cast — in chunks of ``DEVICE_CHUNK`` codes,
         with one NaN-code check for the whole weight."""
-        w, s = tensors["weight"], tensors["weight_scale_inv"]
-        if w.device.type == "cpu":
+        if tensors["weight"].device.type == "cpu":
             return super().source_dequantized(name, tensors, shape)
-        self._check_scales(f"{name}.weight_scale_inv", s)
-        check_codes(f"{name}.weight", w)
-        out = torch.empty(shape, dtype=torch.bfloat16, device=w.device)
+        return self.dequantized_in_chunks(name, tensors["weight"], tensors["weight_scale_inv"])
+
+    def dequantized_in_chunks(
+        self, name: str, weight: torch.Tensor, scale_inv: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`source_dequantized` with torch ops on ``weight``'s device (any device)."""
+        self._check_scales(f"{name}.weight_scale_inv", scale_inv)
+        check_codes(f"{name}.weight", weight)
+        self.check_scale(f"{name}.weight", tuple(weight.shape), tuple(scale_inv.shape))
+        n, k = weight.shape
+        out = torch.empty((n, k), dtype=torch.bfloat16, device=weight.device)
         b = self.block
-        step = b * max(1, DEVICE_CHUNK // max(1, b * shape[1]))  # whole block rows
-        for r in range(0, shape[0], step):
-            rows = w[r : r + step]  # (≤ step, in)
-            out[r : r + rows.shape[0]] = self.dequantize_bf16(rows, s[r // b : -(-(r + step) // b)])
+        step = b * max(1, DEVICE_CHUNK // max(1, b * k))  # whole block rows
+        for r in range(0, n, step):
+            rows = weight[r : r + step]  # (≤ step, in)
+            scales = scale_inv[r // b : -(-(r + rows.shape[0]) // b)]  # their block rows
+            out[r : r + rows.shape[0]] = self.dequantize_bf16(rows, scales)
         return out
 
     def source_absmax(
