@@ -114,7 +114,8 @@ class LayerLoader:
                 for n in group
                 for key, (file, e) in self.source.tensors[n].parts.items()
             ]
-            raw = read_spans(Path(self.source.root), items, self.device, self.stats)
+            with torch.inference_mode(False):  # the reader's threads copy into these buffers
+                raw = read_spans(Path(self.source.root), items, self.device, self.stats)
             for n in group:
                 state[n] = self._tensor(n, raw)
             del raw  # the group's stored bytes: freed before the next group is read

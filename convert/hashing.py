@@ -9,7 +9,7 @@ of the workers does this, so at the end only the last job's bytes of each file r
 
 For that, files must fill front to back, several at a time: :func:`fill_order` runs the jobs in
 waves of ``width`` files (one hashing thread each), each wave's jobs by their position in their
-file. Bytes no job writes (none in a plan; a missing expert would leave zeros) are hashed at
+file, files of stacked experts first. Bytes no job writes (none in a plan; a missing expert would leave zeros) are hashed at
 :meth:`FileHashes.finish`, which returns exactly what ``manifest.file_digest`` gives.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
+import itertools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,10 +62,14 @@ def _where(plan: Plan) -> dict[str, tuple[Container, int]]:
 
 def fill_order(plan: Plan, jobs: list[Job], width: int) -> list[Job]:
     """``jobs`` in the order that fills ``width`` files at a time front to back (see module
-    docstring): by wave (the file's index // width), then by the job's first byte relative to
-    its file's size, larger jobs first among equals."""
+    docstring): by wave (the file's place // width), then by the job's first byte relative to
+    its file's size, larger jobs first among equals. Files whose jobs each write pieces far
+    apart (stacked experts: expert e's rows of every stacked tensor) come first: half such a
+    file can only be hashed once its last job is done, so that happens while later waves run."""
     where = _where(plan)
-    index = {f.name: i for i, f in enumerate(plan.files)}
+    strided = {r[0][0] for j in plan.jobs if not _adjacent(r := _ranges(j, where))}
+    order = sorted(plan.files, key=lambda f: f.name not in strided)  # stable: plan order else
+    index = {f.name: i for i, f in enumerate(order)}
     size = {f.name: max(f.size, 1) for f in plan.files}
 
     def key(job: Job) -> tuple[int, float, int]:
@@ -72,6 +77,12 @@ def fill_order(plan: Plan, jobs: list[Job], width: int) -> list[Job]:
         return index[file] // width, start / size[file], -job.nbytes
 
     return sorted(jobs, key=key)
+
+
+def _adjacent(ranges: list[tuple[str, int, int]]) -> bool:
+    """Whether a job's byte ranges form one run of one file."""
+    runs = sorted((start, end) for _, start, end in ranges)
+    return all(a[1] == b[0] for a, b in itertools.pairwise(runs))
 
 
 @dataclass

@@ -3,6 +3,10 @@
 // Every float operation mirrors the torch reference in formats/fp8_block.py (dequantize_rows),
 // formats/w8a8_npu.py (_weight_tensors) and formats/int4_cpu.py (_quantize_rows without clip
 // search); keep them in step.
+#ifdef HQ_X86
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr float INT8_QMAX = 127.0f, INT4_QMAX = 7.0f;
@@ -22,8 +26,8 @@ HQ_INLINE float round_even(float x) { return (x + ROUND_MAGIC) - ROUND_MAGIC; }
 // Rows [R, C] of E4M3 codes whose block row has the scales srow[ceil(C / block)]:
 // out = bf16(f32(code) * s) as torch computes it (e4m3_to_f32, one multiply, RNE cast), read
 // from a 256-entry table per block column (a lookup is cheaper than the arithmetic, and the table
-// holds exactly the arithmetic's results). Returns 1 when a NaN code (0x7F / 0xFF) or a NaN
-// scale is present (out is then garbage), else 0; -2 out of memory.
+// holds exactly the arithmetic's results). Returns 1 when a NaN code (0x7F / 0xFF) or a NaN or
+// infinite scale is present (out is then garbage), else 0; -2 out of memory.
 HQ_INLINE int fp8_rows(const uint8_t* codes, int64_t R, int64_t C, const float* srow,
                        int64_t block, uint16_t* out) {
   const int64_t nb = (C + block - 1) / block;
@@ -32,7 +36,7 @@ HQ_INLINE int fp8_rows(const uint8_t* codes, int64_t R, int64_t C, const float* 
   uint16_t* tab = (uint16_t*)buf.p;
   uint32_t bad = 0;
   for (int64_t j = 0; j < nb; ++j) {
-    bad |= (uint32_t)((bits(srow[j]) & ABS) > INF_BITS);
+    bad |= (uint32_t)((bits(srow[j]) & ABS) >= INF_BITS);  // NaN or Inf: torch decides
     for (int v = 0; v < 256; ++v) tab[j * 256 + v] = bf16_from_f32(f32_from_e4m3((uint8_t)v) * srow[j]);
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -112,11 +116,71 @@ HQ_INLINE int int4_rows(const T* a, const T* b, int64_t R, int64_t K, uint8_t* p
   return 0;
 }
 
+#ifdef HQ_X86
+// The same table lookup, 32 codes at a time (AVX-512BW): the 128 magnitudes' BF16 values of a
+// block sit in four registers, two two-register permutes and a blend on index bit 6 look them
+// up, the sign bit is ORed in — exact when the scale is +0 or positive, as bf16(-x) is
+// -bf16(x) under round-to-nearest-even (for a negative scale the scalar path runs).
+__attribute__((target("avx512f,avx512bw"))) int fp8_avx512bw(const uint8_t* codes, int64_t R,
+                                                             int64_t C, const float* srow,
+                                                             int64_t block, uint16_t* out) {
+  const int64_t nb = (C + block - 1) / block;
+  uint32_t neg = 0;
+  for (int64_t j = 0; j < nb; ++j) neg |= bits(srow[j]) >> 31;
+  if (neg) return fp8_rows(codes, R, C, srow, block, out);
+  Scratch buf(nb * 256 * 2);
+  if (!buf.p) return -2;
+  uint16_t* tab = (uint16_t*)buf.p;
+  uint32_t bad = 0;
+  for (int64_t j = 0; j < nb; ++j) {
+    bad |= (uint32_t)((bits(srow[j]) & ABS) >= INF_BITS);
+    for (int v = 0; v < 256; ++v) tab[j * 256 + v] = bf16_from_f32(f32_from_e4m3((uint8_t)v) * srow[j]);
+  }
+  const __m512i mag = _mm512_set1_epi16(0x7F), sign = _mm512_set1_epi16(0x80);
+  const __m512i hi_half = _mm512_set1_epi16(0x40);
+  __mmask32 nan = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const uint8_t* c = codes + r * C;
+    uint16_t* o = out + r * C;
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint16_t* t = tab + j * 256;
+      const __m512i t0 = _mm512_loadu_si512(t), t1 = _mm512_loadu_si512(t + 32);
+      const __m512i t2 = _mm512_loadu_si512(t + 64), t3 = _mm512_loadu_si512(t + 96);
+      const int64_t k0 = j * block, n = C - k0 < block ? C - k0 : block;
+      int64_t k = 0;
+      for (; k + 32 <= n; k += 32) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(c + k0 + k)));
+        const __m512i idx = _mm512_and_si512(w, mag);
+        const __m512i lo = _mm512_permutex2var_epi16(t0, idx, t1);  // entries 0..63
+        const __m512i hi = _mm512_permutex2var_epi16(t2, idx, t3);  // entries 64..127
+        __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(idx, hi_half), lo, hi);
+        v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(w, sign), 8));
+        nan |= _mm512_cmpeq_epi16_mask(idx, mag);
+        _mm512_storeu_si512(o + k0 + k, v);
+      }
+      for (; k < n; ++k) {
+        const uint8_t v = c[k0 + k];
+        bad |= (uint32_t)((v & 0x7F) == 0x7F);
+        o[k0 + k] = t[v];
+      }
+    }
+  }
+  return (bad || nan) ? 1 : 0;
+}
+#endif
+
+int fp8_generic(const uint8_t* c, int64_t R, int64_t C, const float* s, int64_t blk,
+                uint16_t* out) {
+  return fp8_rows(c, R, C, s, blk, out);
+}
+#ifdef HQ_X86
+__attribute__((target("avx2"))) int fp8_avx2(const uint8_t* c, int64_t R, int64_t C,
+                                             const float* s, int64_t blk, uint16_t* out) {
+  return fp8_rows(c, R, C, s, blk, out);
+}
+#endif
+
 #define HQ_ROWS_ENTRY(NAME, TARGET)                                                             \
-  TARGET int fp8_##NAME(const uint8_t* c, int64_t R, int64_t C, const float* s, int64_t blk,     \
-                        uint16_t* out) {                                                        \
-    return fp8_rows(c, R, C, s, blk, out);                                                      \
-  }                                                                                             \
   TARGET int w8a8_##NAME(const void* w, int bf16, int64_t R, int64_t K, int8_t* q, float* s) {   \
     return bf16 ? w8a8_rows((const uint16_t*)w, R, K, q, s)                                     \
                 : w8a8_rows((const float*)w, R, K, q, s);                                       \
@@ -144,7 +208,7 @@ int hq_fp8_dequant_rows(const uint8_t* codes, int64_t R, int64_t C, const float*
   if (R < 0 || C < 0 || block <= 0) return -2;
   switch (pick(isa)) {
 #ifdef HQ_X86
-    case 3: return fp8_avx512(codes, R, C, s, block, out);
+    case 3: return fp8_avx512bw(codes, R, C, s, block, out);
     case 2: return fp8_avx2(codes, R, C, s, block, out);
 #endif
     default: return fp8_generic(codes, R, C, s, block, out);

@@ -32,8 +32,9 @@ def test_stored_bytes_give_the_cpu_tensors(tiny_source, monkeypatch) -> None:
     """Every layer, in groups small enough that a layer takes several (``GROUP_BYTES``)."""
     monkeypatch.setattr(L, "GROUP_BYTES", 1 << 20)
     stored, plain = _loader(tiny_source, "cpu", "stored"), _loader(tiny_source, "cpu", "dequantized")  # fmt: skip
-    for layer in range(tiny_source.config.num_hidden_layers):
-        _same(stored.load(layer), plain.load(layer))
+    with torch.inference_mode():
+        for layer in range(tiny_source.config.num_hidden_layers):
+            _same(stored.load(layer), plain.load(layer))
     assert stored.stats.tensors > 0 and plain.stats.tensors == 0
     stored.close()
 
@@ -79,8 +80,9 @@ def test_calibration_is_the_same_whichever_way_layers_load(tiny_source, calib_to
 def test_stored_bytes_dequantized_on_the_gpu_equal_the_cpu_path(tiny_source) -> None:
     gpu, cpu = _loader(tiny_source, "cuda", None), _loader(tiny_source, "cpu", None)
     assert gpu.mode == "stored"
-    for layer in range(tiny_source.config.num_hidden_layers):
-        got = gpu.load(layer)
-        assert all(t.device.type == "cuda" for t in got.values())
-        _same(got, cpu.load(layer))
+    with torch.inference_mode():  # as calibrate loads (the reader's threads are outside it)
+        for layer in range(tiny_source.config.num_hidden_layers):
+            got = gpu.load(layer)
+            assert all(t.device.type == "cuda" for t in got.values())
+            _same(got, cpu.load(layer))
     gpu.close()

@@ -77,7 +77,8 @@ def test_fp8_every_code_with_tie_scales() -> None:
     """All 254 non-NaN codes against scales whose products sit on BF16 rounding ties."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)[None].repeat(3, 1)  # (3, 254)
-    for scales in ([1.0 + 2**-8, 1.0 + 3 * 2**-9], [2**-133 * 1.5, 0.0], [1e-30, 3.0]):
+    ties = ([1.0 + 2**-8, 1.0 + 3 * 2**-9], [2**-133 * 1.5, 0.0], [1e-30, 3.0], [-1.5, -0.0])
+    for scales in ties:  # a negative scale (refused by the format) takes the scalar table path
         sc = torch.tensor([scales], dtype=torch.float32)
         want = dequantize_rows(codes, sc, 0, 128)
         for isa in _isas():
@@ -101,6 +102,8 @@ def test_fp8_nan_codes_fall_back_and_raise() -> None:
 def test_fp8_unsupported_inputs_give_none() -> None:
     codes = _codes(8, 256, seed=5)
     s = _scales((1, 2), -12, -10, seed=6)[0]
+    for bad in (float("inf"), float("nan")):  # scales the format refuses: torch decides
+        assert R.fp8_dequant_rows(codes, torch.tensor([1.0, bad]), 128) is None
     assert R.fp8_dequant_rows(codes.t(), s, 128) is None  # not contiguous
     assert R.fp8_dequant_rows(codes, s.double(), 128) is None  # scale dtype
     assert R.fp8_dequant_rows(codes, s[:1], 128) is None  # scale count
