@@ -190,7 +190,7 @@ class _Run:
         progress: Callable[[int], None] | None, calibration: Any,
     ) -> dict[str, dict[str, Any]]:  # fmt: skip
         """Run the jobs not ``done``, journaling each; the containers' digests (``hashing``)."""
-        width = hash_threads(workers)
+        width = hash_threads()
         hashes = FileHashes(self.plan, self.work.path, width)
         todo = [j for j in self.plan.jobs if j.id not in done]
         by_id = {j.id: j for j in todo}

@@ -101,7 +101,8 @@ def test_fill_order_waves_then_position_in_file(plan) -> None:
 
 
 def test_hash_threads() -> None:
-    assert [hash_threads(w) for w in (1, 2, 4, 8, 16, 64)] == [2, 2, 2, 4, 8, 8]
+    assert [hash_threads(c) for c in (1, 2, 4, 8, 16, 64)] == [2, 2, 4, 8, 8, 8]
+    assert 2 <= hash_threads() <= 8
 
 
 def test_a_file_of_only_a_header_is_hashed(tmp_path: Path) -> None:
