@@ -2,8 +2,9 @@
 
 One convert at a time holds OUTPUT (``output_lock``). The work happens in
 ``OUTPUT/.hetquant-partial/`` (``workdir``): containers are created at their final size (space
-checked first, from the plan's exact sizes, and reserved), jobs write their byte ranges, in this
-process or in workers (``execute``), and a journal records finished jobs. Re-running the same
+checked first, from the plan's exact sizes, and reserved but on tmpfs), jobs write their byte
+ranges, in this process or in workers (``execute``), in ``hashing.fill_order``, a journal records
+finished jobs, and each file is hashed and fsynced as it fills (``hashing``). Re-running the same
 command (same source files, recipe and options → same plan digest) skips journaled jobs and redoes
 the rest, giving byte-identical files; jobs that read a source file changed since are redone too.
 When every job is done the artifact is completed in the work directory and then moved into
@@ -12,6 +13,8 @@ whole. Re-running a finished command is a no-op ("already complete").
 
 Every failure is one ``HetquantError`` line: bad input, a full disk (bytes needed and free), an
 OS error (the path), a changed source, a dead worker, SIGINT/SIGTERM (the journal is kept).
+With ``-v`` a ``timings`` line at the end gives the phases (``benchmarks/bench_convert_scaling.py``
+reads it).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError
+from hetquant.formats.native import load_defined
 
 from . import workers as W
 from .jobs import JobRunner
@@ -124,6 +125,7 @@ def _run_pool(
 ) -> Iterator[int]:  # fmt: skip
     method = stats["start_method"] = W.start_method()
     if method == "fork":
+        load_defined()  # the kernels, built once here rather than in every worker
         W.inherit((source, plan, work, calibration))
         init, args = W.init_forked, (os.getpid(), guard.ids)
     else:

@@ -54,15 +54,10 @@ HQ_INLINE int fp8_rows(const uint8_t* codes, int64_t R, int64_t C, const float* 
   return bad ? 1 : 0;
 }
 
-// |w| maximum of one row as float bits (NaN sorts above Inf)
+// |w| maximum of one row as float bits (NaN sorts above Inf): _quant_native.cpp's absmax
 template <typename T>
 HQ_INLINE uint32_t row_amax(const T* w, int64_t K) {
-  uint32_t m = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    const uint32_t a = bits(load(w, k)) & ABS;
-    m = a > m ? a : m;
-  }
-  return m;
+  return bits(absmax(w, K));
 }
 
 // ------------------------------------------------------------------- W8A8 per-row int8
