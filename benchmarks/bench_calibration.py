@@ -8,7 +8,7 @@ script records the process CPU time and (``--no-breakdown`` turns it off) a spli
 into phases, timed by wrapping calibrate's internals (synchronizing the device at each boundary):
 
 =====================  ===========================================================================
-``load``               ``weights_fn``: read the layer from the memory map, FP8 → BF16 (on the CPU)
+``load``               ``LayerLoader.load``: the layer onto the device (stored bytes, dequantized there)
 ``forward_float``      the float layer with ``Capture`` (attention per sequence, router, MLP/experts)
 ``attention_search``   scale + clip searches of the MLA linears
 ``mlp_in_search``      the norm → gate/up scale (dense, or shared + EVERY routed expert at once)
@@ -57,6 +57,12 @@ Usage::
     python benchmarks/bench_calibration.py --device cuda          # real shapes, ~2-4 min on an H200
     python benchmarks/bench_calibration.py --device cpu --tiny-shapes --experts 2   # quick check
     python benchmarks/bench_calibration.py --merge OTHER.json     # copy OTHER's sections in
+
+``--load compare`` (the default off the CPU) calibrates twice, layers first loaded the old way
+(``dequantized``: FP8 → BF16 on the CPU, then copied) and then as ``stored`` bytes dequantized on
+the device (``calib/loading.py``), and records both under ``load_compare`` with ``load_ratios``
+(per layer: wall and load seconds, peak device memory; the 671B hours); the section's main
+figures are the ``stored`` run's. ``--load stored`` / ``dequantized`` runs one of them.
 
 ``--repeats N`` calibrates N times and keeps, per layer, the repeat with the least wall time (on
 a shared machine contention only adds time), listing every repeat's wall and CPU seconds;
