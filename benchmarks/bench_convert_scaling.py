@@ -184,7 +184,7 @@ def _summarize(r: dict[str, Any], source_bytes: int, t_popen: float) -> dict[str
     out["serial_s"], out["longest_serial_s"] = round(serial, 2), round(longest, 2)
     out["serial_fraction"] = serial / r["wall_s"]
     out["mean_busy_cores"] = round(sum(b for _, b in trace) / len(trace), 2) if trace else None
-    out["busy_cores_trace"] = trace
+    out["busy_cores_trace"] = " ".join(f"{t:g}:{b:g}" for t, b in trace)  # seconds:busy cores
     found = TIMINGS.findall(r.get("stderr", ""))
     if found:
         t = json.loads(found[-1])
