@@ -23,10 +23,10 @@ from hetquant.formats.dtypes import st_dtype, torch_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
-from .containers import PieceWriter
 from .plan import Job, OutPiece, Plan
 from .recipes import COPY
 from .source import SourceCheckpoint
+from .writer import PieceWriter
 
 __all__ = ["JobRunner", "job_peak_bytes"]
 
@@ -41,9 +41,10 @@ class JobRunner:
     plan: Plan
     work_dir: Path
     calibration: Any = None  # calib.CalibrationResult: AWQ transforms applied before quantizing
+    shared: bool = False  # other processes write the same files (``writer``: mapped stores)
 
     def __post_init__(self) -> None:
-        self._out = PieceWriter(self.plan.files, self.work_dir)
+        self._out = PieceWriter(self.plan.files, self.work_dir, mapped=self.shared)
         self._handlers = {COPY: self._copy, "linear": self._linear, "experts": self._experts}
 
     def run(self, job: Job) -> int:

@@ -80,6 +80,7 @@ from typing import ClassVar
 
 import torch
 
+from ._rows_native import w8a8_rows
 from .base import Streaming, TensorMeta, WeightFormat, all_finite, get_format, register
 from .dtypes import round_up_to
 from .errors import HetquantError
@@ -155,6 +156,10 @@ def held_scale(x: torch.Tensor) -> torch.Tensor:
 
 def _weight_tensors(weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
     """Symmetric per-row int8 of ``weight`` [n, k]: weight, weight_scale, weight_offset."""
+    fast = w8a8_rows(weight) if weight.ndim == 2 and 0 not in weight.shape else None
+    if fast is not None:  # the fused kernel: the same bytes, no float32 copy
+        q, scale = fast
+        return {"weight": q, "weight_scale": scale, "weight_offset": torch.zeros_like(scale)}
     w = _checked_weight(weight, name, finite=False)  # (n, k) F32
     amax = w.abs().amax(dim=1, keepdim=True)  # (n, 1); NaN/Inf propagate
     if not all_finite(amax):
