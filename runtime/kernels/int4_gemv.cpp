@@ -33,6 +33,15 @@ static bool runs_here(int isa, int best) {
 #endif
 }
 
+// The chunk bytes of a grouped path that transposes its superblocks (0: natural layout).
+static int64_t transposed_chunk(int isa) {
+#if defined(HQ_X86)
+  if (isa == AVX2) return GroupedAvx2::CHUNK;
+#endif
+  (void)isa;
+  return 0;
+}
+
 static void run(const Job& j) {
   const bool grouped = j.sg != nullptr;
 #if defined(HQ_X86)
@@ -195,9 +204,11 @@ struct Prepared {
   ~Prepared() { free(xq); free(sx); free(sx8); free(ex); }
 };
 
+// Digits and block sums in the natural order, or, when tv > 0, in the transposed layout of a
+// grouped path whose weight superblocks are 4 chunks of tv bytes (transpose_digits).
 // 0, -2 out of memory, -3 a NaN/Inf in x.
 static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L, bool grouped,
-                   Prepared& P) {
+                   int64_t tv, Prepared& P) {
   const int64_t kb = K / 2;
   P.xs = (kb + PAD - 1) / PAD * PAD;
   P.nbp = grouped ? P.xs / BLK : 0;
@@ -252,7 +263,12 @@ static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L,
         X[2 * i] = (a - da) / 256;
         X[2 * i + 1] = (b - db) / 256;
       }
+      if (tv > 0) {
+        transpose_digits(de, P.xs, tv);
+        transpose_digits(dd, P.xs, tv);
+      }
     }
+    if (tv > 0) transpose_block_sums(P.sx8 + t * P.nbp, P.nbp, tv);
     P.sx[t] = sum;
     P.ex[t] = ldexp(1.0, e);
   }
@@ -262,7 +278,9 @@ static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L,
 // Rounds x, then runs `base` (weights, scales, y, isa filled in) over all rows; returns the path.
 static int gemv(Job base, const float* x, int64_t xstride, int64_t K, int nthreads, int rows) {
   Prepared P;
-  const int rc = prepare(x, xstride, base.T, K, base.L, base.sg != nullptr, P);
+  const bool grouped = base.sg != nullptr;
+  const int64_t tv = grouped ? transposed_chunk(base.isa) : 0;
+  const int rc = prepare(x, xstride, base.T, K, base.L, grouped, tv, P);
   if (rc < 0) return rc;
   base.xq = P.xq;
   base.xs = P.xs;

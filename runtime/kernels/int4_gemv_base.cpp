@@ -191,13 +191,38 @@ struct GTile {
   }
 };
 
-// Row tiling of the grouped kernels: two rows per tile at one token, else one row and two
-// tokens (then one). Kernel::tile<R, TT, L>(j, n, t0) is one instruction path's grouped tile.
+// Digit layout of the grouped paths that transpose their weight superblocks (gtile_avx2): the
+// superblock, 4 chunks of V bytes, is transposed by 4-byte words within each 16-byte lane (word w
+// of lane q of chunk c <-> word c of lane q of chunk w), so that the digits meet the weights they
+// multiply; the block sums of each superblock are put in the order of the transposed lanes (lane
+// 4q + c holds block (V/16)·c + q). `len` (bytes) and `nb` (blocks) are whole superblocks.
+static void transpose_digits(int8_t* d, int64_t len, int64_t V) {
+  int8_t tmp[4 * 64];
+  for (int64_t s = 0; s < len; s += 4 * V) {
+    memcpy(tmp, d + s, (size_t)(4 * V));
+    for (int64_t c = 0; c < 4; ++c)
+      for (int64_t q = 0; q < V / 16; ++q)
+        for (int64_t w = 0; w < 4; ++w) memcpy(d + s + V * w + 16 * q + 4 * c, tmp + V * c + 16 * q + 4 * w, 4);
+  }
+}
+
+static void transpose_block_sums(int32_t* b, int64_t nb, int64_t V) {
+  const int64_t Q = V / 16, per = 4 * Q;  // blocks per chunk, per superblock
+  int32_t tmp[16];
+  for (int64_t s = 0; s < nb; s += per) {
+    memcpy(tmp, b + s, (size_t)per * sizeof(int32_t));
+    for (int64_t c = 0; c < 4; ++c)
+      for (int64_t q = 0; q < Q; ++q) b[s + 4 * q + c] = tmp[Q * c + q];
+  }
+}
+
+// Row tiling of the grouped kernels: Kernel::ROWS rows per tile at one token, else one row and
+// two tokens (then one). Kernel::tile<R, TT, L>(j, n, t0) is one instruction path's grouped tile.
 template <class Kernel, int L>
 static void grouped_rows_l(const Job& j) {
   int64_t n = j.n0;
   if (j.T == 1) {
-    for (; n + 2 <= j.n1; n += 2) Kernel::template tile<2, 1, L>(j, n, 0);
+    for (; n + Kernel::ROWS <= j.n1; n += Kernel::ROWS) Kernel::template tile<Kernel::ROWS, 1, L>(j, n, 0);
   }
   for (; n < j.n1; ++n) {
     int64_t t = 0;

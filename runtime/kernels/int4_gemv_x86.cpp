@@ -186,115 +186,162 @@ HQ_VNNI static void run_vnni(const Job& j) {
 }
 
 // ---------------------------------------------------------------- grouped, AVX2
-// Superblocks of 128 bytes: 4 chunks of 32 bytes, 8 blocks. Per chunk and token the digit planes
-// are combined by Horner in int32 lanes (exact: every lane and every block sum stays below 2^31):
-// the top plane enters through vpmaddwd by 256, then acc = (acc << 8) + plane — as many vector
-// operations as the per-channel kernel's three accumulations. The 4 chunks are reduced to the 8
-// block sums, put in block order, and s_b * A_b is added to the partials (blocks 0-3 of a
-// superblock to p[0..3], 4-7 to p[4..7]). Tried and slower here (Zen 3, in L3): one row per tile
-// (-10%), reducing each half superblock on its own (-4%).
+// Superblocks of 128 bytes (8 blocks of 16), loaded as 4 chunks of 32 bytes and transposed by
+// 4-byte words within each 16-byte lane (word w of lane h of chunk c -> word c of lane h of vector
+// w: 8 unpacks per row and superblock, shared by every digit plane and token), so that in all 4
+// vectors word c of lane h holds 4 bytes of block 2c + h. prepare() lays the digits out the same
+// way (transpose_digits) and the block sums in the order [0 2 4 6 1 3 5 7]. Per digit plane and
+// token the 8 byte products (vpmaddubsw) of the 4 vectors are added in int16 lanes (|sum| <=
+// 8 · 3840 < 2^15: exact) and widened by ONE vpmaddwd into the 8 block sums — no horizontal
+// reduction — and the planes are combined by Horner in int32 (acc = (acc << 8) + plane; every
+// block sum stays below 2^31). Lane 4h + c holds block 2c + h: blocks 0 2 4 6 go to partials p0
+// p2 p4 p6 (one ymm of doubles), 1 3 5 7 to p1 p3 p5 p7, each partial still summing its blocks
+// in increasing b, so the result is the same bit for bit. The scales of blocks 0 2 4 6 and
+// 1 3 5 7 come out of one 16-byte load by a shift and a mask.
+//
+// Measured on Zen 3 (benchmarks/README.md): with the double epilogue of a superblock issued after
+// the next superblock's integer work (its latency then overlaps), and the int16 sums kept in
+// chunk order (HQ_OPAQUE: otherwise the compiler re-associates them into a tree that needs all
+// 24 products at once and spills), the kernel runs at ~0.93-0.97 of the per-channel kernel's
+// weight bytes per second in L1; two rows per tile need 16 nibble registers and were slower.
 
-// Scales of the 8 blocks of a superblock (8 / gm bf16 values at s) as doubles: blocks 0-3, 4-7.
-HQ_AVX2 static inline void scales_avx2(const uint16_t* s, int gm, __m256d* out) {
-  __m256i v;
-  if (gm == 1) {
-    v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)s));
+// Keeps the compiler from re-associating a running sum (no code).
+#if defined(HQ_SIMDE)
+#define HQ_OPAQUE(v) ((void)0)
+#else
+#define HQ_OPAQUE(v) __asm__("" : "+x"(v))
+#endif
+
+// Scales of the 8 blocks of a superblock (8 / GM bf16 values at s) as doubles: blocks 0 2 4 6,
+// then 1 3 5 7.
+template <int GM>
+HQ_AVX2 static inline void scales_avx2(const uint16_t* s, __m256d* out) {
+  if constexpr (GM == 1) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)s);  // word i: s[2i] | s[2i+1] << 16
+    out[0] = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(v, 16)));
+    out[1] = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_and_si128(v, _mm_set1_epi32(-65536))));
   } else {
-    const __m128i u = gm == 2 ? _mm_loadl_epi64((const __m128i*)s)
-                              : _mm_cvtsi32_si128((int)(s[0] | (uint32_t)s[1] << 16));
-    const __m256i idx = gm == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
-                                : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    v = _mm256_permutevar8x32_epi32(_mm256_cvtepu16_epi32(u), idx);  // group of each block
+    __m128i u;
+    if constexpr (GM == 2) {
+      u = _mm_loadl_epi64((const __m128i*)s);
+    } else {
+      uint32_t two;
+      memcpy(&two, s, 4);
+      u = _mm_cvtsi32_si128((int)two);
+    }
+    u = _mm_unpacklo_epi16(_mm_setzero_si128(), u);         // bf16 -> float: the groups in order
+    if constexpr (GM == 4) u = _mm_shuffle_epi32(u, 0x50);  // blocks 0 2 | 4 6: groups 0 0 | 1 1
+    out[0] = out[1] = _mm256_cvtps_pd(_mm_castsi128_ps(u));  // GM 2: blocks 2c, 2c+1: group c
   }
-  const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));  // bf16 -> float
-  out[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
-  out[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
 }
 
-// Four chunk accumulators (lane 4h+i of chunk c: part of block 2c+h) -> the 8 block sums in order.
-HQ_AVX2 static inline __m256i blocks_avx2(const __m256i* a) {
-  const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[0], a[1]), _mm256_unpackhi_epi32(a[0], a[1]));
-  const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2], a[3]), _mm256_unpackhi_epi32(a[2], a[3]));
-  const __m256i q = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
-  return _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // lane 4h+c -> 2c+h
-}
-
-template <int R, int TT, int L>
-HQ_AVX2 static inline void gtile_avx2(const Job& j, int64_t n, int64_t t0) {
-  constexpr int64_t SB = 128;
-  GTile<R, TT, L, SB> g(j, n, t0);
+// The integer part of one superblock (weights at w, digits of TT tokens at byte offset sb):
+// acc[t] = the 8 block sums of codes times X (8 ΣX not yet subtracted), lanes as above.
+template <int TT, int L>
+HQ_AVX2 __attribute__((always_inline)) static inline void gcore_avx2(
+    const uint8_t* w, const int8_t* const (*d)[L][2], int64_t sb, __m256i* acc) {
   const __m256i m15 = _mm256_set1_epi8(15);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i c256 = _mm256_set1_epi16(256);
-  const int64_t ahead = R * j.pf * j.rs;
-  __m256d P[R][TT][2];  // partials 0-3 and 4-7
-#pragma GCC unroll 64
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 64
-    for (int t = 0; t < TT; ++t) P[r][t][0] = P[r][t][1] = _mm256_setzero_pd();
-  for (int64_t sb = 0; sb < j.kb; sb += SB) {
-    const uint8_t* w[R];
-    const uint16_t* s[R];
-    g.at(j, sb, w, s);
-    __m256i acc[R][TT][4];
+  const __m256i a = _mm256_loadu_si256((const __m256i*)w);
+  const __m256i b = _mm256_loadu_si256((const __m256i*)(w + 32));
+  const __m256i c = _mm256_loadu_si256((const __m256i*)(w + 64));
+  const __m256i e = _mm256_loadu_si256((const __m256i*)(w + 96));
+  const __m256i ab0 = _mm256_unpacklo_epi32(a, b), ab1 = _mm256_unpackhi_epi32(a, b);
+  const __m256i ce0 = _mm256_unpacklo_epi32(c, e), ce1 = _mm256_unpackhi_epi32(c, e);
+  const __m256i v[4] = {_mm256_unpacklo_epi64(ab0, ce0), _mm256_unpackhi_epi64(ab0, ce0),
+                        _mm256_unpacklo_epi64(ab1, ce1), _mm256_unpackhi_epi64(ab1, ce1)};
+  __m256i p16[TT][L];  // |sum| <= 8 · 3840 < 2^15
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const int64_t i = 32 * c;
-      __m256i lo[R], hi[R];
-#pragma GCC unroll 64
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch((const char*)(g.w[r] + sb + i + ahead), _MM_HINT_T1);
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(w[r] + i));
-        lo[r] = _mm256_and_si256(v, m15);
-        hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-      }
-#pragma GCC unroll 64
-      for (int t = 0; t < TT; ++t)
+  for (int k = 0; k < 4; ++k) {
+    const __m256i lo = _mm256_and_si256(v[k], m15);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), m15);
 #pragma GCC unroll 8
-        for (int l = L - 1; l >= 0; --l) {
-          const __m256i de = _mm256_loadu_si256((const __m256i*)(g.d[t][l][0] + sb + i));
-          const __m256i dd = _mm256_loadu_si256((const __m256i*)(g.d[t][l][1] + sb + i));
-#pragma GCC unroll 64
-          for (int r = 0; r < R; ++r) {
-            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], de),
-                                                 _mm256_maddubs_epi16(hi[r], dd));
-            if (l == L - 1)
-              acc[r][t][c] = _mm256_madd_epi16(p16, c256);
-            else if (l == L - 2)
-              acc[r][t][c] = _mm256_add_epi32(acc[r][t][c], _mm256_madd_epi16(p16, ones));
-            else
-              acc[r][t][c] = _mm256_add_epi32(_mm256_slli_epi32(acc[r][t][c], 8),
-                                              _mm256_madd_epi16(p16, ones));
-          }
-        }
-    }
-#pragma GCC unroll 64
-    for (int r = 0; r < R; ++r) {
-      __m256d sc[2];
-      scales_avx2(s[r], j.gm, sc);
-#pragma GCC unroll 64
-      for (int t = 0; t < TT; ++t) {
-        const __m256i sx8 = _mm256_loadu_si256((const __m256i*)(g.sx8[t] + sb / BLK));
-        const __m256i a = _mm256_sub_epi32(blocks_avx2(acc[r][t]), sx8);
-        P[r][t][0] = _mm256_fmadd_pd(sc[0], _mm256_cvtepi32_pd(_mm256_castsi256_si128(a)), P[r][t][0]);
-        P[r][t][1] = _mm256_fmadd_pd(sc[1], _mm256_cvtepi32_pd(_mm256_extracti128_si256(a, 1)), P[r][t][1]);
+    for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 8
+      for (int l = 0; l < L; ++l) {
+        const __m256i q = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(d[t][l][0] + sb + 32 * k))),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(d[t][l][1] + sb + 32 * k))));
+        p16[t][l] = k == 0 ? q : _mm256_add_epi16(p16[t][l], q);
+        HQ_OPAQUE(p16[t][l]);
       }
-    }
   }
-#pragma GCC unroll 64
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 64
-    for (int t = 0; t < TT; ++t) {
-      alignas(32) double p[NPART];
-      _mm256_store_pd(p, P[r][t][0]);
-      _mm256_store_pd(p + 4, P[r][t][1]);
-      finish_g(j, t0 + t, n + r, p);
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t) {
+    acc[t] = _mm256_add_epi32(_mm256_madd_epi16(p16[t][L - 1], _mm256_set1_epi16(256)),
+                              _mm256_madd_epi16(p16[t][L - 2], _mm256_set1_epi16(1)));
+    if constexpr (L == 3)
+      acc[t] = _mm256_add_epi32(_mm256_slli_epi32(acc[t], 8), _mm256_madd_epi16(p16[t][0], _mm256_set1_epi16(1)));
+  }
+}
+
+// The float part of one superblock: s_b · (acc - 8 ΣX) added to the partials of each token.
+template <int TT, int GM>
+HQ_AVX2 __attribute__((always_inline)) static inline void gfloat_avx2(
+    const __m256i* acc, const uint16_t* s, const int32_t* const* sx8, int64_t b0, __m256d (*P)[2]) {
+  __m256d sc[2];
+  scales_avx2<GM>(s, sc);
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t) {
+    const __m256i a = _mm256_sub_epi32(acc[t], _mm256_loadu_si256((const __m256i*)(sx8[t] + b0)));
+    P[t][0] = _mm256_fmadd_pd(sc[0], _mm256_cvtepi32_pd(_mm256_castsi256_si128(a)), P[t][0]);
+    P[t][1] = _mm256_fmadd_pd(sc[1], _mm256_cvtepi32_pd(_mm256_extracti128_si256(a, 1)), P[t][1]);
+  }
+}
+
+// One row, TT tokens: the float part of each superblock is issued after the next superblock's
+// integer part, so that the latency of its conversions and FMAs overlaps that work.
+template <int TT, int L, int GM>
+HQ_AVX2 static void gtile_avx2(const Job& j, int64_t n, int64_t t0) {
+  constexpr int64_t SB = 128;
+  GTile<1, TT, L, SB> g(j, n, t0);
+  const uint8_t* w = g.w[0];
+  const uint16_t* s = g.s[0];
+  const int64_t ahead = j.pf * j.rs;
+  __m256d P[TT][2];  // partials p0 p2 p4 p6 and p1 p3 p5 p7
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t) P[t][0] = P[t][1] = _mm256_setzero_pd();
+  const int64_t full = j.kb / SB * SB;
+  __m256i prev[TT];
+  for (int64_t sb = 0; sb < full; sb += SB) {
+    _mm_prefetch((const char*)(w + sb + ahead), _MM_HINT_T1);
+    _mm_prefetch((const char*)(w + sb + 64 + ahead), _MM_HINT_T1);
+    __m256i cur[TT];
+    gcore_avx2<TT, L>(w + sb, g.d, sb, cur);
+    if (sb > 0) gfloat_avx2<TT, GM>(prev, s + (sb - SB) / (BLK * GM), g.sx8, (sb - SB) / BLK, P);
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) prev[t] = cur[t];
+  }
+  if (full > 0) gfloat_avx2<TT, GM>(prev, s + (full - SB) / (BLK * GM), g.sx8, (full - SB) / BLK, P);
+  if (full < j.kb) {  // the last, partial superblock: zero-padded copies
+    const uint8_t* wp[1];
+    const uint16_t* sp[1];
+    g.at(j, full, wp, sp);
+    gcore_avx2<TT, L>(wp[0], g.d, full, prev);
+    gfloat_avx2<TT, GM>(prev, sp[0], g.sx8, full / BLK, P);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t) {
+    alignas(32) double e[4], o[4], p[NPART];
+    _mm256_store_pd(e, P[t][0]);
+    _mm256_store_pd(o, P[t][1]);
+    for (int i = 0; i < 4; ++i) {
+      p[2 * i] = e[i];
+      p[2 * i + 1] = o[i];
     }
+    finish_g(j, t0 + t, n, p);
+  }
 }
 
 struct GroupedAvx2 {
+  static constexpr int64_t CHUNK = 32;  // superblocks of 4 transposed chunks (transpose_digits)
+  static constexpr int ROWS = 1;
   template <int R, int TT, int L>
-  HQ_AVX2 static void tile(const Job& j, int64_t n, int64_t t0) { gtile_avx2<R, TT, L>(j, n, t0); }
+  HQ_AVX2 static void tile(const Job& j, int64_t n, int64_t t0) {
+    static_assert(R == 1, "one row per tile");
+    if (j.gm == 1) gtile_avx2<TT, L, 1>(j, n, t0);
+    else if (j.gm == 2) gtile_avx2<TT, L, 2>(j, n, t0);
+    else gtile_avx2<TT, L, 4>(j, n, t0);
+  }
 };
 
 // ---------------------------------------------------------------- grouped, AVX-512 VNNI
@@ -389,6 +436,7 @@ HQ_VNNI static inline void gtile_vnni(const Job& j, int64_t n, int64_t t0) {
 }
 
 struct GroupedVnni {
+  static constexpr int ROWS = 2;
   template <int R, int TT, int L>
   HQ_VNNI static void tile(const Job& j, int64_t n, int64_t t0) { gtile_vnni<R, TT, L>(j, n, t0); }
 };
