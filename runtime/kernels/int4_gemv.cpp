@@ -33,13 +33,14 @@ static bool runs_here(int isa, int best) {
 #endif
 }
 
-// The chunk bytes of a grouped path that transposes its superblocks (0: natural layout).
-static int64_t transposed_chunk(int isa) {
+// The digit layout of a path's grouped kernel (Transposed; v = 0: natural).
+static Transposed grouped_layout(int isa) {
 #if defined(HQ_X86)
-  if (isa == AVX2) return GroupedAvx2::CHUNK;
+  if (isa == AVX2) return GroupedAvx2::LAYOUT;
+  if (isa == AVX512_VNNI) return GroupedVnni::LAYOUT;
 #endif
   (void)isa;
-  return 0;
+  return Transposed{};
 }
 
 static void run(const Job& j) {
@@ -204,11 +205,10 @@ struct Prepared {
   ~Prepared() { free(xq); free(sx); free(sx8); free(ex); }
 };
 
-// Digits and block sums in the natural order, or, when tv > 0, in the transposed layout of a
-// grouped path whose weight superblocks are 4 chunks of tv bytes (transpose_digits).
-// 0, -2 out of memory, -3 a NaN/Inf in x.
+// Digits and block sums in the natural order, or in the transposed layout `lay` of a grouped
+// path (transpose_digits). 0, -2 out of memory, -3 a NaN/Inf in x.
 static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L, bool grouped,
-                   int64_t tv, Prepared& P) {
+                   const Transposed& lay, Prepared& P) {
   const int64_t kb = K / 2;
   P.xs = (kb + PAD - 1) / PAD * PAD;
   P.nbp = grouped ? P.xs / BLK : 0;
@@ -263,12 +263,12 @@ static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L,
         X[2 * i] = (a - da) / 256;
         X[2 * i + 1] = (b - db) / 256;
       }
-      if (tv > 0) {
-        transpose_digits(de, P.xs, tv);
-        transpose_digits(dd, P.xs, tv);
+      if (lay.v > 0) {
+        transpose_digits(lay, de, P.xs);
+        transpose_digits(lay, dd, P.xs);
       }
     }
-    if (tv > 0) transpose_block_sums(P.sx8 + t * P.nbp, P.nbp, tv);
+    if (lay.v > 0) transpose_block_sums(lay, P.sx8 + t * P.nbp, P.nbp);
     P.sx[t] = sum;
     P.ex[t] = ldexp(1.0, e);
   }
@@ -279,8 +279,8 @@ static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L,
 static int gemv(Job base, const float* x, int64_t xstride, int64_t K, int nthreads, int rows) {
   Prepared P;
   const bool grouped = base.sg != nullptr;
-  const int64_t tv = grouped ? transposed_chunk(base.isa) : 0;
-  const int rc = prepare(x, xstride, base.T, K, base.L, grouped, tv, P);
+  const Transposed lay = grouped ? grouped_layout(base.isa) : Transposed{};
+  const int rc = prepare(x, xstride, base.T, K, base.L, grouped, lay, P);
   if (rc < 0) return rc;
   base.xq = P.xq;
   base.xs = P.xs;

@@ -191,28 +191,38 @@ struct GTile {
   }
 };
 
-// Digit layout of the grouped paths that transpose their weight superblocks (gtile_avx2): the
-// superblock, 4 chunks of V bytes, is transposed by 4-byte words within each 16-byte lane (word w
-// of lane q of chunk c <-> word c of lane q of chunk w), so that the digits meet the weights they
-// multiply; the block sums of each superblock are put in the order of the transposed lanes (lane
-// 4q + c holds block (V/16)·c + q). `len` (bytes) and `nb` (blocks) are whole superblocks.
-static void transpose_digits(int8_t* d, int64_t len, int64_t V) {
+// Digit layout of the grouped paths that transpose their weight superblocks (gtile_avx2,
+// gtile_vnni): a superblock of 4·v bytes (nb = v/4 blocks of 4 words of 4 bytes) is loaded as
+// 4 vectors of v bytes and transposed so that vector w holds word w of block b at word pos(b);
+// the digits are laid out the same way, so that they meet the weights they multiply, and the
+// block sums of each superblock are put in position order. v = 0: the natural layout.
+struct Transposed {
+  int64_t v = 0;         // bytes per vector: 32 (AVX2), 64 (AVX-512)
+  bool in_lane = false;  // within 16-byte lanes: pos(b) = 4 (b mod q) + b / q, q = v/16 lanes
+  int64_t pos(int64_t b) const {
+    const int64_t q = v / 16;
+    return in_lane ? 4 * (b % q) + b / q : b;
+  }
+};
+
+// `len` bytes of digits (whole superblocks).
+static void transpose_digits(const Transposed& lay, int8_t* d, int64_t len) {
+  const int64_t v = lay.v, nb = v / 4;
   int8_t tmp[4 * 64];
-  for (int64_t s = 0; s < len; s += 4 * V) {
-    memcpy(tmp, d + s, (size_t)(4 * V));
-    for (int64_t c = 0; c < 4; ++c)
-      for (int64_t q = 0; q < V / 16; ++q)
-        for (int64_t w = 0; w < 4; ++w) memcpy(d + s + V * w + 16 * q + 4 * c, tmp + V * c + 16 * q + 4 * w, 4);
+  for (int64_t s = 0; s < len; s += 4 * v) {
+    memcpy(tmp, d + s, (size_t)(4 * v));
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t w = 0; w < 4; ++w) memcpy(d + s + v * w + 4 * lay.pos(b), tmp + 16 * b + 4 * w, 4);
   }
 }
 
-static void transpose_block_sums(int32_t* b, int64_t nb, int64_t V) {
-  const int64_t Q = V / 16, per = 4 * Q;  // blocks per chunk, per superblock
+// `n` block sums (whole superblocks).
+static void transpose_block_sums(const Transposed& lay, int32_t* sums, int64_t n) {
+  const int64_t nb = lay.v / 4;
   int32_t tmp[16];
-  for (int64_t s = 0; s < nb; s += per) {
-    memcpy(tmp, b + s, (size_t)per * sizeof(int32_t));
-    for (int64_t c = 0; c < 4; ++c)
-      for (int64_t q = 0; q < Q; ++q) b[s + 4 * q + c] = tmp[Q * c + q];
+  for (int64_t s = 0; s < n; s += nb) {
+    memcpy(tmp, sums + s, (size_t)nb * sizeof(int32_t));
+    for (int64_t b = 0; b < nb; ++b) sums[s + lay.pos(b)] = tmp[b];
   }
 }
 

@@ -333,7 +333,7 @@ HQ_AVX2 static void gtile_avx2(const Job& j, int64_t n, int64_t t0) {
 }
 
 struct GroupedAvx2 {
-  static constexpr int64_t CHUNK = 32;  // superblocks of 4 transposed chunks (transpose_digits)
+  static constexpr Transposed LAYOUT{32, true};
   static constexpr int ROWS = 1;
   template <int R, int TT, int L>
   HQ_AVX2 static void tile(const Job& j, int64_t n, int64_t t0) {
@@ -345,100 +345,135 @@ struct GroupedAvx2 {
 };
 
 // ---------------------------------------------------------------- grouped, AVX-512 VNNI
-// Superblocks of 256 bytes: 4 chunks of 64 bytes, 16 blocks; Horner per chunk as in AVX2, the
-// 4 x 16 lanes reduced to 16 block sums (lane 4j+c holds block 4c+j), put in block order, and
-// s_b * A_b added to the 8 partials: blocks 0-7 of a superblock, then 8-15.
+// Superblocks of 256 bytes (16 blocks), loaded as 4 chunks of 64 bytes and transposed by 4-byte
+// words across the superblock (4 two-source permutes, then 4 128-bit lane shuffles: 8 shuffles
+// per row and superblock, as many as in-lane unpacks would take): vector w holds word w of
+// block b at word b. vpdpbusd of the 4 vectors into one accumulator then gives the 16 block sums
+// in block order, with no reduction and no permute; prepare() lays the digits out the same way
+// (transpose_digits; the block sums stay in order). Horner per digit plane as in AVX2, in two
+// accumulators (low-nibble and high-nibble products, chains of 4 vpdpbusd). s_b · A_b is added
+// to the 8 partials: blocks 0-7 of a superblock, then 8-15; the float part of a superblock is
+// issued after the next superblock's integer part, as in AVX2.
 
-// Scales of the 16 blocks of a superblock (16 / gm bf16 values at s) as doubles.
-HQ_VNNI static inline void scales_vnni(const uint16_t* s, int gm, __m512i gidx, __m512d& lo,
-                                       __m512d& hi) {
-  const __m256i u = gm == 1 ? _mm256_loadu_si256((const __m256i*)s)
-                  : gm == 2 ? _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)s))
-                            : _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i*)s));
-  const __m512i v = _mm512_permutexvar_epi32(gidx, _mm512_cvtepu16_epi32(u));  // group of block
-  const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));             // bf16 -> float
+// Scales of the 16 blocks of a superblock (16 / GM bf16 values at s) as doubles: blocks 0-7, 8-15.
+template <int GM>
+HQ_VNNI static inline void scales_vnni(const uint16_t* s, __m512d& lo, __m512d& hi) {
+  __m512i v;
+  if constexpr (GM == 1) {
+    v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s));
+  } else {
+    const __m256i u = GM == 2 ? _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)s))
+                              : _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i*)s));
+    const __m512i gidx = GM == 2
+        ? _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
+        : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    v = _mm512_permutexvar_epi32(gidx, _mm512_cvtepu16_epi32(u));  // the group of each block
+  }
+  const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));  // bf16 -> float
   lo = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
   hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
 }
 
-HQ_VNNI static inline __m512i blocks_vnni(const __m512i* a) {
-  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
-  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
-  const __m512i q = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_epi32(order, q);  // lane 4j+c -> block 4c+j
+// The integer part of one superblock: acc[t] = the 16 block sums of codes times X, in order.
+template <int TT, int L>
+HQ_VNNI __attribute__((always_inline)) static inline void gcore_vnni(
+    const uint8_t* w, const int8_t* const (*d)[L][2], int64_t sb, __m512i* acc) {
+  const __m512i m15 = _mm512_set1_epi8(15);
+  // word u (0, 1) of blocks 0-7 (two chunks: word w of block 4c + q at word 4q + w of chunk c)
+  const __m512i lo01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i hi01 = _mm512_add_epi32(lo01, _mm512_set1_epi32(2));  // words 2, 3
+  const __m512i c0 = _mm512_loadu_si512(w), c1 = _mm512_loadu_si512(w + 64);
+  const __m512i c2 = _mm512_loadu_si512(w + 128), c3 = _mm512_loadu_si512(w + 192);
+  const __m512i a01 = _mm512_permutex2var_epi32(c0, lo01, c1), b01 = _mm512_permutex2var_epi32(c0, hi01, c1);
+  const __m512i a23 = _mm512_permutex2var_epi32(c2, lo01, c3), b23 = _mm512_permutex2var_epi32(c2, hi01, c3);
+  const __m512i v[4] = {_mm512_shuffle_i32x4(a01, a23, 0x44), _mm512_shuffle_i32x4(a01, a23, 0xEE),
+                        _mm512_shuffle_i32x4(b01, b23, 0x44), _mm512_shuffle_i32x4(b01, b23, 0xEE)};
+  __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    lo[k] = _mm512_and_si512(v[k], m15);
+    hi[k] = _mm512_and_si512(_mm512_srli_epi16(v[k], 4), m15);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t) {
+    __m512i e = _mm512_setzero_si512(), o = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int l = L - 1; l >= 0; --l) {
+      if (l < L - 1) {
+        e = _mm512_slli_epi32(e, 8);
+        o = _mm512_slli_epi32(o, 8);
+      }
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        e = _mm512_dpbusd_epi32(e, lo[k], _mm512_loadu_si512(d[t][l][0] + sb + 64 * k));
+        o = _mm512_dpbusd_epi32(o, hi[k], _mm512_loadu_si512(d[t][l][1] + sb + 64 * k));
+      }
+    }
+    acc[t] = _mm512_add_epi32(e, o);
+  }
 }
 
-template <int R, int TT, int L>
-HQ_VNNI static inline void gtile_vnni(const Job& j, int64_t n, int64_t t0) {
-  constexpr int64_t SB = 256;
-  GTile<R, TT, L, SB> g(j, n, t0);
-  const __m512i m15 = _mm512_set1_epi8(15);
-  const __m512i gidx = _mm512_srlv_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(g.gshift));
-  const int64_t ahead = R * j.pf * j.rs;
-  __m512d P[R][TT];
-#pragma GCC unroll 64
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 64
-    for (int t = 0; t < TT; ++t) P[r][t] = _mm512_setzero_pd();
-  for (int64_t sb = 0; sb < j.kb; sb += SB) {
-    const uint8_t* w[R];
-    const uint16_t* s[R];
-    g.at(j, sb, w, s);
-    __m512i acc[R][TT][4];
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      __m512i lo[R], hi[R];
-#pragma GCC unroll 64
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch((const char*)(g.w[r] + sb + 64 * c + ahead), _MM_HINT_T1);
-        const __m512i v = _mm512_loadu_si512(w[r] + 64 * c);
-        lo[r] = _mm512_and_si512(v, m15);
-        hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
-      }
-#pragma GCC unroll 64
-      for (int t = 0; t < TT; ++t)
+// The float part of one superblock: s_b · (acc - 8 ΣX) added to the partials of each token.
+template <int TT, int GM>
+HQ_VNNI __attribute__((always_inline)) static inline void gfloat_vnni(
+    const __m512i* acc, const uint16_t* s, const int32_t* const* sx8, int64_t b0, __m512d* P) {
+  __m512d slo, shi;
+  scales_vnni<GM>(s, slo, shi);
 #pragma GCC unroll 8
-        for (int l = L - 1; l >= 0; --l) {
-          const __m512i de = _mm512_loadu_si512(g.d[t][l][0] + sb + 64 * c);
-          const __m512i dd = _mm512_loadu_si512(g.d[t][l][1] + sb + 64 * c);
-#pragma GCC unroll 64
-          for (int r = 0; r < R; ++r) {
-            __m512i a = l == L - 1 ? _mm512_setzero_si512() : _mm512_slli_epi32(acc[r][t][c], 8);
-            a = _mm512_dpbusd_epi32(a, lo[r], de);
-            acc[r][t][c] = _mm512_dpbusd_epi32(a, hi[r], dd);
-          }
-        }
-    }
-#pragma GCC unroll 64
-    for (int r = 0; r < R; ++r) {
-      __m512d slo, shi;
-      scales_vnni(s[r], j.gm, gidx, slo, shi);
-#pragma GCC unroll 64
-      for (int t = 0; t < TT; ++t) {
-        const __m512i sx8 = _mm512_loadu_si512(g.sx8[t] + sb / BLK);
-        const __m512i a = _mm512_sub_epi32(blocks_vnni(acc[r][t]), sx8);
-        P[r][t] = _mm512_fmadd_pd(slo, _mm512_cvtepi32_pd(_mm512_castsi512_si256(a)), P[r][t]);
-        P[r][t] = _mm512_fmadd_pd(shi, _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(a, 1)), P[r][t]);
-      }
-    }
+  for (int t = 0; t < TT; ++t) {
+    const __m512i a = _mm512_sub_epi32(acc[t], _mm512_loadu_si512(sx8[t] + b0));
+    P[t] = _mm512_fmadd_pd(slo, _mm512_cvtepi32_pd(_mm512_castsi512_si256(a)), P[t]);
+    P[t] = _mm512_fmadd_pd(shi, _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(a, 1)), P[t]);
   }
-#pragma GCC unroll 64
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 64
-    for (int t = 0; t < TT; ++t) {
-      alignas(64) double p[NPART];
-      _mm512_store_pd(p, P[r][t]);
-      finish_g(j, t0 + t, n + r, p);
-    }
+}
+
+template <int TT, int L, int GM>
+HQ_VNNI static void gtile_vnni(const Job& j, int64_t n, int64_t t0) {
+  constexpr int64_t SB = 256;
+  GTile<1, TT, L, SB> g(j, n, t0);
+  const uint8_t* w = g.w[0];
+  const uint16_t* s = g.s[0];
+  const int64_t ahead = j.pf * j.rs;
+  __m512d P[TT];
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t) P[t] = _mm512_setzero_pd();
+  const int64_t full = j.kb / SB * SB;
+  __m512i prev[TT];
+  for (int64_t sb = 0; sb < full; sb += SB) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) _mm_prefetch((const char*)(w + sb + 64 * k + ahead), _MM_HINT_T1);
+    __m512i cur[TT];
+    gcore_vnni<TT, L>(w + sb, g.d, sb, cur);
+    if (sb > 0) gfloat_vnni<TT, GM>(prev, s + (sb - SB) / (BLK * GM), g.sx8, (sb - SB) / BLK, P);
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) prev[t] = cur[t];
+  }
+  if (full > 0) gfloat_vnni<TT, GM>(prev, s + (full - SB) / (BLK * GM), g.sx8, (full - SB) / BLK, P);
+  if (full < j.kb) {  // the last, partial superblock: zero-padded copies
+    const uint8_t* wp[1];
+    const uint16_t* sp[1];
+    g.at(j, full, wp, sp);
+    gcore_vnni<TT, L>(wp[0], g.d, full, prev);
+    gfloat_vnni<TT, GM>(prev, sp[0], g.sx8, full / BLK, P);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t) {
+    alignas(64) double p[NPART];
+    _mm512_store_pd(p, P[t]);
+    finish_g(j, t0 + t, n, p);
+  }
 }
 
 struct GroupedVnni {
-  static constexpr int ROWS = 2;
+  static constexpr Transposed LAYOUT{64, false};
+  static constexpr int ROWS = 1;
   template <int R, int TT, int L>
-  HQ_VNNI static void tile(const Job& j, int64_t n, int64_t t0) { gtile_vnni<R, TT, L>(j, n, t0); }
+  HQ_VNNI static void tile(const Job& j, int64_t n, int64_t t0) {
+    static_assert(R == 1, "one row per tile");
+    if (j.gm == 1) gtile_vnni<TT, L, 1>(j, n, t0);
+    else if (j.gm == 2) gtile_vnni<TT, L, 2>(j, n, t0);
+    else gtile_vnni<TT, L, 4>(j, n, t0);
+  }
 };
 #endif  // HQ_X86
 
