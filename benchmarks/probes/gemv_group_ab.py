@@ -110,12 +110,16 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--modes", nargs="+", default=["l1", "cache", "dram"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
+    ap.add_argument(
+        "--isas", nargs="+", default=None, help="avx2 / avx512_vnni (default: all here)"
+    )
     ap.add_argument("--json", default=str(HERE.parent / "results" / "gemv_group_ab.json"))
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="hq-gemv-ab-") as tmp:
         exe = build(Path(tmp), baseline_source(args.baseline, args.baseline_dir))
-        for isa in isas_here():
+        codes = {v: c for c, v in ISAS.items()}
+        for isa in [codes[i] for i in args.isas] if args.isas else isas_here():
             for shape, (n, k) in SHAPES.items():
                 for mode in args.modes:
                     for t in args.batches:
