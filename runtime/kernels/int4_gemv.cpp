@@ -350,7 +350,7 @@ int hq_int4_gemv_grouped(const uint8_t* w, int64_t rs, const uint16_t* sg, int64
   if (N == 0 || T == 0) return isa;
   Job base{w, rs, K / 2, nullptr, sg, ss, (int)(G / 32), nullptr, 0, L, nullptr, nullptr, 0,
            nullptr, T, y, ys, 0, N, isa, 1};
-  return gemv(base, x, xstride, K, nthreads, 2);
+  return gemv(base, x, xstride, K, nthreads, 1);
 }
 
 }  // extern "C"
