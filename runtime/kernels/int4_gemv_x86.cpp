@@ -350,10 +350,12 @@ struct GroupedAvx2 {
 // per row and superblock, as many as in-lane unpacks would take): vector w holds word w of
 // block b at word b. vpdpbusd of the 4 vectors into one accumulator then gives the 16 block sums
 // in block order, with no reduction and no permute; prepare() lays the digits out the same way
-// (transpose_digits; the block sums stay in order). Horner per digit plane as in AVX2, in two
-// accumulators (low-nibble and high-nibble products, chains of 4 vpdpbusd). s_b · A_b is added
-// to the 8 partials: blocks 0-7 of a superblock, then 8-15; the float part of a superblock is
-// issued after the next superblock's integer part, as in AVX2.
+// (transpose_digits; the block sums stay in order). Each digit plane and nibble half has its own
+// accumulator (chains of 4 vpdpbusd), combined by Horner at the end of the superblock; two rows
+// per tile at one token. s_b · A_b is added to the 8 partials: blocks 0-7 of a superblock, then
+// 8-15; the float part of a superblock is issued after the next superblock's integer part, as in
+// AVX2. Measured on a Xeon (benchmarks/README.md): one Horner chain per nibble half (chains of
+// 4 · L vpdpbusd) and one row per tile were slower.
 
 // Scales of the 16 blocks of a superblock (16 / GM bf16 values at s) as doubles: blocks 0-7, 8-15.
 template <int GM>
@@ -396,20 +398,20 @@ HQ_VNNI __attribute__((always_inline)) static inline void gcore_vnni(
   }
 #pragma GCC unroll 8
   for (int t = 0; t < TT; ++t) {
-    __m512i e = _mm512_setzero_si512(), o = _mm512_setzero_si512();
+    __m512i a[L][2];  // plane l, low / high nibbles
 #pragma GCC unroll 8
-    for (int l = L - 1; l >= 0; --l) {
-      if (l < L - 1) {
-        e = _mm512_slli_epi32(e, 8);
-        o = _mm512_slli_epi32(o, 8);
-      }
+    for (int l = 0; l < L; ++l) a[l][0] = a[l][1] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        e = _mm512_dpbusd_epi32(e, lo[k], _mm512_loadu_si512(d[t][l][0] + sb + 64 * k));
-        o = _mm512_dpbusd_epi32(o, hi[k], _mm512_loadu_si512(d[t][l][1] + sb + 64 * k));
+    for (int k = 0; k < 4; ++k)
+#pragma GCC unroll 8
+      for (int l = L - 1; l >= 0; --l) {
+        a[l][0] = _mm512_dpbusd_epi32(a[l][0], lo[k], _mm512_loadu_si512(d[t][l][0] + sb + 64 * k));
+        a[l][1] = _mm512_dpbusd_epi32(a[l][1], hi[k], _mm512_loadu_si512(d[t][l][1] + sb + 64 * k));
       }
-    }
-    acc[t] = _mm512_add_epi32(e, o);
+    acc[t] = _mm512_add_epi32(a[L - 1][0], a[L - 1][1]);
+#pragma GCC unroll 8
+    for (int l = L - 2; l >= 0; --l)
+      acc[t] = _mm512_add_epi32(_mm512_slli_epi32(acc[t], 8), _mm512_add_epi32(a[l][0], a[l][1]));
   }
 }
 
@@ -427,52 +429,69 @@ HQ_VNNI __attribute__((always_inline)) static inline void gfloat_vnni(
   }
 }
 
-template <int TT, int L, int GM>
+template <int R, int TT, int L, int GM>
 HQ_VNNI static void gtile_vnni(const Job& j, int64_t n, int64_t t0) {
   constexpr int64_t SB = 256;
-  GTile<1, TT, L, SB> g(j, n, t0);
-  const uint8_t* w = g.w[0];
-  const uint16_t* s = g.s[0];
-  const int64_t ahead = j.pf * j.rs;
-  __m512d P[TT];
+  GTile<R, TT, L, SB> g(j, n, t0);
+  const int64_t ahead = R * j.pf * j.rs;
+  __m512d P[R][TT];
 #pragma GCC unroll 8
-  for (int t = 0; t < TT; ++t) P[t] = _mm512_setzero_pd();
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) P[r][t] = _mm512_setzero_pd();
   const int64_t full = j.kb / SB * SB;
-  __m512i prev[TT];
+  __m512i prev[R][TT];
   for (int64_t sb = 0; sb < full; sb += SB) {
+    __m512i cur[R][TT];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) _mm_prefetch((const char*)(w + sb + 64 * k + ahead), _MM_HINT_T1);
-    __m512i cur[TT];
-    gcore_vnni<TT, L>(w + sb, g.d, sb, cur);
-    if (sb > 0) gfloat_vnni<TT, GM>(prev, s + (sb - SB) / (BLK * GM), g.sx8, (sb - SB) / BLK, P);
+      for (int k = 0; k < 4; ++k) _mm_prefetch((const char*)(g.w[r] + sb + 64 * k + ahead), _MM_HINT_T1);
+      gcore_vnni<TT, L>(g.w[r] + sb, g.d, sb, cur[r]);
+    }
+    if (sb > 0) {
 #pragma GCC unroll 8
-    for (int t = 0; t < TT; ++t) prev[t] = cur[t];
+      for (int r = 0; r < R; ++r)
+        gfloat_vnni<TT, GM>(prev[r], g.s[r] + (sb - SB) / (BLK * GM), g.sx8, (sb - SB) / BLK, P[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int t = 0; t < TT; ++t) prev[r][t] = cur[r][t];
   }
-  if (full > 0) gfloat_vnni<TT, GM>(prev, s + (full - SB) / (BLK * GM), g.sx8, (full - SB) / BLK, P);
+  if (full > 0) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      gfloat_vnni<TT, GM>(prev[r], g.s[r] + (full - SB) / (BLK * GM), g.sx8, (full - SB) / BLK, P[r]);
+  }
   if (full < j.kb) {  // the last, partial superblock: zero-padded copies
-    const uint8_t* wp[1];
-    const uint16_t* sp[1];
+    const uint8_t* wp[R];
+    const uint16_t* sp[R];
     g.at(j, full, wp, sp);
-    gcore_vnni<TT, L>(wp[0], g.d, full, prev);
-    gfloat_vnni<TT, GM>(prev, sp[0], g.sx8, full / BLK, P);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      gcore_vnni<TT, L>(wp[r], g.d, full, prev[r]);
+      gfloat_vnni<TT, GM>(prev[r], sp[r], g.sx8, full / BLK, P[r]);
+    }
   }
 #pragma GCC unroll 8
-  for (int t = 0; t < TT; ++t) {
-    alignas(64) double p[NPART];
-    _mm512_store_pd(p, P[t]);
-    finish_g(j, t0 + t, n, p);
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) {
+      alignas(64) double p[NPART];
+      _mm512_store_pd(p, P[r][t]);
+      finish_g(j, t0 + t, n + r, p);
+    }
 }
 
 struct GroupedVnni {
   static constexpr Transposed LAYOUT{64, false};
-  static constexpr int ROWS = 1;
+  static constexpr int ROWS = 2;
   template <int R, int TT, int L>
   HQ_VNNI static void tile(const Job& j, int64_t n, int64_t t0) {
-    static_assert(R == 1, "one row per tile");
-    if (j.gm == 1) gtile_vnni<TT, L, 1>(j, n, t0);
-    else if (j.gm == 2) gtile_vnni<TT, L, 2>(j, n, t0);
-    else gtile_vnni<TT, L, 4>(j, n, t0);
+    if (j.gm == 1) gtile_vnni<R, TT, L, 1>(j, n, t0);
+    else if (j.gm == 2) gtile_vnni<R, TT, L, 2>(j, n, t0);
+    else gtile_vnni<R, TT, L, 4>(j, n, t0);
   }
 };
 #endif  // HQ_X86
