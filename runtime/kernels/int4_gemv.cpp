@@ -206,7 +206,7 @@ struct Prepared {
 };
 
 // Digits and block sums in the natural order, or in the transposed layout `lay` of a grouped
-// path (transpose_digits). 0, -2 out of memory, -3 a NaN/Inf in x.
+// path (Transposed). 0, -2 out of memory, -3 a NaN/Inf in x.
 static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L, bool grouped,
                    const Transposed& lay, Prepared& P) {
   const int64_t kb = K / 2;
@@ -264,8 +264,8 @@ static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L,
         X[2 * i + 1] = (b - db) / 256;
       }
       if (lay.v > 0) {
-        transpose_digits(lay, de, P.xs);
-        transpose_digits(lay, dd, P.xs);
+        lay.digits(de, P.xs);
+        lay.digits(dd, P.xs);
       }
     }
     if (lay.v > 0) transpose_block_sums(lay, P.sx8 + t * P.nbp, P.nbp);

@@ -193,28 +193,19 @@ struct GTile {
 
 // Digit layout of the grouped paths that transpose their weight superblocks (gtile_avx2,
 // gtile_vnni): a superblock of 4·v bytes (nb = v/4 blocks of 4 words of 4 bytes) is loaded as
-// 4 vectors of v bytes and transposed so that vector w holds word w of block b at word pos(b);
-// the digits are laid out the same way, so that they meet the weights they multiply, and the
-// block sums of each superblock are put in position order. v = 0: the natural layout.
+// 4 vectors of v bytes and transposed so that vector w holds word w of block b at word pos(b).
+// prepare() puts the digits through the same transposition (`digits`, the path's own code), so
+// that they meet the weights they multiply, and the block sums of each superblock in position
+// order. v = 0: the natural layout.
 struct Transposed {
-  int64_t v = 0;         // bytes per vector: 32 (AVX2), 64 (AVX-512)
-  bool in_lane = false;  // within 16-byte lanes: pos(b) = 4 (b mod q) + b / q, q = v/16 lanes
+  int64_t v = 0;                                // bytes per vector: 32 (AVX2), 64 (AVX-512)
+  bool in_lane = false;                         // pos(b) = 4 (b mod q) + b / q, q = v/16 lanes
+  void (*digits)(int8_t*, int64_t) = nullptr;   // transposes `len` bytes (whole superblocks)
   int64_t pos(int64_t b) const {
     const int64_t q = v / 16;
     return in_lane ? 4 * (b % q) + b / q : b;
   }
 };
-
-// `len` bytes of digits (whole superblocks).
-static void transpose_digits(const Transposed& lay, int8_t* d, int64_t len) {
-  const int64_t v = lay.v, nb = v / 4;
-  int8_t tmp[4 * 64];
-  for (int64_t s = 0; s < len; s += 4 * v) {
-    memcpy(tmp, d + s, (size_t)(4 * v));
-    for (int64_t b = 0; b < nb; ++b)
-      for (int64_t w = 0; w < 4; ++w) memcpy(d + s + v * w + 4 * lay.pos(b), tmp + 16 * b + 4 * w, 4);
-  }
-}
 
 // `n` block sums (whole superblocks).
 static void transpose_block_sums(const Transposed& lay, int32_t* sums, int64_t n) {

@@ -190,7 +190,7 @@ HQ_VNNI static void run_vnni(const Job& j) {
 // 4-byte words within each 16-byte lane (word w of lane h of chunk c -> word c of lane h of vector
 // w: 8 unpacks per row and superblock, shared by every digit plane and token), so that in all 4
 // vectors word c of lane h holds 4 bytes of block 2c + h. prepare() lays the digits out the same
-// way (transpose_digits) and the block sums in the order [0 2 4 6 1 3 5 7]. Per digit plane and
+// way (digits_avx2) and the block sums in the order [0 2 4 6 1 3 5 7]. Per digit plane and
 // token the 8 byte products (vpmaddubsw) of the 4 vectors are added in int16 lanes (|sum| <=
 // 8 · 3840 < 2^15: exact) and widened by ONE vpmaddwd into the 8 block sums — no horizontal
 // reduction — and the planes are combined by Horner in int32 (acc = (acc << 8) + plane; every
@@ -235,20 +235,37 @@ HQ_AVX2 static inline void scales_avx2(const uint16_t* s, __m256d* out) {
   }
 }
 
+// The 128 bytes at p as the 4 transposed vectors.
+HQ_AVX2 static inline void transpose_avx2(const void* p, __m256i* v) {
+  const __m256i a = _mm256_loadu_si256((const __m256i*)p);
+  const __m256i b = _mm256_loadu_si256((const __m256i*)p + 1);
+  const __m256i c = _mm256_loadu_si256((const __m256i*)p + 2);
+  const __m256i e = _mm256_loadu_si256((const __m256i*)p + 3);
+  const __m256i ab0 = _mm256_unpacklo_epi32(a, b), ab1 = _mm256_unpackhi_epi32(a, b);
+  const __m256i ce0 = _mm256_unpacklo_epi32(c, e), ce1 = _mm256_unpackhi_epi32(c, e);
+  v[0] = _mm256_unpacklo_epi64(ab0, ce0);
+  v[1] = _mm256_unpackhi_epi64(ab0, ce0);
+  v[2] = _mm256_unpacklo_epi64(ab1, ce1);
+  v[3] = _mm256_unpackhi_epi64(ab1, ce1);
+}
+
+// Transposed::digits of the AVX2 layout: `len` bytes at d, in place.
+HQ_AVX2 static void digits_avx2(int8_t* d, int64_t len) {
+  for (int64_t s = 0; s < len; s += 128) {
+    __m256i v[4];
+    transpose_avx2(d + s, v);
+    for (int k = 0; k < 4; ++k) _mm256_storeu_si256((__m256i*)(d + s) + k, v[k]);
+  }
+}
+
 // The integer part of one superblock (weights at w, digits of TT tokens at byte offset sb):
 // acc[t] = the 8 block sums of codes times X (8 ΣX not yet subtracted), lanes as above.
 template <int TT, int L>
 HQ_AVX2 __attribute__((always_inline)) static inline void gcore_avx2(
     const uint8_t* w, const int8_t* const (*d)[L][2], int64_t sb, __m256i* acc) {
   const __m256i m15 = _mm256_set1_epi8(15);
-  const __m256i a = _mm256_loadu_si256((const __m256i*)w);
-  const __m256i b = _mm256_loadu_si256((const __m256i*)(w + 32));
-  const __m256i c = _mm256_loadu_si256((const __m256i*)(w + 64));
-  const __m256i e = _mm256_loadu_si256((const __m256i*)(w + 96));
-  const __m256i ab0 = _mm256_unpacklo_epi32(a, b), ab1 = _mm256_unpackhi_epi32(a, b);
-  const __m256i ce0 = _mm256_unpacklo_epi32(c, e), ce1 = _mm256_unpackhi_epi32(c, e);
-  const __m256i v[4] = {_mm256_unpacklo_epi64(ab0, ce0), _mm256_unpackhi_epi64(ab0, ce0),
-                        _mm256_unpacklo_epi64(ab1, ce1), _mm256_unpackhi_epi64(ab1, ce1)};
+  __m256i v[4];
+  transpose_avx2(w, v);
   __m256i p16[TT][L];  // |sum| <= 8 · 3840 < 2^15
 #pragma GCC unroll 4
   for (int k = 0; k < 4; ++k) {
@@ -333,7 +350,7 @@ HQ_AVX2 static void gtile_avx2(const Job& j, int64_t n, int64_t t0) {
 }
 
 struct GroupedAvx2 {
-  static constexpr Transposed LAYOUT{32, true};
+  static constexpr Transposed LAYOUT{32, true, &digits_avx2};
   static constexpr int ROWS = 1;
   template <int R, int TT, int L>
   HQ_AVX2 static void tile(const Job& j, int64_t n, int64_t t0) {
@@ -350,7 +367,7 @@ struct GroupedAvx2 {
 // per row and superblock, as many as in-lane unpacks would take): vector w holds word w of
 // block b at word b. vpdpbusd of the 4 vectors into one accumulator then gives the 16 block sums
 // in block order, with no reduction and no permute; prepare() lays the digits out the same way
-// (transpose_digits; the block sums stay in order). Each digit plane and nibble half has its own
+// (digits_vnni; the block sums stay in order). Each digit plane and nibble half has its own
 // accumulator (chains of 4 vpdpbusd), combined by Horner at the end of the superblock; two rows
 // per tile at one token. s_b · A_b is added to the 8 partials: blocks 0-7 of a superblock, then
 // 8-15; the float part of a superblock is issued after the next superblock's integer part, as in
@@ -376,20 +393,38 @@ HQ_VNNI static inline void scales_vnni(const uint16_t* s, __m512d& lo, __m512d& 
   hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
 }
 
+// The 256 bytes at p as the 4 transposed vectors.
+HQ_VNNI static inline void transpose_vnni(const void* p, __m512i* v) {
+  // word u (0, 1) of blocks 0-7 (two chunks: word w of block 4c + q at word 4q + w of chunk c)
+  const __m512i lo01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i hi01 = _mm512_add_epi32(lo01, _mm512_set1_epi32(2));  // words 2, 3
+  const uint8_t* w = (const uint8_t*)p;
+  const __m512i c0 = _mm512_loadu_si512(w), c1 = _mm512_loadu_si512(w + 64);
+  const __m512i c2 = _mm512_loadu_si512(w + 128), c3 = _mm512_loadu_si512(w + 192);
+  const __m512i a01 = _mm512_permutex2var_epi32(c0, lo01, c1), b01 = _mm512_permutex2var_epi32(c0, hi01, c1);
+  const __m512i a23 = _mm512_permutex2var_epi32(c2, lo01, c3), b23 = _mm512_permutex2var_epi32(c2, hi01, c3);
+  v[0] = _mm512_shuffle_i32x4(a01, a23, 0x44);
+  v[1] = _mm512_shuffle_i32x4(a01, a23, 0xEE);
+  v[2] = _mm512_shuffle_i32x4(b01, b23, 0x44);
+  v[3] = _mm512_shuffle_i32x4(b01, b23, 0xEE);
+}
+
+// Transposed::digits of the AVX-512 layout: `len` bytes at d, in place.
+HQ_VNNI static void digits_vnni(int8_t* d, int64_t len) {
+  for (int64_t s = 0; s < len; s += 256) {
+    __m512i v[4];
+    transpose_vnni(d + s, v);
+    for (int k = 0; k < 4; ++k) _mm512_storeu_si512(d + s + 64 * k, v[k]);
+  }
+}
+
 // The integer part of one superblock: acc[t] = the 16 block sums of codes times X, in order.
 template <int TT, int L>
 HQ_VNNI __attribute__((always_inline)) static inline void gcore_vnni(
     const uint8_t* w, const int8_t* const (*d)[L][2], int64_t sb, __m512i* acc) {
   const __m512i m15 = _mm512_set1_epi8(15);
-  // word u (0, 1) of blocks 0-7 (two chunks: word w of block 4c + q at word 4q + w of chunk c)
-  const __m512i lo01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
-  const __m512i hi01 = _mm512_add_epi32(lo01, _mm512_set1_epi32(2));  // words 2, 3
-  const __m512i c0 = _mm512_loadu_si512(w), c1 = _mm512_loadu_si512(w + 64);
-  const __m512i c2 = _mm512_loadu_si512(w + 128), c3 = _mm512_loadu_si512(w + 192);
-  const __m512i a01 = _mm512_permutex2var_epi32(c0, lo01, c1), b01 = _mm512_permutex2var_epi32(c0, hi01, c1);
-  const __m512i a23 = _mm512_permutex2var_epi32(c2, lo01, c3), b23 = _mm512_permutex2var_epi32(c2, hi01, c3);
-  const __m512i v[4] = {_mm512_shuffle_i32x4(a01, a23, 0x44), _mm512_shuffle_i32x4(a01, a23, 0xEE),
-                        _mm512_shuffle_i32x4(b01, b23, 0x44), _mm512_shuffle_i32x4(b01, b23, 0xEE)};
+  __m512i v[4];
+  transpose_vnni(w, v);
   __m512i lo[4], hi[4];
 #pragma GCC unroll 4
   for (int k = 0; k < 4; ++k) {
@@ -485,7 +520,7 @@ HQ_VNNI static void gtile_vnni(const Job& j, int64_t n, int64_t t0) {
 }
 
 struct GroupedVnni {
-  static constexpr Transposed LAYOUT{64, false};
+  static constexpr Transposed LAYOUT{64, false, &digits_vnni};
   static constexpr int ROWS = 2;
   template <int R, int TT, int L>
   HQ_VNNI static void tile(const Job& j, int64_t n, int64_t t0) {
