@@ -57,9 +57,14 @@ carries its own ``target`` attribute): x86-64 ``avx512_vnni`` > ``avx2`` > ``gen
 dotprod). The aarch64 path is tested bit for bit against the x86 results under qemu user mode
 (``tests/runtime/test_int4_gemv_crossisa.py``, which also runs the AVX2 and AVX-512 paths on
 SIMDe's portable intrinsics); it has not run on Arm hardware. The grouped AVX-512 path was
-developed on an AVX2-only CPU and checked there on SIMDe; the test suite runs it natively on a
-CPU with AVX-512 VNNI. Rows go in tiles
-(4 rows per-channel, 2 grouped, at one token) and each tile prefetches the rows ≥ 12 KB ahead
+developed on an AVX2-only CPU, checked there on SIMDe and measured on a Xeon with AVX-512 VNNI;
+the test suite runs it natively on such a CPU. The grouped AVX2 and AVX-512 kernels load each
+superblock of weights (128 / 256 bytes) transposed by 4-byte words, so that their SIMD lanes
+add whole 32-element blocks and need no horizontal reduction; they read the digits in the same
+transposed order, which ``prepare`` (``int4_gemv.cpp``) lays out per path (``Transposed``,
+``int4_gemv_base.cpp``) — the integers, and so the bits, are the same. Rows go in tiles
+(4 rows per-channel; grouped: 1 on AVX2, 2 on AVX-512 and NEON; at one token) and each tile
+prefetches the rows ≥ 12 KB ahead
 into L2: without it the kernel waited on DRAM at under half the read bandwidth; into L1 the
 prefetch evicts the 21 KB of digits. From ``GEMM_MIN_TOKENS`` = 16 tokens on the calls run in a
 GEMM-shaped order: rows in blocks of ~128 KB of weights, and within each row block the tokens in
