@@ -3,6 +3,7 @@
 // Every float operation mirrors the torch reference in formats/fp8_block.py (dequantize_rows),
 // formats/w8a8_npu.py (_weight_tensors) and formats/int4_cpu.py (_quantize_rows without clip
 // search); keep them in step.
+#include <cmath>
 #ifdef HQ_X86
 #include <immintrin.h>
 #endif
@@ -61,20 +62,41 @@ HQ_INLINE uint32_t row_amax(const T* w, int64_t K) {
 }
 
 // ------------------------------------------------------------------- W8A8 per-row int8
-// q = clamp(round(w / s), -128, 127), s = max(amax / 127, 2^-23). -1 on NaN/Inf.
+// s = up_bf16(max(amax / 127, 2^-23)) (the quotient in double, rounded UP to the nearest BF16
+// value: formats/w8a8_npu.py held_scale), q = clamp(round(w / s), -128, 127) with the quotient
+// in float for BF16 rows (exact: formats/w8a8_npu.py _NARROW) and in double for F32 rows.
+HQ_INLINE float up_bf16(double x) {
+  float f = (float)x;
+  if ((double)f < x) f = std::nextafter(f, INFINITY);
+  uint32_t b = bits(f);
+  if (b & 0xFFFFu) b = (b & 0xFFFF0000u) + 0x10000u;
+  return as_f32(b);
+}
+
+template <typename T>
+HQ_INLINE double w8a8_quotient(const T* p, int64_t k, float s) {
+  return (double)(load(p, k) / s);  // BF16 rows: the F32 quotient
+}
+
+template <>
+HQ_INLINE double w8a8_quotient<float>(const float* p, int64_t k, float s) {
+  return (double)p[k] / (double)s;  // F32 rows: the F64 quotient
+}
+
 template <typename T>
 HQ_INLINE int w8a8_rows(const T* w, int64_t R, int64_t K, int8_t* q, float* scale) {
   for (int64_t r = 0; r < R; ++r) {
     const T* p = w + r * K;
     const uint32_t m = row_amax(p, K);
     if (m >= INF_BITS) return -1;
-    float s = as_f32(m) / INT8_QMAX;
-    s = s < FLT_EPS ? FLT_EPS : s;
+    double x = (double)as_f32(m) / (double)INT8_QMAX;
+    x = x < (double)FLT_EPS ? (double)FLT_EPS : x;
+    const float s = up_bf16(x);
     scale[r] = s;
     int8_t* o = q + r * K;
     for (int64_t k = 0; k < K; ++k) {
-      float t = round_even(load(p, k) / s);
-      t = t < -128.0f ? -128.0f : (t > 127.0f ? 127.0f : t);
+      double t = std::nearbyint(w8a8_quotient(p, k, s));  // half to even (default rounding)
+      t = t < -128.0 ? -128.0 : (t > 127.0 ? 127.0 : t);
       o[k] = (int8_t)(int32_t)t;
     }
   }

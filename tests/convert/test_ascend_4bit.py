@@ -178,7 +178,7 @@ TYPE_OF = {
 def test_description_covers_exactly_the_root(cli, tmp_path: Path, recipe: str) -> None:
     root = _ok(cli, TINY, tmp_path / "o", "--recipe", recipe)
     desc, fmts = read_json(root / DESC), _formats(root)
-    header = {"model_quant_type", "version", "group_size"}
+    header = {"model_quant_type", "version", "metadata", "group_size", "optional"}
     index = read_json(root / INDEX)["weight_map"]
     assert set(desc) - header == set(index)
     for name in index:
