@@ -15,6 +15,10 @@ Run it in kt-kernel's environment (``benchmarks/README.md``)::
 
     python benchmarks/bench_kt_side_by_side.py [--kind amxint4] [--experts 256] [--batches 1 8 64] [--threads 1 2]
 
+``--materialize``: our pools copy the layer into private memory on transparent huge pages
+(``CpuExpertPool.open(materialize=True)``), as kt-kernel holds its own copy; by default they
+serve the page cache through the file mapping (4 KB pages).
+
 ``--ours-only`` (no kt-kernel needed, no export): our pool against itself before ``int4_moe``
 (``fused=False``: one ``int4_gemv`` call per expert and projection, torch glue between), in the
 same interleaved way, so the ratio is new / old on this machine; the rows also show kt's time
@@ -70,6 +74,11 @@ def main() -> int:
         help="ours against ours before int4_moe (no kt-kernel; module docstring)",
     )
     ap.add_argument("--recorded", default=str(HERE / "results" / "bench_kt_side_by_side.json"))
+    ap.add_argument(
+        "--materialize",
+        action="store_true",
+        help="our pools copy the layer into private memory (huge pages), as kt does",
+    )
     args = ap.parse_args()
     if args.ours_only and args.json == ap.get_default("json"):
         args.json = str(HERE / "results" / "bench_kt_side_by_side-ours.json")
@@ -92,14 +101,14 @@ def main() -> int:
     out = None if args.ours_only else _kt.export(art, to, 1)
     print(f"artifact + export in {time.perf_counter() - t0:.0f} s", flush=True)
     maxb = max(args.batches)
-    other = "loop" if args.ours_only else "kt"
+    other, mat = ("loop" if args.ours_only else "kt"), args.materialize
     systems: dict[tuple[str, int], Any] = {}
     for t in args.threads:
         if args.ours_only:
-            systems["loop", t] = CpuExpertPool.open(art, subpools=1, threads=t, fused=False)
+            systems["loop", t] = CpuExpertPool.open(art, threads=t, fused=False, materialize=mat)
         else:
             systems["kt", t] = _kt.KtMoE(out, method, e, k, h, i, t, 1, max_len=max(maxb, 128))
-        systems["ours", t] = CpuExpertPool.open(art, subpools=1, threads=t)
+        systems["ours", t] = CpuExpertPool.open(art, threads=t, materialize=mat)
     backend = "ours before int4_moe" if args.ours_only else systems["kt", args.threads[0]].backend
     print(f"against: {backend}, ours {native_info()['isa']}", flush=True)
 
@@ -160,6 +169,7 @@ def main() -> int:
                     )
     env = {"torch": torch.__version__} if args.ours_only else _kt.environment()
     doc = {"machine": machine_info(), "environment": env, "kind": kind, "against": other,
+           "materialize": mat,
            "kt_backend": backend, "ours_isa": native_info()["isa"], "experts": e, "hidden": h,
            "inter": i, "topk": k, "expert_bytes": per_expert, "rel_err_kt_vs_ours": agree,
            "command": " ".join(sys.argv), "rows": rows}  # fmt: skip

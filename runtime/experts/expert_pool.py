@@ -35,6 +35,13 @@ up in subpool order (deterministic). ``cpus``: one CPU set per subpool, to which
 itself (for NUMA, with ``materialize=True``); ``threads=``: the native kernel's threads per
 subpool call. Threads, touching, copying and NUMA placement: ``_subpool.py``.
 
+Compute. Each subpool's share of ``forward`` is one native call of
+:func:`~hetquant.runtime.kernels.int4_moe.int4_moe` (per-channel layers; ``fused=True``, the
+default): activation digits once per token, the kernel threads splitting every expert's weight
+rows by bytes, no Python between experts; bit-identical to the per-expert loop it replaced
+(``fused=False``; also taken for group-wise layers, backend ``"torch"`` and the other cases
+``int4_moe`` declines).
+
 Numerics. Activations are computed in float32 whatever ``x``'s dtype (float32, bfloat16 or
 float16) and the result is cast back to it. The GEMVs are those of
 :mod:`hetquant.runtime.kernels.int4_gemv` (native kernel up to ``MAX_NATIVE_TOKENS`` tokens per expert,

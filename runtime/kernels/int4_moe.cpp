@@ -14,7 +14,7 @@
 // a zero-initialised sum expert by expert), so the result is bit-identical to it.
 namespace {
 
-constexpr int64_t ITEM_BYTES = 192 << 10;  // weight bytes of one work item (whole row tiles)
+constexpr int64_t ITEM_BYTES = 512 << 10;  // weight bytes of one work item (whole row tiles)
 constexpr int64_t KEEP_BYTES = 64 << 20;   // scratch kept between calls up to this size
 
 // Scratch of the calling thread, kept between calls (no page faults on every call).
