@@ -261,8 +261,8 @@ class CpuExpertPool:
             raise HetquantError(f"expert: expert {e} not in 0..{info.num_experts - 1}")
         x32 = x.reshape(-1, info.hidden).to(torch.float32).contiguous()
         n = x32.shape[0]
-        r = Routing(torch.tensor([e] if n else []), torch.tensor([0, n] if n else [0]),
-                    torch.arange(n), torch.ones(n))  # fmt: skip
+        one = torch.tensor([e] if n else [], dtype=torch.int64)
+        r = Routing(one, torch.tensor([0, n] if n else [0]), torch.arange(n), torch.ones(n))
         return self._run(layer, x32, r).reshape(x.shape).to(x.dtype)
 
     def _check_x(self, layer: int, x: torch.Tensor, what: str) -> ExpertLayerInfo:

@@ -57,8 +57,8 @@ carries its own ``target`` attribute): x86-64 ``amx_int8`` > ``avx512_vnni`` > `
 tile data, ``arch_prctl(ARCH_REQ_XCOMP_PERM)``); aarch64 ``neon_dotprod`` > ``generic``
 (``getauxval(AT_HWCAP) & HWCAP_ASIMDDP`` on Linux; elsewhere only when the compiler targets
 dotprod). The aarch64 path is tested bit for bit against the x86 results under qemu user mode
-(``tests/runtime/test_int4_gemv_crossisa.py``, which also runs the AVX2 and AVX-512 paths on
-SIMDe's portable intrinsics); it has not run on Arm hardware. The grouped AVX-512 path was
+(``tests/runtime/kernels/test_int4_gemv_crossisa.py``, which also runs the AVX2, AVX-512 and
+AMX paths on SIMDe's portable intrinsics and an emulation of the tile instructions); it has not run on Arm hardware. The grouped AVX-512 path was
 developed on an AVX2-only CPU and checked there on SIMDe; the test suite runs it natively on a
 CPU with AVX-512 VNNI. The AMX path (``int4_gemv_amx.cpp``; per-channel; grouped calls run the
 AVX-512 VNNI path) treats the digit planes of a token as more columns of a ``tdpbusd`` tile:

@@ -176,6 +176,7 @@ def test_empty_and_bad_calls(hybrid):
             layer, torch.zeros(0, 256), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
         )
         assert out.shape == (0, 256)
+        assert pool.expert(layer, 3, torch.zeros(0, 256)).shape == (0, 256)
         x = torch.randn(2, 256)
         ids = torch.tensor([[0, 8], [1, 2]])
         with pytest.raises(HetquantError, match="topk_ids outside"):

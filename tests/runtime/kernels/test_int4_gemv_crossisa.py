@@ -6,8 +6,10 @@ compared bit for bit with the x86 paths of the real module on this (x86-64) host
   ``qemu-aarch64 -cpu max`` (FEAT_DotProd: the run-time dispatch must pick ``neon_dotprod``; the
   generic path is run too) and ``-cpu cortex-a53`` (ARMv8.0, no dot product: dispatch must fall
   back to generic, also when NEON is asked for);
-- x86 AVX2 and AVX-512 VNNI on a CPU without them: the same sources built with ``-DHQ_SIMDE`` on
-  SIMDe's portable implementations of the intrinsics (``libsimde-dev``), run here with each path.
+- x86 AVX2, AVX-512 VNNI and AMX-INT8 on a CPU without them: the same sources built with
+  ``-DHQ_SIMDE`` on SIMDe's portable implementations of the intrinsics (``libsimde-dev``; the AMX
+  tile instructions emulated in ``int4_gemv_amx.cpp``), run here with each path — also the
+  routed-expert sums of ``int4_moe.cpp`` (x86 only: their SiLU uses the C library's ``expf``).
 
 Every result must equal, as float32 bits, what every x86 path of this CPU gives through
 ``int4_gemv`` — on golden inputs with hand-computed results and on random shapes (odd row
