@@ -18,6 +18,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -32,11 +33,14 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CpuMonitor",
     "TreeMonitor",
     "cached_fraction",
     "drop_page_cache",
     "machine_info",
     "median",
+    "open_sources",
+    "proc_pss_anon_kib",
     "proc_status_kib",
     "read_files",
     "replace_marked",
@@ -46,6 +50,8 @@ __all__ = [
 ]
 
 _READ_BLOCK = 8 << 20
+_REPO = Path(__file__).resolve().parents[1]
+TINY_SOURCES = ("examples/tiny-deepseek-v3", "examples/tiny-deepseek-v3-trained")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,6 +72,20 @@ def proc_status_kib(pid: int, keys: Sequence[str] = ("RssAnon", "RssFile")) -> d
         if k in keys:
             out[k] = int(rest.split()[0])
     return out
+
+
+def proc_pss_anon_kib(pid: int) -> int | None:
+    """``Pss_Anon`` of ``pid`` (``/proc/PID/smaps_rollup``): its anonymous pages, each shared
+    one (a forked child's copy-on-write pages) divided among its sharers, so a sum over processes
+    counts every page once. None where the kernel does not report it or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss_Anon:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def _parent_map() -> dict[int, int]:
@@ -101,9 +121,12 @@ class TreeMonitor:
     """Background sampler of the summed RssAnon / RssFile of ``pid`` and its descendants."""
 
     def __init__(
-        self, pid: int, interval: float = 0.02, rescan: float = 0.25, trace: bool = False
-    ) -> None:
+        self, pid: int, interval: float = 0.02, rescan: float = 0.25, trace: bool = False,
+        pss_every: int = 0,
+    ) -> None:  # fmt: skip
         self.pid, self.interval, self.rescan = pid, interval, rescan
+        self.pss_every = pss_every  # also sum Pss_Anon every this many samples (0: never)
+        self.peak_pss_anon_kib: int | None = None
         self.trace: list[tuple[float, int]] | None = [] if trace else None  # (s, anon kiB)
         self._t0 = time.monotonic()
         self.peak_anon_kib = 0
@@ -138,6 +161,11 @@ class TreeMonitor:
             anon += st.get("RssAnon", 0)
             file += st.get("RssFile", 0)
         self.samples += 1
+        if self.pss_every and self.samples % self.pss_every == 1:
+            pss = [proc_pss_anon_kib(p) for p in list(self._pids)]
+            if any(v is not None for v in pss):
+                total = sum(v or 0 for v in pss)
+                self.peak_pss_anon_kib = max(self.peak_pss_anon_kib or 0, total)
         if self.trace is not None:
             self.trace.append((round(time.monotonic() - self._t0, 3), anon))
         self.peak_anon_kib = max(self.peak_anon_kib, anon)
@@ -157,6 +185,44 @@ class TreeMonitor:
                 return
 
 
+class CpuMonitor:
+    """Background sampler of how many CPU cores are busy, machine-wide (``/proc/stat``): every
+    ``interval`` s, (seconds since start, busy cores) from the change in non-idle jiffies."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.interval = interval
+        self.trace: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-monitor", daemon=True)
+
+    @staticmethod
+    def _read() -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+        return float(sum(vals[:8]) - idle), float(sum(vals[:8]))
+
+    def __enter__(self) -> CpuMonitor:
+        self._t0 = time.monotonic()
+        self._last = self._read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        cores = os.cpu_count() or 1
+        while not self._stop.wait(self.interval):
+            busy, total = self._read()
+            d_busy, d_total = busy - self._last[0], total - self._last[1]
+            self._last = (busy, total)
+            if d_total > 0:
+                t = round(time.monotonic() - self._t0, 3)
+                self.trace.append((t, round(cores * d_busy / d_total, 2)))
+
+
 def run_measured(
     cmd: Sequence[str],
     *,
@@ -165,6 +231,9 @@ def run_measured(
     interval: float = 0.02,
     check: bool = True,
     trace: bool = False,
+    pss_every: int = 0,
+    cpu_interval: float = 0.0,
+    preexec_fn: Any = None,
 ) -> dict[str, Any]:
     """Run ``cmd``; return wall and CPU time, peak anon / file memory of its tree, exit code, output.
 
@@ -181,10 +250,14 @@ def run_measured(
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(list(cmd), stdout=out, stderr=err, env=env, cwd=cwd)
-        with TreeMonitor(proc.pid, interval=interval, trace=trace) as mon:
-            _, status, usage = os.wait4(proc.pid, 0)
-            wall = time.perf_counter() - t0
+        cpu = CpuMonitor(cpu_interval) if cpu_interval else contextlib.nullcontext()
+        with cpu:
+            proc = subprocess.Popen(
+                list(cmd), stdout=out, stderr=err, env=env, cwd=cwd, preexec_fn=preexec_fn
+            )
+            with TreeMonitor(proc.pid, interval=interval, trace=trace, pss_every=pss_every) as mon:
+                _, status, usage = os.wait4(proc.pid, 0)
+                wall = time.perf_counter() - t0
         rc = proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
@@ -205,6 +278,8 @@ def run_measured(
         "stdout": stdout,
         "stderr": stderr,
         **({"anon_trace_kib": mon.trace} if trace else {}),
+        **({"peak_pss_anon_bytes": (mon.peak_pss_anon_kib or 0) * 1024} if pss_every else {}),
+        **({"busy_cores_trace": cpu.trace} if cpu_interval else {}),  # type: ignore[union-attr]
     }
 
 
@@ -392,3 +467,16 @@ def replace_marked(path: Path, start: str, end: str, text: str) -> bool:
     tmp.write_text(body[:a] + f"{start}\n{text}{end}" + body[b:], encoding="utf-8")
     os.replace(tmp, path)
     return True
+
+
+def open_sources(description: str) -> list[tuple[str, Any]]:
+    """(argument, ``SourceCheckpoint``) of each SOURCE on the command line of a script measuring
+    checkpoints (default: the two embedded tiny models; relative paths from the repository)."""
+    import argparse
+
+    from hetquant.convert.source import SourceCheckpoint
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("sources", nargs="*", default=list(TINY_SOURCES))
+    args = ap.parse_args()
+    return [(s, SourceCheckpoint.open(_REPO / s)) for s in args.sources]

@@ -1,7 +1,9 @@
 """Accuracy of every recipe on the trained tiny model, against its FP8 reference.
 
 Converts ``examples/tiny-deepseek-v3-trained`` with bf16, ascend-hybrid, ascend-w8a8, awq-w4a16
-(round-to-nearest and AWQ-calibrated on ``calib.txt``, training-split text) and fp4, then scores
+and ct-w4a16 (each round-to-nearest and AWQ-calibrated on ``calib.txt``, training-split text, for
+the format and weights the recipe quantizes), fp4, ascend-w4a8 and ascend-w4a16 (round-to-nearest),
+then scores
 each artifact on the held-out text (``heldout.txt``, never trained or calibrated on) through the
 runtime's quantized ops (W8A8 activation quantization included): perplexity, ΔPPL against the
 FP8 reference, mean KL(reference ‖ artifact) of next-token distributions, top-1 agreement.
@@ -22,7 +24,7 @@ import torch
 from hetquant.calib.calibrate import AwqOptions, calibrate
 from hetquant.calib.data import load_tokenizer, token_blocks
 from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
-from hetquant.convert.engine import convert
+from hetquant.convert.engine import calibration_targets, convert
 from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.runtime.serving.run import local_model
@@ -33,7 +35,9 @@ TEXTS = REPO / "examples" / "tiny-tools"
 RESULTS = REPO / "benchmarks" / "results" / "accuracy.json"
 ROWS = [("bf16", "bf16", {}), ("ascend-hybrid", "ascend-hybrid", {}), ("ascend-w8a8", "ascend-w8a8", {}),
         ("awq-w4a16 RTN", "awq-w4a16", {}), ("awq-w4a16 AWQ", "awq-w4a16", {"calibrate": True}),
-        ("fp4 (nvfp4 layout)", "fp4", {"fp4_layout": "nvfp4"})]  # fmt: skip
+        ("fp4 (nvfp4 layout)", "fp4", {"fp4_layout": "nvfp4"}),
+        ("ct-w4a16 RTN", "ct-w4a16", {}), ("ct-w4a16 AWQ", "ct-w4a16", {"calibrate": True}),
+        ("ascend-w4a8 RTN", "ascend-w4a8", {}), ("ascend-w4a16 RTN", "ascend-w4a16", {})]  # fmt: skip
 # hidden 384 is not a multiple of the Ascend FP4 tile group (N % 256): the tiled layout refuses
 # this model's down_proj; the canonical layout holds the same values (tiling is a lossless reorder).
 
@@ -56,13 +60,15 @@ def main() -> None:
         for label, recipe, opts in ROWS:
             t = time.perf_counter()
             cal = None
-            if opts.get("calibrate"):
-                cal = calibrate(
-                    src, calib_tokens, AwqOptions(), device=args.calib_device or args.device
-                )
-            out = Path(tmp) / label.replace(" ", "_")
             options = {k: v for k, v in opts.items() if k != "calibrate"}
             rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
+            if opts.get("calibrate"):
+                fmt, group, quantized = calibration_targets(src, rec)
+                cal = calibrate(
+                    src, calib_tokens, AwqOptions(group_size=group, quantizer=fmt),
+                    quantized=quantized, device=args.calib_device or args.device,
+                )  # fmt: skip
+            out = Path(tmp) / label.replace(" ", "_")
             convert(src, out, rec, max_shard_size=1 << 40, calibration=cal)
             model = local_model(out, device="cuda" if args.device == "cuda" else "cpu")
             r = evaluate(per_sequence(model.forward), reference, eval_tokens)

@@ -8,7 +8,7 @@ script records the process CPU time and (``--no-breakdown`` turns it off) a spli
 into phases, timed by wrapping calibrate's internals (synchronizing the device at each boundary):
 
 =====================  ===========================================================================
-``load``               ``weights_fn``: read the layer from the memory map, FP8 → BF16 (on the CPU)
+``load``               ``LayerLoader.load``: the layer onto the device (stored bytes, dequantized there)
 ``forward_float``      the float layer with ``Capture`` (attention per sequence, router, MLP/experts)
 ``attention_search``   scale + clip searches of the MLA linears
 ``mlp_in_search``      the norm → gate/up scale (dense, or shared + EVERY routed expert at once)
@@ -57,6 +57,12 @@ Usage::
     python benchmarks/bench_calibration.py --device cuda          # real shapes, ~2-4 min on an H200
     python benchmarks/bench_calibration.py --device cpu --tiny-shapes --experts 2   # quick check
     python benchmarks/bench_calibration.py --merge OTHER.json     # copy OTHER's sections in
+
+``--load compare`` (the default off the CPU) calibrates twice, layers first loaded the old way
+(``dequantized``: FP8 → BF16 on the CPU, then copied) and then as ``stored`` bytes dequantized on
+the device (``calib/loading.py``), and records both under ``load_compare`` with ``load_ratios``
+(per layer: wall and load seconds, peak device memory; the 671B hours); the section's main
+figures are the ``stored`` run's. ``--load stored`` / ``dequantized`` runs one of them.
 
 ``--repeats N`` calibrates N times and keeps, per layer, the repeat with the least wall time (on
 a shared machine contention only adds time), listing every repeat's wall and CPU seconds;
@@ -127,9 +133,9 @@ def log(msg: str) -> None:
 class Recorder:
     """Per-layer CPU time and phase split of one ``calibrate`` run (see module docstring).
 
-    Phases are timed by wrapping ``LayerRunner.run`` and three ``_LayerCalibration`` methods
-    (restored on exit) and the ``weights_fn``; the device is synchronized at each boundary so
-    that asynchronous kernels are charged to the phase that queued them.
+    Phases are timed by wrapping ``LayerLoader.load``, ``LayerRunner.run`` and three
+    ``_LayerCalibration`` methods (restored on exit); the device is synchronized at each boundary
+    so that asynchronous kernels are charged to the phase that queued them.
     """
 
     def __init__(self, device: torch.device, breakdown: bool) -> None:
@@ -142,16 +148,6 @@ class Recorder:
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def timed_fn(self, fn: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
-        def get(name: str) -> torch.Tensor:
-            t0 = time.perf_counter()
-            try:
-                return fn(name)
-            finally:
-                self.acc["load"] += time.perf_counter() - t0
-
-        return get
 
     def on_layer(self, _msg: str) -> None:
         """``calibrate``'s ``log`` callback: called once per layer, after its stats are made."""
@@ -198,6 +194,8 @@ class Recorder:
         def unit_label(args: tuple) -> str:
             return "expert_units" if ".mlp.experts." in args[1] else "mlp_units"
 
+        loading = importlib.import_module("hetquant.calib.loading")
+        wrap(loading.LayerLoader, "load", lambda _a: "load")
         wrap(fwd.LayerRunner, "run", forward_label)
         wrap(cal._LayerCalibration, "_attention", lambda _a: "attention_search")
         wrap(cal._LayerCalibration, "_mlps", lambda _a: "mlps_total")
@@ -210,24 +208,17 @@ class Recorder:
 
 
 def run_calibration(
-    source: Any, tokens: torch.Tensor, device: str, breakdown: bool
+    source: Any, tokens: torch.Tensor, device: str, breakdown: bool, load: str | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """``calibrate`` with the recorder; returns (per-layer records, calibrate's top-level stats)."""
+    """``calibrate`` with the recorder; returns (per-layer records, calibrate's top-level stats).
+    ``load``: how layers reach the device (``calib.loading``; None: calibrate's choice)."""
     from hetquant.calib import AwqOptions, calibrate
-    from hetquant.calib.forward import source_tensor_fn
 
     dev = torch.device(device)
     rec = Recorder(dev, breakdown)
     opts = AwqOptions()
     with rec.installed():
-        result = calibrate(
-            source,
-            tokens,
-            opts,
-            device=dev,
-            weights_fn=rec.timed_fn(source_tensor_fn(source)),
-            log=rec.on_layer,
-        )
+        result = calibrate(source, tokens, opts, device=dev, log=rec.on_layer, load=load)
     stats = result.stats
     cfg = source.config
     layers = []
@@ -260,7 +251,7 @@ def run_calibration(
             p["other"] = st["seconds"] - sum(p.values())
             r["phases_s"] = {k: round(p.get(k, 0.0), 3) for k in PHASES}
         layers.append(r)
-    top = {k: stats[k] for k in ("method", "device", "dtype", "tokens", "seconds")}
+    top = {k: stats[k] for k in ("method", "device", "load", "dtype", "tokens", "seconds")}
     top["options"] = opts.to_dict()
     return layers, top
 
@@ -274,7 +265,7 @@ def run_repeated(
     for i in range(args.repeats):
         if args.repeats > 1:
             log(f"repeat {i + 1} of {args.repeats}")
-        runs.append(run_calibration(source, tokens, args.device, not args.no_breakdown))
+        runs.append(run_calibration(source, tokens, args.device, not args.no_breakdown, args.load))
     layers = []
     for i in range(len(runs[0][0])):
         recs = [run[0][i] for run in runs]
@@ -441,13 +432,19 @@ def bench_synthetic(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.init()
         log(f"  {torch.cuda.get_device_name(dev)}")
     rss0, load0 = _rss_now(), _loadavg()
-    t0 = time.perf_counter()
-    layers, top = run_repeated(src, tokens, args)
-    wall = round(time.perf_counter() - t0, 3)
-    for r in layers:
-        log(f"  layer {r['layer']} ({r['kind']}): {r['seconds']} s, peak {_mem_text(r)}")
     device_info = _device_info(dev)
     rate = _fp32_matmul_rate(dev, small=tiny or dev.type == "cpu")
+    modes = ["dequantized", "stored"] if args.load == "compare" else [args.load]
+    compare: dict[str, Any] = {}
+    for mode in modes:  # the baseline first; the last mode's run is the section's main result
+        log(f"  layers loaded: {mode or 'calibrate default'}")
+        t0 = time.perf_counter()
+        layers, top = run_repeated(src, tokens, argparse.Namespace(**{**vars(args), "load": mode}))
+        wall = round(time.perf_counter() - t0, 3)
+        for r in layers:
+            log(f"  layer {r['layer']} ({r['kind']}): {r['seconds']} s, load {r.get('phases_s', {}).get('load', '?')} s, peak {_mem_text(r)}")  # fmt: skip
+        ex = extrapolate(layers, config, args.samples * args.seq_len, rate, device_info.get("total_memory_bytes"))  # fmt: skip
+        compare[top["load"]] = {"calibration": top, "wall_seconds": wall, "layers": layers, "extrapolation_671b": ex}  # fmt: skip
     result = {
         "workload": f"synthetic checkpoint, {shapes} DeepSeek-V3 shapes, random token ids",
         "checkpoint": {
@@ -467,14 +464,32 @@ def bench_synthetic(args: argparse.Namespace) -> dict[str, Any]:
         "loadavg_after": _loadavg(),
         "layers": layers,
     }
-    result["extrapolation_671b"] = extrapolate(
-        layers, config, args.samples * args.seq_len, rate, device_info.get("total_memory_bytes")
-    )
+    result["extrapolation_671b"] = ex
+    if len(compare) > 1:
+        result["load_compare"] = compare
+        result["load_ratios"] = _load_ratios(compare["stored"], compare["dequantized"])
+        log(f"  stored / dequantized: {result['load_ratios']}")
     if tiny:
         result["extrapolation_671b"]["note"] = (
             "tiny shapes: the numbers only exercise the code path; they say nothing about 671B"
         )
     return result
+
+
+def _load_ratios(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """Layers loaded as stored bytes (dequantized on the device) against the CPU dequantization:
+    per layer, wall seconds, load seconds and peak device memory, new / old; 671B hours."""
+    out: dict[str, Any] = {}
+    for a, b in zip(new["layers"], old["layers"], strict=True):
+        r = {"seconds": round(a["seconds"] / b["seconds"], 3)}
+        la, lb = a.get("phases_s", {}).get("load"), b.get("phases_s", {}).get("load")
+        if la is not None and lb:
+            r["load_seconds"] = [lb, la]
+        if a.get("peak_device_bytes") and b.get("peak_device_bytes"):
+            r["peak_device_bytes"] = round(a["peak_device_bytes"] / b["peak_device_bytes"], 4)
+        out[f"layer_{a['layer']}_{a['kind']}"] = r
+    out["hours_671b"] = [old["extrapolation_671b"]["total_hours"], new["extrapolation_671b"]["total_hours"]]  # fmt: skip
+    return out
 
 
 def _mem_text(r: dict[str, Any]) -> str:
@@ -702,6 +717,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--text", default=str(HELDOUT), help="calibration text (cpu workload)")
     ap.add_argument("--no-breakdown", action="store_true", help="no phase split (no wrapping)")
     ap.add_argument(
+        "--load",
+        choices=("compare", "stored", "dequantized"),
+        help="how layers reach the device (calib/loading.py): stored bytes dequantized there, "
+        "or dequantized on the CPU and copied; compare: both, one after the other (the default "
+        "off the CPU); default on the CPU: calibrate's choice",
+    )
+    ap.add_argument(
         "--repeats", type=int, default=1, help="calibrations; per layer the fastest is kept (1)"
     )
     ap.add_argument("--results", default=str(RESULT), help="results JSON updated by section")
@@ -717,6 +739,8 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     synthetic = args.synthetic or args.tiny_shapes or torch.device(args.device).type != "cpu"
+    if args.load is None and torch.device(args.device).type != "cpu":
+        args.load = "compare"
     if synthetic:
         args.samples = args.samples or (4 if args.tiny_shapes else 32)
         args.seq_len = args.seq_len or (64 if args.tiny_shapes else 512)

@@ -20,7 +20,11 @@ Measures, interleaved repeat by repeat (medians reported):
   repeat (order alternating), and its weight-bytes throughput as a ratio of the per-channel
   kernel's: the median over repeats of the per-repeat ratio (issue target ≥ 0.9).
   ``--group`` runs only this comparison (both precisions, 1 and all threads) and writes its own
-  JSON (``results/bench_expert_gemv-group.json``) and README table;
+  JSON (``results/bench_expert_gemv-group.json``) and README table; ``--group --in-cache``
+  the same with every call on copy 0, so that the weights come from the last-level cache (one
+  matrix, 7–15 MB, against 32 MB of L3 here) and the kernels' arithmetic decides
+  (``results/bench_expert_gemv-group-incache.json``, the ``bench_expert_gemv:group-incache``
+  table);
 - ``--gemm``: the per-channel kernel (22-bit) at ``--batches`` (default 16 and 64) in its plain
   order (``token_block=0``) and in the GEMM-shaped, token-blocked order (the default from 16
   tokens on), back to back on the same copy (order alternating), 1 and all threads: the ratio
@@ -67,6 +71,8 @@ START = "<!-- bench_expert_gemv:results:start -->"
 END = "<!-- bench_expert_gemv:results:end -->"
 GROUP_START = "<!-- bench_expert_gemv:group:start -->"
 GROUP_END = "<!-- bench_expert_gemv:group:end -->"
+INCACHE_START = "<!-- bench_expert_gemv:group-incache:start -->"
+INCACHE_END = "<!-- bench_expert_gemv:group-incache:end -->"
 GEMM_START = "<!-- bench_expert_gemv:gemm:start -->"
 GEMM_END = "<!-- bench_expert_gemv:gemm:end -->"
 SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
@@ -187,6 +193,7 @@ def main() -> int:
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--group", action="store_true", help="only per-channel vs group-wise")
     ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--in-cache", action="store_true", help="--group: every call on copy 0")
     ap.add_argument("--gemm", action="store_true", help="only plain vs token-blocked order")
     args = ap.parse_args()
     if args.gemm:
@@ -195,10 +202,13 @@ def main() -> int:
             args.batches = [16, 64]
         if args.json == ap.get_default("json"):
             args.json = str(HERE / "results" / "bench_expert_gemv-gemm.json")
+    if args.in_cache and not args.group:
+        ap.error("--in-cache goes with --group")
     if args.group:
         args.skip_slow, args.no_pool = True, True
         if args.json == ap.get_default("json"):
-            args.json = str(HERE / "results" / "bench_expert_gemv-group.json")
+            name = "group-incache" if args.in_cache else "group"
+            args.json = str(HERE / "results" / f"bench_expert_gemv-{name}.json")
 
     # Build the kernel into a fresh cache dir so the compile time is measured.
     cache = tempfile.mkdtemp(prefix="hetquant-bench-cache-")
@@ -224,6 +234,7 @@ def main() -> int:
         torch_threads=nthreads,
         torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
         loadavg_start=loadavg(),
+        weights="one copy (in cache)" if args.in_cache else f"{args.set_mb} MB of copies, cycled",
         command="python " + " ".join(shlex.quote(a) for a in sys.argv),
     )
     print(f"torch {torch.__version__}, {nthreads} threads, load {machine['loadavg_start']}")
@@ -340,8 +351,8 @@ def main() -> int:
                                     f"{size}_{prec}/{th}t",
                                     lambda i, x=x, d=d, th=th, prec=prec, skey=skey, tb=tb: (
                                         G.int4_gemv(
-                                            d["packed"][i],
-                                            d[skey][i],
+                                            d["packed"][0 if args.in_cache else i],
+                                            d[skey][0 if args.in_cache else i],
                                             x,
                                             backend="native",
                                             threads=th,
@@ -442,6 +453,8 @@ def main() -> int:
     if not args.no_readme:
         if args.group:
             start, end = (GEMM_START, GEMM_END) if args.gemm else (GROUP_START, GROUP_END)
+            if args.in_cache:
+                start, end = INCACHE_START, INCACHE_END
             if not replace_marked(Path(args.readme), start, end, table):
                 raise SystemExit(f"{args.readme}: no {start} … {end} markers")
         else:
@@ -491,7 +504,8 @@ def render_group(doc: dict[str, Any], gemm: bool = False) -> str:
         f"Run {m['date']} · `{m['command']}` · {cpu.get('Model name', m.get('cpu_model'))}, "
         f"{cpu.get('CPU(s)', m.get('nproc'))} CPUs (L3 {cpu.get('L3', '?')}, {cpu.get('isa', '')}"
         f"{', ' + cpu['hypervisor'] + ' VM' if cpu.get('hypervisor') else ''}) · torch "
-        f"{m['torch']} · load average {m['loadavg_start']} → {m['loadavg_end']} · native kernel "
+        f"{m['torch']} · weights: {m.get('weights', 'cycled')} · load average "
+        f"{m['loadavg_start']} → {m['loadavg_end']} · native kernel "
         f"`{nat.get('isa')}` · read bandwidth {bw['read']:.1f} GB/s (1 thread by CPU time "
         f"{bw.get('read_1t_cpu_time') or 0:.1f})",
         "",

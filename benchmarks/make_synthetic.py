@@ -42,6 +42,11 @@ directory when that file is absent or says otherwise.
 Usage::
 
     python benchmarks/make_synthetic.py DIR [--experts 16] [--vocab 1024] [--seed 0]
+        [--dense-layers 1|0] [--jobs N]
+
+``--dense-layers 0`` leaves layer 0 out (one MoE layer: 0.97 GB with 16 experts, the "1 GB
+real-shape shard" of issue #16's two-core target); ``--jobs N`` generates tensors in N processes
+(the bytes do not change).
 """
 
 from __future__ import annotations
@@ -297,21 +302,63 @@ def _header(specs: list[Spec]) -> bytes:
     return struct.pack("<Q", len(body)) + body
 
 
+def moe_only(config: dict) -> dict:
+    """``config`` without its dense layer: one MoE layer (``--dense-layers 0``)."""
+    return {**config, "num_hidden_layers": 1, "first_k_dense_replace": 0}
+
+
+def _write_specs(path: Path, offsets: list[tuple[Spec, int]], seed: int) -> None:
+    """Generate ``offsets``' tensors into the (pre-sized) file ``path`` at their offsets."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for spec, off in offsets:
+            for chunk in _tensor_chunks(spec, seed):
+                os.pwrite(fd, chunk, off)
+                off += len(chunk)
+    finally:
+        os.close(fd)
+
+
+def _write_data(path: Path, specs: list[Spec], start: int, seed: int, jobs: int) -> None:
+    """Every tensor's bytes, by ``jobs`` processes at once (the bytes do not depend on it)."""
+    offsets, off = [], start
+    for s in specs:
+        offsets.append((s, off))
+        off += s.nbytes
+    with open(path, "r+b") as f:
+        f.truncate(off)
+    if jobs <= 1:
+        _write_specs(path, offsets, seed)
+        return
+    import multiprocessing as mp
+
+    parts: list[list[tuple[Spec, int]]] = [[] for _ in range(jobs)]
+    for i, item in enumerate(sorted(offsets, key=lambda x: -x[0].nbytes)):
+        parts[i % jobs].append(item)
+    with mp.get_context("fork").Pool(jobs) as pool:
+        pool.starmap(_write_specs, [(path, part, seed) for part in parts])
+
+
 def write_checkpoint(
-    out: Path, experts: int = 16, vocab: int = 1024, seed: int = 0, quiet: bool = False
-) -> dict:
-    """Write the checkpoint into ``out`` (replacing a previous one); returns its SYNTHETIC.json."""
+    out: Path, experts: int = 16, vocab: int = 1024, seed: int = 0, quiet: bool = False,
+    dense_layers: int = 1, jobs: int = 1,
+) -> dict:  # fmt: skip
+    """Write the checkpoint into ``out`` (replacing a previous one); returns its SYNTHETIC.json.
+
+    ``dense_layers`` 0 leaves the dense layer out (one MoE layer); ``jobs`` processes generate
+    tensors in parallel (same bytes)."""
     config = make_config(experts, vocab)
+    if dense_layers == 0:
+        config = moe_only(config)
     specs = sorted(tensor_specs(config), key=lambda s: (_DTYPE_RANK[s.dtype], s.name))
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).unlink(missing_ok=True)
     t0 = time.perf_counter()
     tmp = out / f".{SHARD}.tmp"
+    header = _header(specs)
     with open(tmp, "wb") as f:
-        f.write(_header(specs))
-        for s in specs:
-            for chunk in _tensor_chunks(s, seed):
-                f.write(chunk)
+        f.write(header)
+    _write_data(tmp, specs, len(header), seed, jobs)
     os.replace(tmp, out / SHARD)
     data = sum(s.nbytes for s in specs)
     index = {
@@ -325,6 +372,7 @@ def write_checkpoint(
         "experts": experts,
         "vocab": vocab,
         "seed": seed,
+        "dense_layers": dense_layers,
         "tensors": len(specs),
         "data_bytes": data,
         "shard_bytes": (out / SHARD).stat().st_size,
@@ -339,14 +387,15 @@ def write_checkpoint(
     return marker
 
 
-def is_current(out: Path, experts: int, vocab: int, seed: int) -> bool:
+def is_current(out: Path, experts: int, vocab: int, seed: int, dense_layers: int = 1) -> bool:
     """True when ``out`` holds a complete checkpoint made with these parameters."""
     try:
         m = json.loads((out / MARKER).read_text())
     except (OSError, ValueError):
         return False
     want = {"experts": experts, "vocab": vocab, "seed": seed}
-    return all(m.get(k) == v for k, v in want.items()) and (out / SHARD).is_file()
+    same = all(m.get(k) == v for k, v in want.items()) and m.get("dense_layers", 1) == dense_layers
+    return same and (out / SHARD).is_file()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -355,6 +404,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, default=16, help="routed experts (multiple of 8, >= 16)")
     ap.add_argument("--vocab", type=int, default=1024, help="vocab_size (small on purpose)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--dense-layers", type=int, choices=(0, 1), default=1, help="0: one MoE layer only"
+    )
+    ap.add_argument("--jobs", type=int, default=1, help="processes generating tensors (same bytes)")
     ap.add_argument(
         "--check",
         action="store_true",
@@ -365,7 +418,14 @@ def main(argv: list[str] | None = None) -> None:
         if not (args.dir / f".{SHARD}.tmp").exists():
             sys.exit(f"error: {args.dir} is not empty and holds no checkpoint; choose another DIR")
         shutil.rmtree(args.dir)
-    write_checkpoint(args.dir, args.experts, args.vocab, args.seed)
+    write_checkpoint(
+        args.dir,
+        args.experts,
+        args.vocab,
+        args.seed,
+        dense_layers=args.dense_layers,
+        jobs=args.jobs,
+    )
     if args.check:
         from hetquant.convert.source import SourceCheckpoint
 

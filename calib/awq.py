@@ -8,9 +8,11 @@ output rows can absorb a factor — share a per-channel scale ``s`` [K]:
     s* = argmin_s  Σ_i ‖ Q(W_i · diag(s)) · diag(s)⁻¹ · X_iᵀ  −  W_i · X_iᵀ ‖²_F  /  Σ_i T_i · N_i
 
 ``X_i`` [T_i, K] is what linear i sees on the calibration data (one shared X, or each routed
-expert its own routed tokens), ``Q`` is the artifact's quantizer: AutoAWQ GEMM W4A16 round-to-
-nearest per group of ``g`` input channels (``formats/awq_w4a16.py``; :func:`fake_quantize` is its
-quantize→dequantize, bit-identical, checked by the tests). ``diag(s)⁻¹`` is then folded into the
+expert its own routed tokens), ``Q`` is the artifact's quantizer, round-to-nearest per group of
+``g`` input channels: AutoAWQ GEMM W4A16, asymmetric (``formats/awq_w4a16.py``;
+:func:`fake_quantize`), or compressed-tensors pack-quantized W4A16, symmetric
+(``formats/ct_pack_quantized.py``; :func:`fake_quantize_symmetric`) — each the format's
+quantize→dequantize, bit-identical (tests), registered by format name in ``FAKE_QUANTIZERS``. ``diag(s)⁻¹`` is then folded into the
 producer of X (:func:`fold_into_norm`, :func:`fold_into_linear`) and ``diag(s)`` into the
 weights (:func:`scale_columns`), so the float model is unchanged and only Q sees ``W·diag(s)``.
 
@@ -37,21 +39,24 @@ turned back into bounds by :func:`clip_bounds`, the one function both search and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hetquant.formats import HetquantError
+from hetquant.formats import ct_pack_quantized as ct
 from hetquant.formats.awq_w4a16 import QMAX, RANGE_EPS
 
 __all__ = [
+    "FAKE_QUANTIZERS",
     "ScaleSearch",
     "activation_mean",
     "apply_clip",
     "clip_bounds",
     "clip_factors",
     "fake_quantize",
+    "fake_quantize_symmetric",
     "fold_into_linear",
     "fold_into_norm",
     "rtn_params",
@@ -80,15 +85,15 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.to(torch.float32).reshape(n, k // group_size, group_size)
 
 
-def _round_up_f16(x: torch.Tensor) -> torch.Tensor:
-    """Positive ``x`` rounded up to the next FP16 value (as ``awq_w4a16`` stores scales).
+def _round_up_f16(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Positive ``x`` rounded up to the next FP16 (or BF16) value, as the formats store scales.
 
-    Bit arithmetic instead of ``nextafter``, so it runs on every device: for a positive FP16
-    value the next one up has the bit pattern + 1.
+    Bit arithmetic instead of ``nextafter``, so it runs on every device: for a positive 16-bit
+    float the next one up has the bit pattern + 1.
     """
-    y = x.to(torch.float16)
+    y = x.to(dtype)
     low = y.to(x.dtype) < x
-    up = (y.view(torch.int16) + 1).view(torch.float16)
+    up = (y.view(torch.int16) + 1).view(dtype)
     return torch.where(low, up, y)
 
 
@@ -119,6 +124,26 @@ def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
     z = z[..., None]
     q = torch.clamp(torch.round(wg / s), -z, QMAX - z)  # (N, K/g, g): q - z
     return (q * s).reshape(w.shape)  # (N, K)
+
+
+def fake_quantize_symmetric(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``CtPackQuantized(g).dequantize(CtPackQuantized(g).quantize(w))`` (BF16 scales, the
+    format's default) without packing: float32 [N, K]. ``s`` = ``absmax / 7.5`` rounded up to
+    BF16 (floored at FLT_EPSILON), ``q = clamp(round(w / s), -8, 7)``, then ``q · s``."""
+    wg = _grouped(w, group_size)  # (N, K/g, g)
+    absmax = wg.abs().amax(dim=-1)  # (N, K/g)
+    s = _round_up_f16((absmax.double() / ct.HALF_RANGE).clamp(min=ct.SCALE_EPS), torch.bfloat16)
+    sf = s.float()[..., None]  # (N, K/g, 1)
+    q = torch.clamp(torch.round(wg / sf), ct.QMIN, ct.QMAX)  # (N, K/g, g)
+    return (q * sf).reshape(w.shape)  # (N, K)
+
+
+FakeQuantize = Callable[[torch.Tensor, int], torch.Tensor]
+# format name → its quantize→dequantize (w [N, K], group size) → float32 [N, K]
+FAKE_QUANTIZERS: dict[str, FakeQuantize] = {
+    "awq_w4a16": fake_quantize,
+    "ct_pack_quantized": fake_quantize_symmetric,
+}
 
 
 # -- statistics ------------------------------------------------------------------------------
@@ -208,6 +233,7 @@ def search_scale(
     duo_scaling: bool = True,
     pow2: bool = False,
     matmul_dtype: torch.dtype = torch.float32,
+    fake: FakeQuantize = fake_quantize,
 ) -> ScaleSearch:
     """The AWQ scale shared by ``weights`` (each [N_i, K]); see the module docstring.
 
@@ -218,7 +244,8 @@ def search_scale(
     computed as ``X · (Q(W·diag(s))·diag(s)⁻¹ − W)ᵀ`` (equal to the objective's difference, with
     no cancellation), through the Gram matrix ``XᵀX`` when T_i > K. Matmuls run in
     ``matmul_dtype`` (bfloat16 is enough to rank candidates on an accelerator); the error
-    matrices and sums are float32. Ties keep the earlier candidate (identity first).
+    matrices and sums are float32. Ties keep the earlier candidate (identity first). ``fake``:
+    the artifact's quantizer (``FAKE_QUANTIZERS``).
     """
     ws = list(weights)
     xs = [x] * len(ws) if isinstance(x, torch.Tensor) else x  # may be a lazy Sequence
@@ -244,7 +271,7 @@ def search_scale(
                 grams[id(xi)] = (xi, _gram(t, matmul_dtype))
             gram = grams[id(xi)][1]
         for c, (_, s) in enumerate(cands):
-            err = fake_quantize(w32 * s, group_size) / s - w32  # (N, K)
+            err = fake(w32 * s, group_size) / s - w32  # (N, K)
             sq[c] += _sq_out(t, err, gram, matmul_dtype)
     losses = [float(v) / max(count, 1) for v in sq]
     best = min(range(len(cands)), key=lambda c: (losses[c], c))
@@ -308,11 +335,13 @@ def search_clip(
     max_shrink: float = 0.5,
     n_tokens: int = 512,
     rows_per_batch: int = 256,
+    fake: FakeQuantize = fake_quantize,
 ) -> torch.Tensor:
     """Best shrink step per (row, group) for ``w`` [N, K] on inputs ``x`` [T, K]: uint8 [N, K/g].
 
     See the module docstring. Tokens are taken every ``max(1, T // n_tokens)``-th (AutoAWQ).
-    With no token every step is 0 (no clipping). Ties keep the smaller shrink.
+    With no token every step is 0 (no clipping). Ties keep the smaller shrink. ``fake``: the
+    artifact's quantizer (``FAKE_QUANTIZERS``).
     """
     n, k = w.shape
     groups = k // group_size
@@ -331,7 +360,7 @@ def search_clip(
         for i in range(factors.numel()):
             b = (amax * factors[i])[..., None]  # (n', G, 1)
             clipped = torch.maximum(torch.minimum(wg, b), -b).reshape(wr.shape)
-            d = (fake_quantize(clipped, group_size) - wr).reshape(wg.shape)  # (n', G, g)
+            d = (fake(clipped, group_size) - wr).reshape(wg.shape)  # (n', G, g)
             out = torch.bmm(xg, d.permute(1, 2, 0))  # (G, T', n'): per-group partial outputs
             err = out.pow(2).mean(dim=1).T  # (n', G)
             better = err < best_err

@@ -2,8 +2,9 @@
 
 Lifecycle (``calibrate``): embed the calibration tokens [N, T]; then for each decoder layer L:
 
-1. dequantize layer L's tensors only (FP8 → BF16 with DeepSeek's formula) onto the compute
-   device (``cuda`` / ``npu`` when present, else cpu);
+1. load layer L's tensors only onto the compute device (``cuda`` / ``npu`` when present, else
+   cpu), FP8 → BF16 with DeepSeek's formula: on an accelerator the stored FP8 bytes are copied
+   and dequantized there, while layer L + 1's bytes are read ahead (``loading.LayerLoader``);
 2. run the float layer on the incoming hidden states with a ``Capture``: the input of every
    linear, and the router's choice, so every routed expert is seen with its own routed tokens
    (``forward.py``);
@@ -31,9 +32,10 @@ baseline the recipe produces without calibration data.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ import torch
 from .data import tokens_digest
 from .forward import check_tokens, default_device, layer_names, source_tensor_fn
 from .layer import _Context, _LayerCalibration, _QuantizedWeights, _RowsOf
+from .loading import LayerLoader
 from .transforms import (
     _DTYPES,
     RESULT_FORMAT,
@@ -81,15 +84,22 @@ def calibrate(
     device: str | torch.device | None = None,
     weights_fn: Callable[[str], torch.Tensor] | None = None,
     names: list[str] | None = None,
+    quantized: Collection[str] | None = None,
     log: Callable[[str], None] | None = None,
+    load: str | None = None,
 ) -> CalibrationResult:
     """Calibrate ``source`` on ``tokens`` [N, T] (see module docstring).
 
     ``source``: anything with ``.config`` (a ``formats.families.ModelConfig``) and ``.tensors``
     (names), and — unless ``weights_fn(name) -> tensor`` is given — ``.dequantized(name)`` (BF16
-    weights). ``names`` overrides the tensor names. Options left to the family (``clip_skip``)
+    weights). ``names`` overrides the tensor names. ``quantized``: the linear weights the
+    artifact quantizes (default: every decoder-layer linear, ``is_quantized_linear``; the MTP
+    layers are never calibrated); only their errors score a search and only they are clipped,
+    while every linear reading a balanced input takes its scale. Options left to the family (``clip_skip``)
     are filled in from it. Deterministic: same inputs, same device type → same
-    transforms (bit-identical on the CPU).
+    transforms (bit-identical on the CPU). ``load``: how layers reach the device
+    (``loading.LayerLoader``: ``stored`` bytes dequantized there, or ``dequantized`` on the CPU
+    and copied); None picks ``stored`` off the CPU for a checkpoint source without ``weights_fn``.
     """
     opts = options or AwqOptions()
     cfg = source.config
@@ -101,19 +111,23 @@ def calibrate(
     dev = torch.device(device) if device is not None else default_device()
     tokens = check_tokens(tokens, cfg.vocab_size)
     roles = fam.expected_tensors(cfg)
-    quantized = tuple(n for n in names if n in roles and is_quantized_linear(roles[n]))
+    chosen = names if quantized is None else sorted(set(names) & set(quantized), key=names.index)
+    quantized = tuple(n for n in chosen if n in roles and is_quantized_linear(roles[n]))
     ctx = _Context(cfg, opts, dev, opts.compute_dtype(dev), tokens.shape[1])
+    if load is None and weights_fn is not None:
+        load = "dequantized"  # the caller's tensors
+    loader = LayerLoader(source, lambda layer: layer_names(names, layer, fam), dev, fn, load)
     start = time.perf_counter()
     transforms: dict[str, Transform] = {}
     layer_stats = []
-    with torch.inference_mode():
+    with torch.inference_mode(), contextlib.closing(loader):
         h = ctx.runner.embed(fn(fam.tensor("embed")), tokens)  # [N, T, D]
         for layer in range(cfg.num_hidden_layers):
             rss_reset = _reset_peak_rss()
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
-            state = {n: fn(n).to(dev) for n in layer_names(names, layer, fam)}
+            state = loader.load(layer)  # and layer + 1's bytes read ahead meanwhile
             h, tf, st = _LayerCalibration(ctx, layer, state, set(quantized)).run(h)
             transforms.update({n: t.to("cpu") for n, t in tf.items()})
             del state
@@ -128,6 +142,7 @@ def calibrate(
     stats = {
         "method": opts.method,
         "device": str(dev),
+        "load": loader.mode,
         "dtype": str(ctx.dtype).removeprefix("torch."),
         "tokens": {
             "samples": tokens.shape[0],

@@ -5,6 +5,11 @@ how a mapping runs; ``deepseek_v3.py`` lists DeepSeek-V3's): ``_attention`` runs
 ``balances`` and the clips of its ``clips`` linears, ``_mlps`` the ``mlp_input`` balance and then,
 for every gated MLP of the role table, its up → down balance and the clips of its three linears.
 A prev op absorbs ``diag(s)⁻¹`` (a norm its elements, a linear its rows), the linears ``diag(s)``.
+Only the linears the artifact quantizes (``quantized``) score a search (its objective sums their
+errors; a balance with none is skipped) and are clipped; every linear that reads a searched input
+takes its scale, so the float model stays the same (ct-w4a16: the experts' balance also scales
+the shared expert's gate and up, which stay BF16). The quantizer is the artifact's
+(``AwqOptions.quantizer``, ``awq.FAKE_QUANTIZERS``).
 
 - Router compensation: the router reads the same normed hidden state as the experts. Folding s
   into the norm would change its logits (AutoAWQ's bug, fixed in llm-compressor PR #2451), so its
@@ -53,10 +58,12 @@ class _Context:
     seq_len: int
     runner: LayerRunner = field(init=False)
     factors: torch.Tensor = field(init=False)
+    fake: awq.FakeQuantize = field(init=False)  # the artifact's quantize→dequantize
 
     def __post_init__(self) -> None:
         self.runner = LayerRunner(self.cfg, self.seq_len, self.device, self.dtype)
         self.factors = awq.clip_factors(self.opts.clip_grid, self.opts.clip_max_shrink)
+        self.fake = awq.FAKE_QUANTIZERS[self.opts.quantizer]
 
 
 class _LayerCalibration:
@@ -152,6 +159,11 @@ class _LayerCalibration:
         for e in range(self.ctx.cfg.num_experts) if routed else ():
             mods += [self._m(r, e) for r in routed]  # the objective: each expert on its tokens
             rows += [self.routed[e]] * len(routed)
+        scaled = list(mods)  # every linear reading the input takes s; the quantized ones score it
+        keep = [i for i, m in enumerate(mods) if self._quantized(m)]
+        if not keep:
+            return
+        mods, rows = [mods[i] for i in keep], [rows[i] for i in keep]
         if routed:
             x: torch.Tensor | Sequence[torch.Tensor] = _RowsOf(self.moe_x, rows)
             x_mean = awq.activation_mean(self.moe_x)
@@ -160,17 +172,20 @@ class _LayerCalibration:
         fold_rows = None if b.rows is None else b.rows(self.ctx.cfg).to(self.ctx.device)
         compensate = self._m(b.compensate) if b.compensate in self.has else None
         self._balance(b.label, self._m(b.prev), mods, x, x_mean=x_mean, rows=fold_rows,
-                      compensate=compensate)  # fmt: skip
+                      compensate=compensate, scaled=scaled)  # fmt: skip
 
     def _mlp_unit(
         self, prefix: str, mods: Sequence[str], x: torch.Tensor, x_down: torch.Tensor | None
     ) -> None:
         """up → down balance of one MLP (``mods``: gate, up, down), then its three clips."""
         gate, up, down = mods
+        if not any(map(self._quantized, mods)):
+            return
         if x_down is None:  # a routed expert: its down input from the float weights
             w = LayerWeights(self.state, family=self.fam)
             x_down = F.silu(w.linear(gate, x)) * w.linear(up, x)
-        self._balance(f"down:{prefix.removeprefix(self.p)}", up, [down], x_down)
+        if self._quantized(down):
+            self._balance(f"down:{prefix.removeprefix(self.p)}", up, [down], x_down)
         for m in (gate, up):
             self._clip(m, x)
         self._clip(down, x_down)
@@ -186,13 +201,16 @@ class _LayerCalibration:
         x_mean: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         compensate: str | None = None,
+        scaled: Sequence[str] | None = None,
     ) -> None:
-        """Search the scale of ``modules`` and fold it (``prev``: a norm, or a linear's rows)."""
+        """Search the scale of ``modules`` and fold it (``prev``: a norm, or a linear's rows);
+        ``scaled``: every linear that reads the input and takes the scale (default: ``modules``,
+        the quantized ones, whose error the search scores)."""
         o = self.opts
         ws = [self.state[f"{m}.weight"] for m in modules]
         found = awq.search_scale(
             ws, x, o.group_size, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling,
-            pow2=o.pow2_scales, matmul_dtype=self.ctx.dtype,
+            pow2=o.pow2_scales, matmul_dtype=self.ctx.dtype, fake=self.ctx.fake,
         )  # fmt: skip
         s = found.scales
         self.searches[label] = {
@@ -200,7 +218,7 @@ class _LayerCalibration:
             "loss": found.loss,
             "identity_loss": found.identity_loss,
         }
-        for m in modules:
+        for m in modules if scaled is None else scaled:
             self._tf(f"{m}.weight").col_mul = s
         if compensate is not None:
             self._tf(f"{compensate}.weight").col_mul = s
@@ -214,7 +232,7 @@ class _LayerCalibration:
 
     def _clip(self, module: str, x: torch.Tensor) -> None:
         o, name = self.opts, f"{module}.weight"
-        if not o.clip or module.rsplit(".", 1)[-1] in o.clip_skip:
+        if not o.clip or module.rsplit(".", 1)[-1] in o.clip_skip or name not in self.quantized:
             return
         t = self.tf.get(name)
         w = apply_transform(self.state[name], t, o.group_size, self.ctx.factors)
@@ -222,13 +240,16 @@ class _LayerCalibration:
             x = x / t.col_mul.to(x.dtype)
         shrink = awq.search_clip(
             w, x, o.group_size, grid=o.clip_grid, max_shrink=o.clip_max_shrink,
-            n_tokens=o.clip_tokens,
+            n_tokens=o.clip_tokens, fake=self.ctx.fake,
         )  # fmt: skip
         if bool(shrink.any()):
             self._tf(name).shrink = shrink
 
     def _tf(self, name: str) -> Transform:
         return self.tf.setdefault(name, Transform())
+
+    def _quantized(self, module: str) -> bool:
+        return f"{module}.weight" in self.quantized
 
 
 def _parent(module: str) -> str:
@@ -269,7 +290,7 @@ class _QuantizedWeights(LayerWeights):
         t = lc.tf.get(name)
         if name in lc.quantized:
             w2 = apply_transform(w, t, lc.opts.group_size, lc.ctx.factors)
-            return awq.fake_quantize(w2, lc.opts.group_size)
+            return lc.ctx.fake(w2, lc.opts.group_size)
         if t is None:
             return w
         return apply_transform(w, t, lc.opts.group_size, lc.ctx.factors).to(w.dtype)

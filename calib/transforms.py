@@ -3,7 +3,8 @@
 - ``AwqOptions``: calibration options (``calibrate`` and ``layer`` document the decisions).
 - ``Transform`` / ``apply_transform``: what calibration does to one source tensor — column
   scales, row (norm element) divisors, per-(row, group) clip shrinks.
-- ``is_quantized_linear``: the awq-w4a16 recipe's quantized set, by tensor role.
+- ``is_quantized_linear``: the linears calibration may quantize, by tensor role (awq-w4a16's
+  set; a recipe that quantizes fewer passes its own to ``calibrate``).
 - ``CalibrationResult``: the transforms of a whole checkpoint plus statistics; ``save`` writes
   ``calibration.json`` + one ``layer_XXX.safetensors`` per layer, ``load`` opens them lazily.
 """
@@ -47,6 +48,8 @@ class AwqOptions:
 
     method: str = "awq"  # "awq" | "rtn" (identity scales, no clip: the baseline)
     group_size: int = 128
+    # the artifact's format, whose quantizer the searches use (``awq.FAKE_QUANTIZERS``)
+    quantizer: str = "awq_w4a16"
     grid: int = 20  # scale-search grid: α = k / grid, k < grid
     duo_scaling: bool = True
     pow2_scales: bool = False  # True: scales rounded to powers of two, every fold bit-exact
@@ -71,6 +74,11 @@ class AwqOptions:
             raise HetquantError(f"propagate {self.propagate!r}; use 'quantized' or 'float'")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise HetquantError(f"dtype {self.dtype!r}; use one of {sorted(_DTYPES)}")
+        if self.quantizer not in awq.FAKE_QUANTIZERS:
+            known = ", ".join(sorted(awq.FAKE_QUANTIZERS))
+            raise HetquantError(
+                f"AWQ cannot calibrate for format {self.quantizer!r}; it can for {known}"
+            )
 
     @property
     def expert_threshold(self) -> int:
@@ -82,8 +90,12 @@ class AwqOptions:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
 
     def to_dict(self) -> dict[str, Any]:
+        """The options as JSON; ``quantizer`` only when not the default, so that results and
+        manifests made before it existed read (and hash) the same."""
         d = asdict(self)
         d["clip_skip"] = None if self.clip_skip is None else list(self.clip_skip)
+        if self.quantizer == AwqOptions.quantizer:
+            del d["quantizer"]
         return d
 
     @classmethod

@@ -95,7 +95,11 @@ def main(verbose: bool) -> None:
     type=click.Choice(["keep", "drop"]),
     help="Multi-token-prediction layer: quantized like a MoE layer (keep, default) or left out.",
 )
-@click.option("--group-size", type=int, help="AWQ group size (awq-w4a16: 128 or 64).")
+@click.option(
+    "--group-size",
+    type=int,
+    help="Group size (awq-w4a16: 128 or 64; ascend-w4a16, ct-w4a16: 32 or 128).",
+)
 @click.option(
     "--fp4-layout",
     type=click.Choice(["ascend", "nvfp4"]),
@@ -306,14 +310,19 @@ def export(artifact: Path, output: Path, to: str, numa: int, overwrite: bool) ->
 
 
 def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
-    """AWQ calibration of ``src`` on ``text`` (streaming, one layer at a time)."""
+    """AWQ calibration of ``src`` on ``text`` (streaming, one layer at a time), for the format
+    and the weights the recipe quantizes (``engine.calibration_targets``)."""
     from hetquant.calib.calibrate import AwqOptions, calibrate
     from hetquant.calib.data import load_tokenizer, token_blocks
 
+    from .engine import calibration_targets
+
+    fmt, group, quantized = calibration_targets(src, rec)
     tokenizer, eos = load_tokenizer(src.root)
     tokens = token_blocks([text], tokenizer, eos, samples, seq_len)
-    log.info("calibrating on %d x %d tokens of %s", samples, seq_len, text)
-    return calibrate(src, tokens, AwqOptions(group_size=rec.option("group_size")), log=log.info)
+    log.info("calibrating %s on %d x %d tokens of %s", fmt, samples, seq_len, text)
+    opts = AwqOptions(group_size=group, quantizer=fmt)
+    return calibrate(src, tokens, opts, quantized=quantized, log=log.info)
 
 
 def _register_runtime() -> None:

@@ -2,8 +2,9 @@
 
 One convert at a time holds OUTPUT (``output_lock``). The work happens in
 ``OUTPUT/.hetquant-partial/`` (``workdir``): containers are created at their final size (space
-checked first, from the plan's exact sizes, and reserved), jobs write their byte ranges, in this
-process or in workers (``execute``), and a journal records finished jobs. Re-running the same
+checked first, from the plan's exact sizes, and reserved but on tmpfs), jobs write their byte
+ranges, in this process or in workers (``execute``), in ``hashing.fill_order``, a journal records
+finished jobs, and each file is hashed and fsynced as it fills (``hashing``). Re-running the same
 command (same source files, recipe and options → same plan digest) skips journaled jobs and redoes
 the rest, giving byte-identical files; jobs that read a source file changed since are redone too.
 When every job is done the artifact is completed in the work directory and then moved into
@@ -12,6 +13,8 @@ whole. Re-running a finished command is a no-op ("already complete").
 
 Every failure is one ``HetquantError`` line: bad input, a full disk (bytes needed and free), an
 OS error (the path), a changed source, a dead worker, SIGINT/SIGTERM (the journal is kept).
+With ``-v`` a ``timings`` line at the end gives the phases (``benchmarks/bench_convert_scaling.py``
+reads it).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +32,9 @@ from hetquant.formats import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
 from .diskspace import free_bytes, space_error, space_needed
-from .execute import CALIBRATION_DIR, Stopped, run_jobs, sigbus_exits, stop_on_signals
+from .execute import Stopped, run_jobs, sigbus_exits, stop_on_signals
 from .finalize import build, carried_files, json_size, metadata_docs, move_in
+from .hashing import FileHashes, fill_order, hash_threads
 from .os_errors import DISK_FULL, os_error
 from .output_lock import LOCK_NAME, OutputLock
 from .plan import Plan, plan_for
@@ -41,6 +46,7 @@ from .workdir import JOURNAL, WorkDir
 __all__ = [
     "ConvertResult",
     "calibration_record",
+    "calibration_targets",
     "check_paths",
     "convert",
     "finished_manifest",
@@ -83,9 +89,11 @@ def convert(
     check_paths(source.root, output)
     if (calibration is not None or calibrate is not None) and not recipe.calibrates:
         raise HetquantError(f"recipe {recipe.name} does not calibrate; drop --calib-data")
+    entered = time.time()
     plan = plan_for(source, recipe, max_shard_size)
     lock = OutputLock(output)
     run = _Run(source, plan, output, WorkDir(lock.work))
+    run.timings.update(entered=entered, plan_s=time.time() - entered)
     try:
         with stop_on_signals(), sigbus_exits(_SIGBUS_MESSAGE.format(root=source.root)):
             refuse_foreign(output)
@@ -113,6 +121,23 @@ _SIGBUS_MESSAGE = (
 )
 
 
+def calibration_targets(src: Any, rec: Recipe) -> tuple[str, int, list[str]]:
+    """(format, group size, weight names) of what ``rec`` writes in the one format AWQ can
+    calibrate for (``calib.awq.FAKE_QUANTIZERS``)."""
+    from hetquant.calib.awq import FAKE_QUANTIZERS
+
+    targets = {n: rec.refine(rec.assign(t.role, t.fmt_name), t.fmt_params)
+               for n, t in src.tensors.items()}  # fmt: skip
+    fmts = sorted({t.fmt for t in targets.values()} & FAKE_QUANTIZERS.keys())
+    if len(fmts) != 1:
+        raise HetquantError(
+            f"recipe {rec.name} writes {fmts or 'no format'} that AWQ calibrates; it calibrates "
+            f"exactly one of {sorted(FAKE_QUANTIZERS)}"
+        )
+    quantized = [n for n, t in targets.items() if t.fmt == fmts[0]]
+    return fmts[0], dict(targets[quantized[0]].params)["group_size"], quantized
+
+
 def calibration_record(calibration: Any) -> dict[str, Any]:
     """What the manifest says about calibration: deterministic fields only (no timings)."""
     if calibration is None:
@@ -136,6 +161,7 @@ class _Run:
     out: Path
     work: WorkDir
     journaled: int = 0
+    timings: dict[str, Any] = field(default_factory=dict)  # logged at debug level
 
     def execute(
         self,
@@ -157,13 +183,16 @@ class _Run:
             self._check_space()  # before anything is written
         done = self._resume_or_start(digest, overwrite, guard)
         if not (self.work.path / MANIFEST_NAME).exists():  # else only the move into OUTPUT is left
-            if calibration is not None and workers > 1:
-                calibration.save(self.work.path / CALIBRATION_DIR)  # workers load it
             done = self.work.open_files(self.plan, done)
-            self._run(done, workers, guard, progress, calibration)
-            build(self.source, self.plan, self.work.path, digest, record, guard)
+            digests = self._run(done, workers, guard, progress, calibration)
+            t0 = time.perf_counter()
+            build(self.source, self.plan, self.work.path, digest, record, guard, digests)
+            self.timings["build_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         manifest = move_in(self.out, self.work.path)
         self.work.clear()
+        self.timings["move_in_s"] = time.perf_counter() - t0
+        log.debug("timings %s", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in self.timings.items()}))  # fmt: skip
         return ConvertResult(self.plan, manifest, len(done))
 
     def _resume_or_start(self, digest: str, overwrite: bool, guard: SourceGuard) -> set[int]:
@@ -191,17 +220,36 @@ class _Run:
     def _run(
         self, done: set[int], workers: int, guard: SourceGuard,
         progress: Callable[[int], None] | None, calibration: Any,
-    ) -> None:  # fmt: skip
+    ) -> dict[str, dict[str, Any]]:  # fmt: skip
+        """Run the jobs not ``done``, journaling each; the containers' digests (``hashing``)."""
+        width = hash_threads()
+        hashes = FileHashes(self.plan, self.work.path, width)
         todo = [j for j in self.plan.jobs if j.id not in done]
+        by_id = {j.id: j for j in todo}
         self.journaled = len(done)
         if done:  # a fresh run stays quiet: a bad-input error must be the only line on stderr
             log.info("%d jobs, %d already done (resume)", len(self.plan.jobs), len(done))
-        jobs = run_jobs(self.source, self.plan, self.work.path, todo, workers, guard, progress, calibration)  # fmt: skip
-        with open(self.work.path / JOURNAL, "a") as journal:
-            for job_id in jobs:
-                journal.write(f"{job_id}\n")
-                journal.flush()
-                self.journaled += 1
+        try:
+            for job in self.plan.jobs:
+                if job.id in done:
+                    hashes.written(job)
+            t0 = time.perf_counter()
+            self.timings["jobs_started"] = time.time()
+            order = fill_order(self.plan, todo, width)
+            jobs = run_jobs(self.source, self.plan, self.work.path, order, workers, guard, progress, calibration, hashes.start, self.timings)  # fmt: skip
+            with open(self.work.path / JOURNAL, "a") as journal:
+                for job_id in jobs:
+                    journal.write(f"{job_id}\n")
+                    journal.flush()
+                    self.journaled += 1
+                    hashes.written(by_id[job_id])
+            t1 = time.perf_counter()
+            self.timings["hashed_at_jobs_end"] = hashes.hashed_bytes() / max(1, sum(f.size for f in self.plan.files))  # fmt: skip
+            digests = hashes.finish()
+            self.timings.update(jobs_s=t1 - t0, hash_tail_s=time.perf_counter() - t1)
+            return digests
+        finally:
+            hashes.close()
 
     def space_needed(self) -> int:
         extra = [json_size(doc) for doc in metadata_docs(self.plan, self.source).values()]

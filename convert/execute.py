@@ -1,9 +1,8 @@
 """Running a plan's jobs, in this process or a pool of worker processes, and stopping safely.
 
-- Workers die with their parent: ``PR_SET_PDEATHSIG`` (Linux) plus a watchdog thread that exits
-  when the parent PID changes (other systems, and a parent that died before the prctl), so an
-  OOM kill or SIGKILL of the command leaves no worker writing into OUTPUT. They ignore SIGINT: a
-  Ctrl-C reaches the whole process group, and the parent decides.
+- Workers (``workers.py``: forked where that is safe, else spawned) die with their parent, so
+  an OOM kill or SIGKILL of the command leaves no worker writing into OUTPUT, and ignore SIGINT:
+  a Ctrl-C reaches the whole process group, and the parent decides.
 - SIGINT / SIGTERM in the parent raise :class:`Stopped`; the pool's workers are killed, pending
   jobs cancelled, and what finished is already journaled: the convert resumes.
 - Every job checks the source files it reads before and after running (``SourceGuard``). A
@@ -11,12 +10,14 @@
   then reports the changed source, or the worker's death. In-process, a SIGBUS cannot be turned
   into a Python exception (the faulting read would repeat), so for the duration of the jobs a
   C-level handler prints the one error line and exits with status 2 (``sigbus_exits``).
+- Jobs run in the order given (``hashing.fill_order``); ``on_start`` is called once the workers
+  exist (no thread of the caller may run while the pool forks), and ``stats`` receives how the
+  workers started and how long until the last was ready.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import threading
@@ -31,21 +32,18 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError
+from hetquant.formats.native import load_defined
 
+from . import workers as W
 from .jobs import JobRunner
-from .plan import Job, Plan, plan_for
+from .plan import Job, Plan
 from .source import SourceCheckpoint
-from .source_guard import Identity, SourceGuard, job_files
+from .source_guard import SourceGuard
 
 __all__ = ["CALIBRATION_DIR", "Stopped", "run_jobs", "sigbus_exits", "stop_on_signals"]
 
-CALIBRATION_DIR = "calibration"
-_PR_SET_PDEATHSIG = 1
-_SIGBUS_STATUS = 128 + signal.SIGBUS  # what a shell shows for a SIGBUS death, without a core dump
-_EXITS = {_SIGBUS_STATUS: "SIGBUS", -signal.SIGKILL: "SIGKILL, e.g. the out-of-memory killer"}
-_WATCHDOG_SECONDS = 1.0
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_SIGNAL_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
+CALIBRATION_DIR = W.CALIBRATION_DIR
+_EXITS = {W.SIGBUS_STATUS: "SIGBUS", -signal.SIGKILL: "SIGKILL, e.g. the out-of-memory killer"}
 
 
 class Stopped(BaseException):
@@ -77,38 +75,27 @@ def stop_on_signals() -> Iterator[None]:
 @contextlib.contextmanager
 def sigbus_exits(message: str) -> Iterator[None]:
     """While the block runs, a SIGBUS in this process prints ``error: message`` and exits 2."""
-    previous = _on_sigbus(f"error: {message}\n".encode(), 2)
+    previous = W.on_sigbus(f"error: {message}\n".encode(), 2)
     try:
         yield
     finally:
-        _LIBC.signal(signal.SIGBUS, previous)
-
-
-_HANDLERS: list[Any] = []  # the C callbacks must outlive their installation
-
-
-def _on_sigbus(line: bytes, status: int) -> int | None:
-    """Make a SIGBUS write ``line`` to stderr and ``_exit(status)``; returns the old handler."""
-
-    def on_sigbus(signum: int) -> None:  # runs inside the signal: write and leave, nothing else
-        os.write(2, line)
-        os._exit(status)
-
-    _HANDLERS.append(handler := _SIGNAL_HANDLER(on_sigbus))
-    _LIBC.signal.restype = ctypes.c_void_p
-    _LIBC.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    return _LIBC.signal(signal.SIGBUS, ctypes.cast(handler, ctypes.c_void_p))
+        W.restore_sigbus(previous)
 
 
 def run_jobs(
     source: SourceCheckpoint, plan: Plan, work: Path, todo: list[Job], workers: int,
     guard: SourceGuard, progress: Callable[[int], None] | None = None, calibration: Any = None,
+    on_start: Callable[[], None] | None = None, stats: dict[str, Any] | None = None,
 ) -> Iterator[int]:  # fmt: skip
-    """Run ``todo``, yielding each job's id as it finishes (in any order)."""
+    """Run ``todo`` (in that order), yielding each job's id as it finishes (in any order)."""
+    stats = {} if stats is None else stats
     if workers <= 1 or len(todo) <= 1:
+        stats["start_method"] = "in-process"
+        if on_start:
+            on_start()
         yield from _run_here(source, plan, work, todo, guard, progress, calibration)
     else:
-        yield from _run_pool(source, plan, work, todo, workers, guard, progress)
+        yield from _run_pool(source, plan, work, todo, workers, guard, progress, calibration, on_start, stats)  # fmt: skip
 
 
 def _run_here(
@@ -122,7 +109,7 @@ def _run_here(
     torch.set_num_threads(1)
     try:
         for job in todo:
-            nbytes = _guarded_run(runner, guard, job)
+            nbytes = W.guarded_run(runner, guard, job)
             if progress:
                 progress(nbytes)
             yield job.id
@@ -131,34 +118,35 @@ def _run_here(
         torch.set_num_threads(threads)
 
 
-def _guarded_run(runner: JobRunner, guard: SourceGuard, job: Job) -> int:
-    files = job_files(runner.source, job)
-    guard.check(files)
-    try:
-        nbytes = runner.run(job)
-    except Exception:
-        guard.check(files)  # a source changed under the job explains its failure best
-        raise
-    guard.check(files)  # what the job read may have changed while it ran
-    return nbytes
-
-
 def _run_pool(
     source: SourceCheckpoint, plan: Plan, work: Path, todo: list[Job], workers: int,
-    guard: SourceGuard, progress: Callable[[int], None] | None,
+    guard: SourceGuard, progress: Callable[[int], None] | None, calibration: Any,
+    on_start: Callable[[], None] | None, stats: dict[str, Any],
 ) -> Iterator[int]:  # fmt: skip
-    args = (str(source.root), source.revision, plan.recipe, plan.max_shard_size, str(work))
-    args += (os.getpid(), guard.ids)
-    pool = ProcessPoolExecutor(
-        workers, mp_context=get_context("spawn"), initializer=_worker_init, initargs=args
-    )
+    method = stats["start_method"] = W.start_method()
+    if method == "fork":
+        load_defined()  # the kernels, built once here rather than in every worker
+        W.inherit((source, plan, work, calibration))
+        init, args = W.init_forked, (os.getpid(), guard.ids)
+    else:
+        if calibration is not None:
+            calibration.save(work / CALIBRATION_DIR)  # spawned workers load it
+        init = W.init_spawned
+        args = (str(source.root), source.revision, plan.recipe, plan.max_shard_size, str(work))
+        args += (os.getpid(), guard.ids)
+    t0 = time.time()
+    pool = ProcessPoolExecutor(workers, mp_context=get_context(method), initializer=init, initargs=args)  # fmt: skip
     procs: list[Any] = []
     finished_all = False
     try:
-        futures = [pool.submit(_worker_run, j) for j in sorted(todo, key=lambda j: -j.nbytes)]
-        procs = list(pool._processes.values())  # spawned by submit; kept to report their deaths
-        for fut in as_completed(futures):  # big jobs first (balance), journaled as they finish
-            job_id, nbytes = fut.result()
+        futures = [pool.submit(W.run, j) for j in todo]  # forks (or spawns) the workers
+        procs = list(pool._processes.values())  # kept to report their deaths
+        W.inherit(None)
+        if on_start:
+            on_start()
+        for fut in as_completed(futures):  # journaled as they finish
+            job_id, nbytes, ready_at = fut.result()
+            stats["workers_ready_s"] = round(max(stats.get("workers_ready_s", 0), ready_at - t0), 3)
             if progress:
                 progress(nbytes)
             yield job_id
@@ -166,6 +154,7 @@ def _run_pool(
     except BrokenProcessPool:
         raise HetquantError(_worker_death(guard, procs)) from None
     finally:
+        W.inherit(None)
         if not finished_all:  # an error, a signal, or the caller stopped: no job may go on
             for p in procs:
                 p.kill()
@@ -184,57 +173,3 @@ def _worker_death(guard: SourceGuard, procs: list[Any]) -> str:
         f"a worker process died ({how or '?'}); if it was killed for memory, use fewer "
         "--workers. Finished jobs are journaled: re-run the same command to resume"
     )
-
-
-# the worker side ---------------------------------------------------------------------------------
-_WORKER: JobRunner | None = None
-_GUARD: SourceGuard | None = None
-_INIT_ERROR: Exception | None = None
-
-
-def _worker_init(
-    source_root: str, revision: str | None, recipe: Any, max_shard_size: int, work: str,
-    parent: int, ids: dict[str, Identity],
-) -> None:  # fmt: skip
-    global _WORKER, _GUARD, _INIT_ERROR
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with(parent)
-    _on_sigbus(b"", _SIGBUS_STATUS)  # the parent reports it (a changed source, or the death)
-    torch.set_num_threads(1)
-    _GUARD = SourceGuard(Path(source_root), ids)
-    try:
-        source = SourceCheckpoint.open(source_root, revision)
-        calibration = None
-        if (Path(work) / CALIBRATION_DIR).exists():
-            from hetquant.calib.calibrate import CalibrationResult
-
-            calibration = CalibrationResult.load(Path(work) / CALIBRATION_DIR)
-        # The plan is rebuilt here, not sent: it holds role-table lambdas, which cannot be pickled.
-        plan = plan_for(source, recipe, max_shard_size)
-        _WORKER = JobRunner(source, plan, Path(work), calibration)
-    except Exception as e:  # raised with the first job (the pool would print a traceback)
-        _INIT_ERROR = e
-
-
-def _worker_run(job: Job) -> tuple[int, int]:
-    assert _GUARD is not None
-    if _WORKER is None:
-        _GUARD.check()  # a source changed since the command opened it explains a failure best
-        raise _INIT_ERROR or RuntimeError("worker not initialised")
-    return job.id, _guarded_run(_WORKER, _GUARD, job)
-
-
-def _die_with(parent: int) -> None:
-    """End this process when ``parent`` ends: PDEATHSIG where Linux has it, and a watchdog."""
-    prctl = getattr(_LIBC, "prctl", None)
-    if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the prctl took effect
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_WATCHDOG_SECONDS)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="hetquant-parent-watchdog", daemon=True).start()

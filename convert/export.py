@@ -34,7 +34,7 @@ from hetquant.formats.filenames import MANIFEST_NAME
 from hetquant.formats.int4_cpu import LAYER_KEYS
 from hetquant.formats.safetensors_io import MappedFile, read_header
 
-from .containers import Container, OutTensor, PieceWriter, make_container
+from .containers import Container, OutTensor, make_container
 from .diskspace import free_bytes, space_error, space_needed
 from .engine import check_paths, finished_manifest, only_lock_left, refuse_foreign
 from .execute import Stopped, stop_on_signals
@@ -46,6 +46,7 @@ from .output_lock import OutputLock
 from .plan import OutPiece
 from .source_guard import SourceGuard
 from .workdir import JOURNAL, WorkDir
+from .writer import PieceWriter
 
 __all__ = ["ExportJob", "ExportPlan", "ExportResult", "export", "plan_export", "replay_export"]
 

@@ -1,8 +1,9 @@
 """The end of a convert: the artifact completed in the work directory, then moved into OUTPUT.
 
-``build`` fsyncs the containers, writes the index, config.json, the recipe's extra JSON files and
-the source's small non-weight files (tokenizers, chat templates, remote code, licences)
-beside them, checks that the source did not change, hashes every
+``build`` fsyncs the containers (unless hashed and fsynced already while the jobs ran), writes the
+index, config.json, the recipe's extra JSON files and the source's small non-weight files
+(tokenizers, chat templates, remote code, licences) beside them, checks that the source did not
+change, hashes every
 file and writes the manifest — all inside ``OUTPUT/.hetquant-partial/``, so a previous artifact
 in OUTPUT stays whole and valid while this happens (``--overwrite``). ``move_in`` then replaces
 it: the old manifest goes first (OUTPUT stops claiming to be an artifact), the new files are
@@ -66,11 +67,17 @@ def carried_files(plan: Plan, source: SourceCheckpoint) -> AuxFiles:
 def build(
     source: SourceCheckpoint, plan: Plan, work: Path, digest: str,
     calibration: dict[str, Any] | None, guard: SourceGuard,
+    digests: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Complete the artifact inside ``work`` (see module docstring); returns its manifest."""
+    """Complete the artifact inside ``work`` (see module docstring); returns its manifest.
+
+    ``digests``: the containers' size and sha256, already hashed and fsynced while the jobs ran
+    (``hashing.FileHashes``); without them the containers are fsynced and hashed here."""
+    digests = dict(digests or {})
     for f in plan.files:
-        with open(work / f.name, "rb+") as fh:
-            os.fsync(fh.fileno())
+        if f.name not in digests:
+            with open(work / f.name, "rb+") as fh:
+                os.fsync(fh.fileno())
     docs = metadata_docs(plan, source)
     for name, doc in docs.items():
         write_json_atomic(work / name, doc)
@@ -97,7 +104,7 @@ def build(
         "dtypes": {i.role.role.name: i.dtype for i in plan.items},
         "formats": {i.role.role.name: i.fmt for i in plan.items},
     }
-    files = {n: file_digest(work / n) for n in names}
+    files = {n: digests[n] if n in digests else file_digest(work / n) for n in names}
     manifest = build_manifest(plan, src_doc, files, parts, digest)
     if calibration is not None:
         manifest["calibration"] = calibration

@@ -21,11 +21,12 @@ from hetquant.formats import HetquantError, get_expert_format, get_format
 from hetquant.formats.base import check_finite
 from hetquant.formats.dtypes import st_dtype, torch_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
+from hetquant.formats.linear_repack import LINEAR_REPACKS
 
-from .containers import PieceWriter
 from .plan import Job, OutPiece, Plan
 from .recipes import COPY
 from .source import SourceCheckpoint
+from .writer import PieceWriter
 
 __all__ = ["JobRunner", "job_peak_bytes"]
 
@@ -40,9 +41,10 @@ class JobRunner:
     plan: Plan
     work_dir: Path
     calibration: Any = None  # calib.CalibrationResult: AWQ transforms applied before quantizing
+    shared: bool = False  # other processes write the same files (``writer``: mapped stores)
 
     def __post_init__(self) -> None:
-        self._out = PieceWriter(self.plan.files, self.work_dir)
+        self._out = PieceWriter(self.plan.files, self.work_dir, mapped=self.shared)
         self._handlers = {COPY: self._copy, "linear": self._linear, "experts": self._experts}
 
     def run(self, job: Job) -> int:
@@ -70,7 +72,16 @@ class JobRunner:
 
     def _linear(self, job: Job) -> None:
         fmt = get_format(job.target.fmt, **dict(job.target.params))
-        shape = self.source.tensors[job.source].shape
+        src = self.source.tensors[job.source]
+        if src.fmt == fmt and not self._calibrated(job.source):
+            self._as_stored(job)
+            return
+        repack = LINEAR_REPACKS.get((src.fmt_name, fmt.name))
+        if repack and repack.holds(src.fmt, fmt) is None and not self._calibrated(job.source):
+            stored = repack.repack(self.source.stored(job.source), fmt)
+            self._write_repacked(job, stored)
+            return
+        shape = src.shape
         plan = fmt.streaming(shape)  # type: ignore[arg-type]
         if plan is None:
             w = self.source.dequantized(job.source)
@@ -88,7 +99,7 @@ class JobRunner:
             for k, m in chunk_metas.items()
             if k not in direct
         }
-        opts = {"weight_amax": self.source.absmax(job.source)} if plan.needs_amax else {}
+        opts = {"weight_amax": self._absmax(job)} if plan.needs_amax else {}
         for row0, rows in self.source.rows(job.source):
             if self._calibrated(job.source):
                 rows = self.calibration.apply(job.source, rows, row0)
@@ -110,6 +121,20 @@ class JobRunner:
             if key not in direct:
                 self._write(piece, final[key])
 
+    def _as_stored(self, job: Job) -> None:
+        """A source module already in the target variant: its stored tensors, validated (the
+        format's own source checks: NaN/Inf scales, bad shapes), written as they are."""
+        for _ in self.source.rows(job.source):
+            pass
+        stored = self.source.stored(job.source)
+        for piece in job.outputs:
+            self._write(piece, stored[piece.key])
+
+    def _absmax(self, job: Job) -> float:
+        """``max |W|`` over the job's weight and the others of its merged module
+        (``Job.amax_group``), so that they share one per-tensor scale."""
+        return max(self.source.absmax(name) for name in job.amax_group or job.sources)
+
     def _experts(self, job: Job) -> None:
         fmt = dataclasses.replace(get_expert_format(job.target.fmt), **dict(job.target.params))
         source_fmt = self.source.tensors[job.source].fmt_name
@@ -127,7 +152,10 @@ class JobRunner:
 
     def _repack(self, job: Job, repack: Any) -> None:
         """Source codes and scales carried over as they are (``formats/expert_repack.py``)."""
-        stored = repack(*(self.source.stored(name) for name in job.sources))
+        self._write_repacked(job, repack(*(self.source.stored(name) for name in job.sources)))
+
+    def _write_repacked(self, job: Job, stored: dict[str, torch.Tensor]) -> None:
+        """Write repacked tensors, each checked against the plan's dtype and shape."""
         for piece in job.outputs:
             got = stored[piece.key]
             if st_dtype(got.dtype) != piece.meta.dtype or tuple(got.shape) != piece.meta.shape:

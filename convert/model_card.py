@@ -45,6 +45,7 @@ _RECIPE_TAGS = {
     "ascend-w8a8": ["ascend", "w8a8", "int8"],
     "awq-w4a16": ["awq", "int4", "w4a16"],
     "fp4": ["nvfp4", "fp4"],
+    "ct-w4a16": ["compressed-tensors", "int4", "w4a16"],
 }
 _LIBRARY = {"bf16": "transformers"}  # the rest are read by serving engines, not transformers
 _KNOWN_LICENSES = (  # repo id prefix → license of its model card, when the card can't be read
@@ -377,6 +378,16 @@ def _serving_section(inp: CardInputs) -> list[str]:
             "```bash",
             f"vllm serve {repo} --quantization moe_wna16 --tensor-parallel-size 8 --trust-remote-code",
             f"python -m sglang.launch_server --model-path {repo} --tp 8 --trust-remote-code",
+            "```",
+            "",
+        ]
+    elif recipe.startswith("ct"):
+        out += [
+            "compressed-tensors pack-quantized W4A16 experts; vLLM and, on Ascend NPUs, vllm-ascend "
+            "(its W4A16 MoE method) detect the format from `config.json`, no edits needed:",
+            "",
+            "```bash",
+            f"vllm serve {repo} --tensor-parallel-size 8 --trust-remote-code",
             "```",
             "",
         ]

@@ -24,6 +24,23 @@ from hetquant.formats.filenames import PARTIAL_DIR
 __all__ = ["LOCK_NAME", "OutputLock"]
 
 LOCK_NAME = "lock"
+_HELD: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _drop_in_child() -> None:
+    """A forked child (a convert worker) closes its copies of the lock descriptors: a flock is
+    dropped only once every descriptor of it is closed, so a worker still exiting after its
+    parent died would otherwise keep OUTPUT locked against the re-run that resumes it."""
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_in_child)
 _ATTEMPTS = 50  # only a convert finishing at that very moment makes an attempt fail
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}  # e.g. NFS without a lock manager
 log = logging.getLogger("hetquant.convert")
@@ -64,6 +81,7 @@ class OutputLock:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
                 self._fd = fd
+                _HELD.add(fd)
                 return self
             os.close(fd)  # we locked a file its owner had just removed
         raise HetquantError(f"OUTPUT {self.out}: could not take its lock {self.path}; re-run")
@@ -80,6 +98,7 @@ class OutputLock:
                     d.rmdir()
                 except OSError:  # not empty (a resumable run, or a rival's new lock): keep it
                     break
+        _HELD.discard(self._fd)
         os.close(self._fd)
         self._fd = None
 

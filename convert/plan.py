@@ -8,6 +8,16 @@ expert-layer format are stacked: one file per layer (in the target's container, 
 ``containers``), one job per expert writing its slice of every stacked tensor. Each job owns the
 byte ranges of its outputs (``OutPiece``), so jobs run in any order, in any process, and can be
 redone after a crash with identical results.
+
+Fused GEMMs share a per-tensor scale: where a format derives one from the weight's absmax
+(``Streaming.needs_amax``: NVFP4's ``weight_scale_2``), the linears that engines merge into one
+module (``Role.fused``: a gated MLP's gate and up, per layer and routed expert; DeepSeek's
+``q_a`` + ``kv_a``) and that go to the same format take their joint absmax (``Job.amax_group``),
+as ModelOpt's export does (``modelopt/torch/export/quant_utils.py:1490-1562``
+``preprocess_linear_fusion``; groups by shared input, ``unified_export_hf.py:376-408``, and by
+expert index, ``:520-540``), because vLLM keeps one value per merged module
+(``vllm/model_executor/layers/quantization/modelopt.py``: the max for linears, w1's for MoE;
+reference/fp4.md §8).
 """
 
 from __future__ import annotations
@@ -71,6 +81,8 @@ class Job:
     sources: tuple[str, ...]
     target: Target
     outputs: tuple[OutPiece, ...]
+    # source weights whose joint absmax sets the per-tensor scale (itself included); () alone
+    amax_group: tuple[str, ...] = ()
 
     @property
     def source(self) -> str:
@@ -107,7 +119,16 @@ class Plan:
             "recipe": self.recipe.name,
             "options": self.recipe.options,
             "files": [[f.name, f.layout_digest()] for f in self.files],
-            "jobs": [[j.kind, j.sources, j.target.fmt, j.target.params] for j in self.jobs],
+            "jobs": [
+                [
+                    j.kind,
+                    j.sources,
+                    j.target.fmt,
+                    j.target.params,
+                    *([j.amax_group] * bool(j.amax_group)),
+                ]
+                for j in self.jobs
+            ],
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -144,15 +165,16 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
     jobs: list[Job] = []
     stacked: dict[str, Container] = {}
     experts: dict[tuple[str, int, int], dict[str, SourceItem]] = {}
-    for item in items:
-        target = recipe.refine(recipe.assign(item.role, item.fmt), item.params)
+    assigned = [(i, _as_stored(i, _target(recipe, i))) for i in items]
+    groups = _amax_groups(assigned)
+    for item, target in assigned:
         if target.fmt == DROP:
             continue
         if target.fmt in EXPERT_FORMATS:
             key = (target.file or "", item.role.layer or 0, item.role.expert or 0)
             experts.setdefault(key, {})[item.role.role.mlp or item.role.role.name] = item
             continue
-        jobs.append(_job(len(jobs), item, target))
+        jobs.append(_job(len(jobs), item, target, groups.get(item.name, ())))
     n_experts: dict[tuple[str, int], int] = {}
     for file, layer, e in experts:
         n_experts[file, layer] = max(n_experts.get((file, layer), 0), e + 1)
@@ -163,15 +185,56 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
     return Plan(recipe, items, jobs, files, max_shard_size)
 
 
-def _job(idx: int, item: SourceItem, target: Target) -> Job:
+def _target(recipe: Recipe, item: SourceItem) -> Target:
+    """What ``recipe`` makes of ``item``; an error names the tensor."""
+    target = recipe.assign(item.role, item.fmt)
+    try:
+        return recipe.refine(target, item.params, item.fmt)
+    except HetquantError as e:
+        raise HetquantError(f"{item.name}: {e}") from None
+
+
+def _as_stored(item: SourceItem, target: Target) -> Target:
+    """A target in the source's own format whose parameters agree with the source variant's
+    takes that variant whole (Kimi K2 Thinking's experts: compressed-tensors group 32 with an
+    I32 ``weight_shape``): the converter then keeps the stored tensors as they are, no rounding
+    (``JobRunner``)."""
+    if target.fmt != item.fmt or not item.params:
+        return target
+    source = dict(item.params)
+    same = {**source, **dict(target.params)} == source
+    return dataclasses.replace(target, params=item.params) if same else target
+
+
+def _amax_groups(assigned: list[tuple[SourceItem, Target]]) -> dict[str, tuple[str, ...]]:
+    """Source name → the members of its merged module (``Role.fused``, same layer and routed
+    expert, same target) whose joint absmax sets the format's per-tensor scale; only groups of
+    two or more, only formats that derive that scale from the absmax (module docstring)."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for item, target in assigned:
+        label = item.role.role.fused
+        if label is None or target.fmt in (COPY, DROP) or target.fmt in EXPERT_FORMATS:
+            continue
+        fmt = get_format(target.fmt, **dict(target.params))
+        streaming = fmt.streaming(item.role.shape)  # type: ignore[arg-type]
+        if streaming is not None and streaming.needs_amax:
+            key = (item.role.layer, item.role.expert, label, target)
+            groups.setdefault(key, []).append(item.name)
+    return {name: tuple(g) for g in groups.values() if len(g) > 1 for name in g}
+
+
+def _job(idx: int, item: SourceItem, target: Target, amax_group: tuple[str, ...] = ()) -> Job:
     if target.fmt == COPY:
         meta = TensorMeta(item.dtype, item.role.shape)
         return Job(idx, COPY, (item.name,), target, (OutPiece(item.name, item.name, 0, meta),))
     fmt = get_format(target.fmt, **dict(target.params))
     prefix = item.name.removesuffix(WEIGHT_SUFFIX)
-    stored = fmt.stored(item.role.shape)  # type: ignore[arg-type]
+    try:
+        stored = fmt.stored(item.role.shape)  # type: ignore[arg-type]
+    except HetquantError as e:  # a shape the format cannot store: name the tensor
+        raise HetquantError(f"{item.name} {list(item.role.shape)}: {e}") from None
     outputs = tuple(OutPiece(f"{prefix}.{k}", k, 0, m) for k, m in stored.items())
-    return Job(idx, "linear", (item.name,), target, outputs)
+    return Job(idx, "linear", (item.name,), target, outputs, amax_group)
 
 
 def _expert_job(
@@ -184,7 +247,7 @@ def _expert_job(
             f"layer {layer} expert {e}: recipe {recipe.name} stacks {sorted(members)} but not {missing}"
         )
     gate, down = members["gate"], members["down"]
-    target = recipe.refine(recipe.assign(gate.role, gate.fmt), gate.params)
+    target = _target(recipe, gate)
     if target.part == ROOT:
         raise HetquantError(
             f"recipe {recipe.name}: stacked experts must go to a part of their own, not the root"

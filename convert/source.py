@@ -144,10 +144,10 @@ class SourceCheckpoint:
 
     def dequantized(self, name: str) -> torch.Tensor:
         """A whole source tensor: a format's weight exactly as BF16, a plain one as stored."""
-        if self.tensors[name].fmt is None:
+        t = self.tensors[name]
+        if t.fmt is None:
             return self.weight(name)
-        chunks = [r for _, r in self.rows(name)]
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        return t.fmt.source_dequantized(t.prefix, self.stored(name), t.shape)  # type: ignore[arg-type]
 
     def release(self) -> None:
         """Drop mapped pages from this process (they stay in the page cache)."""

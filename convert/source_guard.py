@@ -33,9 +33,10 @@ def source_files(source: Any) -> list[str]:
 
 
 def job_files(source: Any, job: Job) -> set[str]:
-    """The source files ``job`` reads (every stored tensor of its sources' modules: weights and
-    their scales, which may live in other shards)."""
-    return {file for name in job.sources for file, _ in source.tensors[name].parts.values()}
+    """The source files ``job`` reads (every stored tensor of its sources' modules and of the
+    partners whose absmax it takes: weights and their scales, which may live in other shards)."""
+    names = (*job.sources, *job.amax_group)  # a merged module's partners: their absmax
+    return {file for name in names for file, _ in source.tensors[name].parts.values()}
 
 
 def _identity(path: Path) -> Identity | None:

@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (registration)
     int4_cpu_group,
     nvfp4,
     nvfp4_ascend,
+    w4a8_npu,
     w8a8_npu,
 )
 from .base import (

@@ -47,9 +47,11 @@ __all__ = [
     "nvfp4",
 ]
 
-_SOURCE = (Path(__file__).parent / "_quant_native.cpp").read_text(
-    encoding="utf-8"
-)  # the C++ source
+# The C++ source: the quantizers, then the row kernels of ``_rows_native`` (one library).
+_SOURCE = "".join(
+    (Path(__file__).parent / name).read_text(encoding="utf-8")
+    for name in ("_quant_native.cpp", "_rows_native.cpp")
+)
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -65,6 +67,11 @@ def _bind(lib: ctypes.CDLL) -> None:
     for fn in (lib.hq_e4m3_encode, lib.hq_f16_encode):
         fn.argtypes = [vp, vp, i64]
         fn.restype = None
+    lib.hq_fp8_dequant_rows.argtypes = [vp, i64, i64, vp, i64, vp, ci]
+    lib.hq_w8a8_rows.argtypes = [vp, ci, i64, i64, vp, vp, ci]
+    lib.hq_int4_rows.argtypes = [vp, vp, ci, i64, i64, vp, vp, ci]
+    for fn in (lib.hq_fp8_dequant_rows, lib.hq_w8a8_rows, lib.hq_int4_rows):
+        fn.restype = ci
 
 
 QUANT_LIBRARY = NativeLibrary(

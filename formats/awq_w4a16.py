@@ -50,6 +50,7 @@ import torch
 from . import _quant_native
 from .base import Streaming, TensorMeta, WeightFormat, all_finite, register
 from .bits import unpack_nibbles_i32
+from .dtypes import round_up_to
 from .errors import HetquantError
 
 __all__ = [
@@ -261,9 +262,7 @@ def _pack_columns(q: torch.Tensor) -> torch.Tensor:
 
 def _round_up_f16(x: torch.Tensor, what: str) -> torch.Tensor:
     """``x`` (positive) rounded up to the next FP16 value, so that ``result >= x``."""
-    y = x.to(_SCALE_DTYPE)
-    low = y.to(x.dtype) < x
-    y = torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+    y = round_up_to(x, "F16")
     if not bool(torch.isfinite(y).all()):
         raise HetquantError(
             f"awq_w4a16: {what} exceed the FP16 range ({torch.finfo(_SCALE_DTYPE).max:g}); "

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ._quant_native import absmax
 from .dtypes import itemsize
 from .errors import HetquantError
 
@@ -71,7 +72,8 @@ class Streaming:
     tensor along ``axes[key]`` (the dim that runs over weight rows) that rows ``r0:r1`` own, or
     the whole tensor when ``axes[key]`` is None (a value of the weight as a whole). With
     ``needs_amax`` the converter first computes the whole weight's absmax and passes it as
-    ``weight_amax=``. ``finish``, when set, turns the assembled tensors into the stored ones
+    ``weight_amax=`` (the joint absmax of the linears engines merge with it, so that they share
+    the per-tensor scale it sets: ``convert/plan.py``). ``finish``, when set, turns the assembled tensors into the stored ones
     (e.g. a tiling); without it, keys along dim 0 may be written as chunks arrive.
     """
 
@@ -155,6 +157,21 @@ class WeightFormat(ABC):
                 raise HetquantError(f"{name}: {e}") from None
             check_finite(name, rows, "dequantized weight")
             yield r, rows
+
+    def source_dequantized(
+        self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+    ) -> torch.Tensor:
+        """The whole weight as :meth:`source_rows` gives it (BF16 [out, in], validated), on the
+        device ``tensors`` are on; each chunk is copied into one output as it comes."""
+        out: torch.Tensor | None = None
+        for r, rows in self.source_rows(name, tensors, shape):
+            if r == 0 and rows.shape[0] == shape[0]:
+                return rows  # one chunk: no copy
+            if out is None:
+                out = torch.empty(shape, dtype=rows.dtype, device=rows.device)
+            out[r : r + rows.shape[0]].copy_(rows)
+        assert out is not None, f"{name}: source_rows gave no rows of {list(shape)}"
+        return out
 
     def source_absmax(
         self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
@@ -322,8 +339,12 @@ def stored_metas(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """No NaN/Inf in ``t``: one NaN-propagating absmax, ~20x cheaper than ``isfinite().all()``."""
-    return t.numel() == 0 or math.isfinite(float(t.abs().amax()))
+    """No NaN/Inf in ``t``: one NaN-propagating absmax, ~20x cheaper than ``isfinite().all()``
+    (the fused kernel where it applies: no ``|t|`` temporary)."""
+    if t.numel() == 0:
+        return True
+    amax = absmax(t)
+    return math.isfinite(float(t.abs().amax()) if amax is None else amax)
 
 
 def check_finite(name: str, t: torch.Tensor, what: str = "source") -> None:

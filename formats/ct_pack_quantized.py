@@ -52,7 +52,7 @@ import torch
 
 from .base import Streaming, TensorMeta, WeightFormat, register
 from .bits import pack_nibbles_i32, unpack_nibbles_i32
-from .dtypes import st_dtype, torch_dtype
+from .dtypes import round_up_to, st_dtype, torch_dtype
 from .errors import HetquantError
 
 __all__ = ["GROUP_SIZES", "OFFSET", "PACK", "QMAX", "QMIN", "CtPackQuantized"]
@@ -222,8 +222,9 @@ class CtPackQuantized(WeightFormat):
         if n <= 0 or k <= 0 or k % self.group_size:
             raise HetquantError(
                 f"ct_pack_quantized: weight [out={n}, in={k}]: in must be a positive multiple "
-                f"of group_size {self.group_size} (out positive); use another group size or keep "
-                "this module unquantized"
+                f"of group_size {self.group_size} (out positive); the format takes group_size "
+                f"{' or '.join(map(str, sorted(GROUP_SIZES)))}: use another that divides {k}, or "
+                "keep this module unquantized"
             )
         return n, k
 
@@ -271,9 +272,7 @@ class CtPackQuantized(WeightFormat):
 
     def _round_up(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (positive) rounded up to the scale dtype, so that ``result >= x``."""
-        y = x.to(torch_dtype(self.scale_dtype))
-        low = y.to(x.dtype) < x
-        y = torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+        y = round_up_to(x, self.scale_dtype)
         if not bool(torch.isfinite(y).all()):
             raise HetquantError(
                 f"ct_pack_quantized: weight_scale overflows {self.scale_dtype}; the weight's "

@@ -10,7 +10,7 @@ import torch
 
 from .errors import HetquantError
 
-__all__ = ["ST_TO_TORCH", "TORCH_TO_ST", "itemsize", "st_dtype", "torch_dtype"]
+__all__ = ["ST_TO_TORCH", "TORCH_TO_ST", "itemsize", "round_up_to", "st_dtype", "torch_dtype"]
 
 ST_TO_TORCH: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -53,3 +53,12 @@ def itemsize(st: str) -> int:
     """Bytes per element of a safetensors dtype string."""
     torch_dtype(st)
     return _ITEMSIZE[st]
+
+
+def round_up_to(x: torch.Tensor, st: str) -> torch.Tensor:
+    """Positive ``x`` rounded up to dtype ``st``: the smallest value of that dtype ``>= x``, as a
+    tensor of that dtype (``inf`` where ``x`` lies beyond its range). A cast that lands below
+    ``x`` (to nearest, or through float32 first, as float64 → float16 goes) moves up one step."""
+    y = x.to(torch_dtype(st))
+    low = y.to(x.dtype) < x
+    return torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)

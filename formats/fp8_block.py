@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ._rows_native import fp8_dequant_rows
 from .base import TensorMeta, WeightFormat, register
 from .errors import HetquantError
 
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 FP8_E4M3_MAX = 448.0
+DEVICE_CHUNK = 16 << 20  # codes dequantized at once off the CPU (~16 bytes of temporaries each)
 
 
 def scale_shape(shape: tuple[int, int], block: int) -> tuple[int, int]:
@@ -200,9 +202,47 @@ class Fp8Block(WeightFormat):
         w, s = tensors["weight"], tensors["weight_scale_inv"]
         self._check_scales(f"{name}.weight_scale_inv", s)
         for r in range(0, shape[0], self.block):
-            rows = w[r : r + self.block]
-            check_codes(f"{name}.weight", rows)
-            yield r, dequantize_rows(rows, s, r, self.block)
+            yield r, self._block_row(f"{name}.weight", w[r : r + self.block], s, r)
+
+    def _block_row(
+        self, name: str, rows: torch.Tensor, scale_inv: torch.Tensor, row0: int
+    ) -> torch.Tensor:
+        """Rows of one block row, NaN codes refused, dequantized: the fused kernel where it
+        applies (``_rows_native``), else the torch code (whose check raises on a NaN code)."""
+        out = fp8_dequant_rows(rows, scale_inv[row0 // self.block], self.block)
+        if out is None:
+            check_codes(name, rows)
+            out = dequantize_rows(rows, scale_inv, row0, self.block)
+        return out
+
+    def source_dequantized(
+        self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
+    ) -> torch.Tensor:
+        """The whole weight as BF16, validated, on the device ``tensors`` are on. On the CPU one
+        block row at a time (:meth:`source_rows`); elsewhere (a calibration that copied the FP8
+        bytes to its accelerator) the same torch arithmetic there, bit-identical — the integer
+        E4M3 decode, one float32 multiply, the RNE cast — in chunks of ``DEVICE_CHUNK`` codes,
+        with one NaN-code check for the whole weight."""
+        if tensors["weight"].device.type == "cpu":
+            return super().source_dequantized(name, tensors, shape)
+        return self.dequantized_in_chunks(name, tensors["weight"], tensors["weight_scale_inv"])
+
+    def dequantized_in_chunks(
+        self, name: str, weight: torch.Tensor, scale_inv: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`source_dequantized` with torch ops on ``weight``'s device (any device)."""
+        self._check_scales(f"{name}.weight_scale_inv", scale_inv)
+        check_codes(f"{name}.weight", weight)
+        self.check_scale(f"{name}.weight", tuple(weight.shape), tuple(scale_inv.shape))
+        n, k = weight.shape
+        out = torch.empty((n, k), dtype=torch.bfloat16, device=weight.device)
+        b = self.block
+        step = b * max(1, DEVICE_CHUNK // max(1, b * k))  # whole block rows
+        for r in range(0, n, step):
+            rows = weight[r : r + step]  # (≤ step, in)
+            scales = scale_inv[r // b : -(-(r + rows.shape[0]) // b)]  # their block rows
+            out[r : r + rows.shape[0]] = self.dequantize_bf16(rows, scales)
+        return out
 
     def source_absmax(
         self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]

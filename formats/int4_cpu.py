@@ -73,6 +73,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from ._rows_native import int4_rows
 from .base import (
     ExpertLayerFormat,
     Streaming,
@@ -151,7 +152,18 @@ def _sq_err(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.
     return diff.double().square_().sum(-1)  # (R,)
 
 
-def _quantize_rows(w: torch.Tensor, clip_search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows(
+    what: str, w: torch.Tensor, clip_search: bool = False, finite: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float rows [R, K] (K even) → (packed U8 [R, K/2], scale F32 [R]): the fused kernel
+    (``_rows_native.int4_rows``, the same bytes) without clip search, else the torch code."""
+    fast = None if clip_search else int4_rows(w) if w.ndim == 2 else None
+    if fast is not None:
+        return fast
+    return _quantize_rows_torch(_check_weight(what, w, finite), clip_search)
+
+
+def _quantize_rows_torch(w: torch.Tensor, clip_search: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 rows [R, K] (K even, finite) → (packed U8 [R, K/2], scale F32 [R])."""
     amax = w.abs().amax(dim=-1)  # (R,)
     if not all_finite(amax):
@@ -208,7 +220,7 @@ class Int4Cpu(WeightFormat):
     ) -> dict[str, torch.Tensor]:
         if options:
             raise HetquantError(f"{self.name}.quantize: unknown options {sorted(options)}")
-        packed, scale = _quantize_rows(_check_weight(f"{self.name}.quantize", weight), clip_search)
+        packed, scale = _quantize_rows(f"{self.name}.quantize", weight, clip_search)
         return {"weight_packed": packed, "weight_scale": scale}
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -268,19 +280,24 @@ def quantize_expert(
     Returns the ``LAYER_KEYS`` without the expert dim, e.g. ``gate_up_packed`` [2I, H/2], so a
     converter can write expert ``e`` at index ``e`` of each stacked tensor as it goes.
     """
-    g = _check_weight("quantize_expert: gate", gate)
-    u = _check_weight("quantize_expert: up", up)
-    d = _check_weight("quantize_expert: down", down)
-    inter, hidden = g.shape
-    if u.shape != g.shape or d.shape != (hidden, inter):
+    for what, w in (("gate", gate), ("up", up), ("down", down)):
+        if w.ndim != 2:
+            raise HetquantError(f"quantize_expert: {what}: expected a 2-D weight, got shape {list(w.shape)}")  # fmt: skip
+        _check_even(f"quantize_expert: {what}", "in", w.shape[1])
+    inter, hidden = gate.shape
+    if up.shape != gate.shape or down.shape != (hidden, inter):
         raise HetquantError(
-            f"quantize_expert: gate {list(g.shape)}, up {list(u.shape)}, down {list(d.shape)}; "
-            "expected gate = up = [I, H] and down = [H, I]"
+            f"quantize_expert: gate {list(gate.shape)}, up {list(up.shape)}, down "
+            f"{list(down.shape)}; expected gate = up = [I, H] and down = [H, I]"
         )
     _check_even("quantize_expert", "moe intermediate", inter)
-    gate_up = interleave_rows(g, u)  # (2I, H)
-    gu_packed, gu_scale = _quantize_rows(gate_up, clip_search)
-    d_packed, d_scale = _quantize_rows(d, clip_search)
+    fast = None if clip_search else (int4_rows(gate, up), int4_rows(down))
+    if fast is not None and None not in fast:  # the fused kernel, gate/up rows interleaved
+        (gu_packed, gu_scale), (d_packed, d_scale) = fast  # type: ignore[misc]
+    else:
+        g, u, d = (_check_weight(f"quantize_expert: {n}", w) for n, w in (("gate", gate), ("up", up), ("down", down)))  # fmt: skip
+        gu_packed, gu_scale = _quantize_rows_torch(interleave_rows(g, u), clip_search)  # (2I, H)
+        d_packed, d_scale = _quantize_rows_torch(d, clip_search)
     return {
         "gate_up_packed": gu_packed,
         "gate_up_scale": gu_scale,
@@ -399,7 +416,7 @@ class Int4CpuExperts(ExpertLayerFormat):
     def quantize_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [R, K] of gate_up (interleaved) or down → (packed U8 [R, K/2], scale F32 [R]);
         rows are independent, so a converter may stream an expert one block row at a time."""
-        return _quantize_rows(_check_weight("int4_cpu_experts", rows, False), self.clip_search)
+        return _quantize_rows("int4_cpu_experts", rows, self.clip_search, finite=False)
 
 
 register_expert_format(Int4CpuExperts())

@@ -71,7 +71,7 @@ from .base import (
     register_expert_format,
 )
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
-from .dtypes import st_dtype
+from .dtypes import round_up_to, st_dtype
 from .errors import HetquantError
 from .int4_cpu import LAYER_KEYS, QMAX, ZERO_POINT, check_metas, interleave_rows
 
@@ -103,13 +103,6 @@ def _check_group(what: str, group_size: int, dim: str, n: int) -> None:
         )
 
 
-def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Positive float64 ``x`` rounded up to BF16 (so that ``result >= x``)."""
-    y = x.to(torch.bfloat16)
-    low = y.double() < x
-    return torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
-
-
 def quantize_rows(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Float rows [R, K] (K a multiple of g, finite) → (packed U8 [R, K/2], scale BF16 [R, K/g])."""
     r, k = w.shape
@@ -118,7 +111,7 @@ def quantize_rows(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     amax = wg.abs().amax(dim=-1)  # (R, K/g)
     if not all_finite(amax):
         raise HetquantError("int4_cpu_group: NaN/Inf values (or beyond float32); fix the source")
-    s = _round_up_bf16(amax.double() / QMAX)
+    s = round_up_to(amax.double() / QMAX, "BF16")
     s = torch.where(amax > 0, s, torch.ones_like(s))  # finite: amax/7 < BF16's max
     q = (wg / s.float()[..., None]).round_().clamp_(-QMAX, QMAX)  # (R, K/g, g), |q| ≤ 7
     codes = q.reshape(r, k).add_(ZERO_POINT).to(torch.uint8)

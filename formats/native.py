@@ -30,11 +30,19 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_FLAGS", "NativeBuild", "NativeLibrary", "cache_dir", "find_compiler"]
+__all__ = [
+    "DEFAULT_FLAGS",
+    "NativeBuild",
+    "NativeLibrary",
+    "cache_dir",
+    "find_compiler",
+    "load_defined",
+]
 
 DEFAULT_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 _COMPILE_TIMEOUT_S = 300
@@ -101,6 +109,7 @@ class NativeLibrary:
         self.label, self.log = label or name, logger or log
         self._built: NativeBuild | None = None
         self._lock = threading.Lock()
+        _DEFINED.add(self)
 
     def get(self) -> NativeBuild:
         """The build of this process, made on first call (thread-safe); warns once on failure."""
@@ -185,3 +194,13 @@ class NativeLibrary:
             except (OSError, subprocess.SubprocessError) as e:
                 nat.error = f"cannot build in {d}: {e}"
         return None
+
+
+_DEFINED: weakref.WeakSet[NativeLibrary] = weakref.WeakSet()  # the libraries alive here
+
+
+def load_defined() -> None:
+    """Build or load every library defined so far (:meth:`NativeLibrary.get`): before forking
+    workers, which then inherit the loaded libraries instead of each compiling on a cold cache."""
+    for lib in list(_DEFINED):
+        lib.get()

@@ -32,6 +32,11 @@ Quantization (ModelOpt ``nvfp4_tensor.py``, stored commit 211c6b3; reference/fp4
 16 is refused (ModelOpt pads), an all-zero weight gets ``s2 = 1`` (ModelOpt divides 0 by 0), and
 NaN/Inf weights are refused.
 
+Merged modules share ``s2``: linears an engine runs as one GEMM (a gated MLP's gate and up, per
+routed expert too) get ``s2`` from their joint ``amax``, as ModelOpt's export writes them
+(``modelopt/torch/export/quant_utils.py:1490-1562``) and vLLM loads them (one value per merged
+module); ``quantize(weight_amax=...)`` takes it and ``convert/plan.py`` groups the members.
+
 ``input_scale`` is the global scale of the *activations* for W4A4 on Blackwell (GEMM alpha =
 input_scale * weight_scale_2). It needs calibration (``act_amax``) and is unused on Ascend, where
 activations stay BF16 (fp4.md §1.4, §2.2). So the default variant is weight-only (W4A16) and

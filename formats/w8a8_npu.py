@@ -6,9 +6,9 @@ Stored tensors for a linear weight W of shape [n, k] = [out, in] (names relative
 name                dtype  shape   value
 ==================  =====  ======  =========================================================
 ``weight``          I8     [n, k]  q = clamp(round_half_even(W / s), -128, 127)
-``weight_scale``    F32    [n, 1]  s = max(rowmax|W| / 127, FLT_EPSILON)
+``weight_scale``    F32    [n, 1]  s = up_bf16(max(rowmax|W| / 127, FLT_EPSILON))
 ``weight_offset``   F32    [n, 1]  0 (symmetric)
-``input_scale``     F32    [1]     ``w8a8`` only: s_x = max(hi/255 - lo/255, FLT_EPSILON)
+``input_scale``     F32    [1]     ``w8a8`` only: s_x = up_bf16(max((hi - lo) / 255, FLT_EPSILON))
 ``input_offset``    F32    [1]     ``w8a8`` only: z_x = round(-lo / s_x) - 128, in [-128, 127]
 ``deq_scale``       F32    [n]     ``w8a8`` only: s_x * s
 ``quant_bias``      I32    [n]     ``w8a8`` only: -z_x * sum_k q[n, k]
@@ -19,6 +19,23 @@ static per-tensor asymmetric activations) all seven, with lo = min(act_min, 0) a
 hi = max(act_max, 0) from the calibrated activation range. Rounding is half-to-even
 (``torch.round``, as msModelSlim). An all-zero row gets s = FLT_EPSILON (2^-23) and q = 0, as
 msModelSlim floors every scale there; it dequantizes to exact zeros.
+
+Scales the consumer holds exactly (issue #14 item 5). vllm-ascend declares ``weight_scale``,
+``weight_offset`` and ``input_scale`` in the model dtype (``params_dtype``, BF16 for DeepSeek:
+``quantization/methods/w8a8_dynamic.py:71-72``, MoE :205-211, ``w8a8_static.py:55, 70-71``)
+and ``copy_`` rounds the F32 file value into it; codes computed against the F32 value then no
+longer match the scale the kernel multiplies by (up to 2^-9 relative). So ``up_bf16`` rounds
+each scale *up* to the nearest BF16 value (the consumer's dtype: ``HELD_SCALE_DTYPE``) — up, so
+that ``|W| / s <= 127`` and nothing clips — and the codes are the correctly rounded quotients
+against exactly that value: ``W / s`` in F32 is the correctly rounded quotient, and for BF16 or
+F16 weights (at most 11 significant bits) over a BF16 scale it is never pushed onto or across a
+half-integer, so rounding it equals rounding the exact quotient; F32 weights divide in F64. The
+file keeps F32 (msModelSlim's dtype) holding that BF16 value, so F32 consumers read the same
+number. ``deq_scale = s_x * s`` is then exact in F32 (two 8-bit significands). msModelSlim's
+BF16 arithmetic (``ir/api/impl/int_quantization.py:80-83, 138``) also stores BF16 values, but
+rounds the scale to nearest (a row's extreme may clip) and rounds ``W / s`` to BF16 before the
+integer (``round(bf16(W / s))``, a double rounding): ``benchmarks/w8a8_scale_exact.py`` measures
+the three.
 
 Dequantization (msModelSlim convention): ``W ≈ (q - weight_offset) * weight_scale`` in F32.
 
@@ -47,8 +64,8 @@ Decisions and open points:
 * Every scale/offset is F32 on disk (the V1 saver); MindIE's doc lists BF16 input_scale/offset
   for BF16 models, and vllm-ascend casts into params_dtype on load. FP16 models (int64
   deq_scale) are not supported: DeepSeek is BF16.
-* Scales are computed in F32 (msModelSlim may use the model dtype). ``quant_bias`` is exact
-  integer arithmetic (msModelSlim goes through F32, which differs once |z_x * sum q| > 2^24).
+* ``quant_bias`` is exact integer arithmetic (msModelSlim goes through F32, which differs once
+  |z_x * sum q| > 2^24).
   Linears with a float bias are not supported (DeepSeek has none).
 * Not verified on hardware: exact F32 dequant in the matmul (the fixpipe may truncate the
   scale), correctly rounded F32 division on the vector unit, and ``npu_dynamic_quant`` on an
@@ -57,13 +74,15 @@ Decisions and open points:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from ._rows_native import w8a8_rows
 from .base import Streaming, TensorMeta, WeightFormat, all_finite, get_format, register
+from .dtypes import round_up_to
 from .errors import HetquantError
 
 __all__ = [
@@ -79,12 +98,15 @@ __all__ = [
     "description_header",
     "dynamic_quant",
     "dynamic_quant_matmul",
+    "held_scale",
     "static_quant_matmul",
 ]
 
 INT8_MIN, INT8_MAX = -128, 127
 ASYM_LEVELS = 255  # 2**8 - 1 steps across [lo, hi]
 SCALE_FLOOR = torch.finfo(torch.float32).eps  # msModelSlim's lower bound for every scale
+HELD_SCALE_DTYPE = "BF16"  # the dtype consumers hold scales in (vllm-ascend: the model's)
+_NARROW = (torch.bfloat16, torch.float16)  # weights whose F32 quotient rounds exactly
 QUANT_MATMUL_MAX_DIM = 65535  # npu_quant_matmul: last dim of x1 (k) and x2 (n) at most this
 
 QUANT_TYPE_W8A8_DYNAMIC = "W8A8_DYNAMIC"
@@ -95,6 +117,8 @@ _QUANT_TYPE_OF_FORMAT = {
     "w8a8_dynamic": QUANT_TYPE_W8A8_DYNAMIC,
     "w8a8": QUANT_TYPE_W8A8,
     "bf16": QUANT_TYPE_FLOAT,
+    "w4a8_dynamic": "W4A8_DYNAMIC",  # formats/w4a8_npu.py
+    "ct_pack_quantized": "W4A16",  # vllm-ascend's W4A16 MoE scheme reads this layout
 }
 _ANY_SHAPE = (1, 1)  # stored-tensor names of these formats do not depend on the shape
 _WEIGHT_AXES: dict[str, tuple[int | None, int | None]] = {
@@ -124,14 +148,25 @@ def _checked_weight(weight: torch.Tensor, name: str, finite: bool = True) -> tor
     return w
 
 
+def held_scale(x: torch.Tensor) -> torch.Tensor:
+    """Positive ``x`` (float64) floored at FLT_EPSILON and rounded up to ``HELD_SCALE_DTYPE``:
+    the F32 scale a consumer holds exactly (module docstring)."""
+    return round_up_to(x.clamp(min=SCALE_FLOOR), HELD_SCALE_DTYPE).to(torch.float32)
+
+
 def _weight_tensors(weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
     """Symmetric per-row int8 of ``weight`` [n, k]: weight, weight_scale, weight_offset."""
+    fast = w8a8_rows(weight) if weight.ndim == 2 and 0 not in weight.shape else None
+    if fast is not None:  # the fused kernel: the same bytes, no float32 copy
+        q, scale = fast
+        return {"weight": q, "weight_scale": scale, "weight_offset": torch.zeros_like(scale)}
     w = _checked_weight(weight, name, finite=False)  # (n, k) F32
     amax = w.abs().amax(dim=1, keepdim=True)  # (n, 1); NaN/Inf propagate
     if not all_finite(amax):
         _checked_weight(weight, name)  # raises, naming the first bad value
-    scale = (amax / INT8_MAX).clamp(min=SCALE_FLOOR)  # (n, 1)
-    q = (w / scale).round_().clamp_(INT8_MIN, INT8_MAX).to(torch.int8)  # (n, k)
+    scale = held_scale(amax.double() / INT8_MAX)  # (n, 1), >= amax / 127
+    exact = w if weight.dtype in _NARROW else w.double()  # F32 weights: an F64 quotient
+    q = (exact / scale).round_().clamp_(INT8_MIN, INT8_MAX).to(torch.int8)  # (n, k)
     return {"weight": q, "weight_scale": scale, "weight_offset": torch.zeros_like(scale)}
 
 
@@ -202,10 +237,11 @@ def _stat(value: float | torch.Tensor | None, key: str, name: str) -> torch.Tens
 def activation_qparams(
     act_min: torch.Tensor, act_max: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """msModelSlim per-tensor asymmetric int8: F32 [1] range -> (input_scale, input_offset)."""
-    lo, hi = act_min.clamp(max=0.0), act_max.clamp(min=0.0)
-    scale = (hi / ASYM_LEVELS - lo / ASYM_LEVELS).clamp(min=SCALE_FLOOR)  # (1,)
-    return scale, torch.round(-lo / scale) + INT8_MIN  # (1,), (1,)
+    """msModelSlim per-tensor asymmetric int8: F32 [1] range -> (input_scale, input_offset);
+    the scale held exactly in BF16, rounded up (module docstring)."""
+    lo, hi = act_min.clamp(max=0.0).double(), act_max.clamp(min=0.0).double()
+    scale = held_scale((hi - lo) / ASYM_LEVELS)  # (1,) F32
+    return scale, (torch.round(-lo / scale) + INT8_MIN).float()  # (1,), (1,)
 
 
 @dataclass(frozen=True)
@@ -334,12 +370,16 @@ def static_quant_matmul(
     return (acc.to(torch.float32) * tensors["deq_scale"]).to(x.dtype)  # (..., n)
 
 
-def description_entries(module_prefix: str, fmt_name: str) -> dict[str, str]:
+def description_entries(
+    module_prefix: str, fmt_name: str, keys: Iterable[str] | None = None
+) -> dict[str, str]:
     """``quant_model_description.json`` entries for one module stored in ``fmt_name``.
 
-    Every stored tensor is listed (msModelSlim does so; vllm-ascend reads ``<prefix>.weight``).
-    Float tensors that are not a module weight (a layer bias, ``e_score_correction_bias``) are
-    listed by the caller as ``{name: QUANT_TYPE_FLOAT}``.
+    Every stored tensor is listed (msModelSlim does so; vllm-ascend reads ``<prefix>.weight``,
+    with ``weight_packed`` standing for ``weight``); ``keys``: the module's stored keys (default:
+    the format's, for formats whose keys do not depend on the shape). Float tensors that are not
+    a module weight (a layer bias, ``e_score_correction_bias``) are listed by the caller as
+    ``{name: QUANT_TYPE_FLOAT}``.
     """
     try:
         quant_type = _QUANT_TYPE_OF_FORMAT[fmt_name]
@@ -348,20 +388,29 @@ def description_entries(module_prefix: str, fmt_name: str) -> dict[str, str]:
             f"{module_prefix}: format {fmt_name!r} has no Ascend description type; "
             f"known: {', '.join(sorted(_QUANT_TYPE_OF_FORMAT))}"
         ) from None
-    names = get_format(fmt_name).stored(_ANY_SHAPE)
+    names = get_format(fmt_name).stored(_ANY_SHAPE) if keys is None else keys
     return {f"{module_prefix}.{local}": quant_type for local in names}
 
 
 def description_header(model_quant_type: str = QUANT_TYPE_W8A8_DYNAMIC) -> dict[str, object]:
-    """Top-level keys of ``quant_model_description.json`` (msModelSlim ascendV1 saver).
+    """Top-level keys of ``quant_model_description.json``, in the order msModelSlim's ascendV1
+    saver writes them after the per-tensor entries (``post_run``,
+    ``core/quant_service/modelslim_v1/save/ascendv1.py:209-227``): ``version``,
+    ``model_quant_type``, ``metadata`` (``{}`` without QuaRot), ``group_size`` (0 =
+    per-channel), ``optional`` (``{}`` by default). Callers append it after the entries.
 
     DeepSeek's msModelSlim script forces ``W8A8_DYNAMIC`` for its mixed model (MindIE needs it).
-    ``group_size`` 0 = per-channel. The saver's empty ``metadata``/``optional`` are omitted.
     """
     known = (QUANT_TYPE_W8A8_DYNAMIC, QUANT_TYPE_W8A8, QUANT_TYPE_FLOAT)
     if model_quant_type not in known:
         raise HetquantError(f"model_quant_type {model_quant_type!r} is not one of {known}")
-    return {"model_quant_type": model_quant_type, "version": DESCRIPTION_VERSION, "group_size": 0}
+    return {
+        "version": DESCRIPTION_VERSION,
+        "model_quant_type": model_quant_type,
+        "metadata": {},
+        "group_size": 0,
+        "optional": {},
+    }
 
 
 register(W8A8Dynamic())

@@ -28,6 +28,8 @@ __all__ = [
     "expert_bound",
     "gemv_bound",
     "gemv_ref",
+    "grouped_native_order",
+    "order_sensitive_grouped",
     "routed_ref_and_bound",
     "routing",
     "weights",
@@ -54,6 +56,69 @@ def weights(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def gemv_ref(packed: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """float64 y = x @ W.T with exact weights."""
     return x.double() @ weights(packed, scale).T
+
+
+def grouped_native_order(
+    packed: torch.Tensor, scale: torch.Tensor, m: torch.Tensor, e: int, order: str = "native"
+) -> torch.Tensor:
+    """The grouped native kernel's float32 result, bit for bit, for activations on its grid:
+    x = m · 2^e with int64 digits-to-be ``m`` [T, K] (|m| < 2^22, the token's fixed point).
+
+    ``order="native"`` is the documented epilogue (``int4_gemv`` module docstring): exact block
+    sums A_b = Σ (c − 8)·m, s_b·A_b (exact in float64) added to partial b mod 8 in increasing b,
+    ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)), times 2^e, rounded once to float32, zero
+    as +0. ``order="sequential"``: one running float64 sum over b instead (for tests to show that
+    their inputs tell the two apart)."""
+    q = codes_q(packed).to(torch.int64)  # [N, K]
+    n, k = q.shape
+    nb = k // 32
+    a = (q[None] * m[:, None, :]).reshape(m.shape[0], n, nb, 32).sum(-1)  # [T, N, nb] exact
+    s = scale.double().repeat_interleave(nb // scale.shape[1], dim=1)  # [N, nb]
+    prod = s[None] * a.double()  # exact: 8 significant bits times |A| <= 2^30
+    if order == "sequential":
+        v = torch.zeros(prod.shape[:2], dtype=torch.float64)
+        for b in range(nb):
+            v += prod[..., b]
+    else:
+        p = torch.zeros(*prod.shape[:2], 8, dtype=torch.float64)
+        for b in range(nb):
+            p[..., b % 8] += prod[..., b]
+        v = ((p[..., 0] + p[..., 4]) + (p[..., 2] + p[..., 6])) + (
+            (p[..., 1] + p[..., 5]) + (p[..., 3] + p[..., 7])
+        )
+    return (v * 2.0**e).to(torch.float32) + 0.0  # + 0.0: -0 -> +0
+
+
+# Per group size: (first block of a group within a window of 16 blocks, offset in blocks of
+# its mirror): +8 lands in the same partial sum p[b mod 8], +4 in the one it meets first in
+# the final ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)).
+_MIRRORS = {32: ((0, 8), (1, 4)), 64: ((0, 8), (2, 4)), 128: ((0, 4),)}
+
+
+def order_sensitive_grouped(n: int, k: int, t: int, g: int, seed: int):
+    """Codes, bf16 scales and fixed-point activations m (x = m · 2^-21 exactly) where, in every
+    window of 16 blocks, a few groups carry scales ±2^30..2^40 and their mirrors (_MIRRORS) the
+    negated codes, the same activations and the same scale: the huge products cancel exactly in
+    the documented order before the small terms (scales 2^-10..2^0) of other partials meet
+    them; any other order loses those small terms."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = k // 32
+    codes = torch.randint(1, 16, (n, k), generator=gen)  # 16 - c is a code too
+    m = torch.randint(-(2**22) + 1, 2**22, (t, k), generator=gen)
+    m[:, 0] = 3 << 20  # amax = 1.5: the kernel's fixed point is x · 2^21, so X = m exactly
+    expo = torch.randint(-10, 1, (n, k // g), generator=gen)
+    sign = torch.randint(0, 2, (n, k // g), generator=gen) * 2 - 1
+    for w0 in range(0, nb - 15, 16):  # whole windows
+        for b, off in _MIRRORS[g]:
+            e0, e1, d = 32 * (w0 + b), 32 * (w0 + b) + g, 32 * off
+            codes[:, e0 + d : e1 + d] = 16 - codes[:, e0:e1]
+            m[:, e0 + d : e1 + d] = m[:, e0:e1]
+            j, jj = e0 // g, (e0 + d) // g
+            expo[:, j] = expo[:, jj] = torch.randint(30, 41, (n,), generator=gen)
+            sign[:, jj] = sign[:, j]
+    scale = (sign * 2.0**expo).bfloat16()
+    packed = (codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8)
+    return packed, scale, m
 
 
 def gemv_bound(

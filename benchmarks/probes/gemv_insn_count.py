@@ -198,7 +198,7 @@ def main() -> int:
         # AVX-512 VNNI, static: per 64 B of one row, one token, 3 digit planes: 6 vpdpbusd
         for key, sym, rows in (
             ("per_channel", "<void (anonymous namespace)::tile_vnni<4, 1, 3>", 4),
-            ("group32", "<void (anonymous namespace)::gtile_vnni<2, 1, 3>", 2),
+            ("group32", "<void (anonymous namespace)::gtile_vnni<2, 1, 3, 1>", 2),
         ):
             loop = static_vnni(exes["x86_64"], sym)
             per64 = loop["insns"] / (loop["dots"] / 6)

@@ -73,8 +73,11 @@ class Recipe:
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         raise NotImplementedError
 
-    def refine(self, target: Target, source_params: tuple[tuple[str, Any], ...]) -> Target:
-        """``target`` given the source variant's parameters (``SourceItem.params``); as is here."""
+    def refine(
+        self, target: Target, source_params: tuple[tuple[str, Any], ...], source_fmt: str = ""
+    ) -> Target:
+        """``target`` given the source variant's format and parameters (``SourceItem.fmt``,
+        ``.params``); as is here."""
         return target
 
     def with_options(self, options: dict[str, Any]) -> Recipe:
@@ -113,4 +116,4 @@ def get_recipe(name: str) -> Recipe:
         ) from None
 
 
-from . import bf16, quantized  # noqa: E402,F401  (registration)
+from . import ascend_4bit, bf16, quantized  # noqa: E402,F401  (registration)

@@ -3,14 +3,27 @@
 ``artifact_metadata(plan, source_config)`` returns the root part's config.json and any extra JSON
 files, from the formats the plan uses (a table, format → writer):
 
-- Ascend W8A8 (``w8a8_dynamic``, ``w8a8``): ``quant_model_description.json`` covering every stored
-  root tensor — quantized modules by their quant type, everything else ``FLOAT`` — as
-  vllm-ascend ``--quantization ascend`` and MindIE read it; ``quantization_config`` is removed
-  from config.json, as msModelSlim's saver does (vllm-ascend otherwise sees "fp8").
+- Ascend (``w8a8_dynamic``, ``w8a8``, ``w4a8_dynamic``): ``quant_model_description.json``
+  covering every stored root tensor — quantized modules by their quant type (W4A16 for
+  ``ct_pack_quantized`` experts beside them), everything else ``FLOAT`` — as vllm-ascend
+  ``--quantization ascend`` and MindIE read it, with the one ``group_size`` its W4A8 (0: per
+  channel) or W4A16 (the group) scheme reads; ``quantization_config`` is removed from
+  config.json, as msModelSlim's saver does (vllm-ascend otherwise sees "fp8"), and W4A8 models
+  get msModelSlim's ``quantize`` / ``moe_quantize`` / ``mla_quantize`` (/ ``mtp_quantize``) keys.
+  This description covers the whole root: no other writer runs beside it.
 - AutoAWQ (``awq_w4a16``): config.json ``quantization_config`` with ``modules_to_not_convert``
   = the full module names of the linears left unquantized. Readers match these as *substrings*
   (AutoAWQ, vLLM), so a bare ``"gate"`` would also skip every ``gate_proj``; a full name such as
   ``model.layers.3.mlp.gate`` matches only the router.
+- compressed-tensors (``ct_pack_quantized``): the ``quantization_config`` compressed-tensors
+  writes for pack-quantized W4A16 (``CtPackQuantized.quantization_config``): one group,
+  ``targets: ["Linear"]``, ``ignore`` = the full names of the linear-like modules kept at source
+  precision (matched exactly by compressed-tensors, vLLM and vllm-ascend alike), plus a top-level
+  ``group_size``, which vllm-ascend's W4A16 MoE method reads from the config and takes as 32
+  without it (``quantization/methods/w4a16.py:185``; compressed-tensors ignores it). Targets need
+  no editing for vllm-ascend: it maps a ``Linear`` target onto ``FusedMoE`` layers
+  (``compressed_tensors_config.py:97-106``), which it looks up as ``<experts>.0.gate_proj``
+  (:181); every other linear is ignored, as it must be (vllm-ascend has no W4A16 linear).
 - NVFP4 canonical (``nvfp4``): ModelOpt's ``hf_quant_config.json`` and the matching
   ``quantization_config``, with ``exclude_modules`` likewise.
 - NVFP4 Ascend tiled (``nvfp4_ascend``): a ``quantization_config`` with ``quant_method:
@@ -25,7 +38,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from hetquant.formats import get_format
+from hetquant.formats import HetquantError, get_format
 from hetquant.formats.families import parse_config
 from hetquant.formats.nvfp4 import BLOCK, hf_quant_config
 from hetquant.formats.w8a8_npu import QUANT_TYPE_FLOAT, description_entries, description_header
@@ -55,16 +68,63 @@ def unconverted_modules(plan: Any) -> list[str]:
 
 
 def _ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
-    doc: dict[str, Any] = dict(description_header())
+    doc: dict[str, Any] = {}
     for job in plan.jobs:
         if job.target.part != ROOT:
             continue
         if job.kind == COPY:
             doc[job.source] = QUANT_TYPE_FLOAT
         else:
-            doc.update(description_entries(job.source.removesuffix(".weight"), job.target.fmt))
+            keys = [p.key for p in job.outputs]
+            prefix = job.source.removesuffix(".weight")
+            doc.update(description_entries(prefix, job.target.fmt, keys))
+    doc.update(description_header())  # after the entries, as msModelSlim writes them
+    doc["group_size"] = _description_group(plan)  # the header's slot: 0 unless a 4-bit scheme
     cfg.pop("quantization_config", None)
+    if any(j.target.fmt == "w4a8_dynamic" for j in plan.jobs) and (
+        cfg.get("model_type") in _W4A8_CONFIG_KEYS_FOR
+    ):
+        cfg.update(_w4a8_config_keys(plan))
     files[DESCRIPTION_NAME] = doc
+
+
+# the description's one ``group_size``, as each Ascend scheme reads it (vllm-ascend 0.23.0.post1
+# methods/w4a8.py:351-353: 0 = per channel, absent = 256; methods/w4a16.py:185: absent = 32)
+_DESCRIPTION_GROUP: dict[str, Callable[[Any], int]] = {
+    "w4a8_dynamic": lambda fmt: 0,
+    "ct_pack_quantized": lambda fmt: fmt.group_size,
+}
+
+
+def _description_group(plan: Any) -> int:
+    groups = {
+        _DESCRIPTION_GROUP[j.target.fmt](
+            get_format(j.target.fmt, **dict(j.target.params))
+        ): j.source
+        for j in plan.jobs
+        if j.target.part == ROOT and j.target.fmt in _DESCRIPTION_GROUP
+    }
+    if len(groups) > 1:
+        raise HetquantError(
+            f"quant_model_description.json has one group_size, but the root needs "
+            f"{sorted(groups)} ({', '.join(groups.values())}); use one group size"
+        )
+    return next(iter(groups), 0)
+
+
+# the model types whose msModelSlim 26.1.0 adapters add W4A8 config keys (others add none)
+_W4A8_CONFIG_KEYS_FOR = frozenset({"deepseek_v3", "kimi_k2"})
+
+
+def _w4a8_config_keys(plan: Any) -> dict[str, str]:
+    """config.json keys msModelSlim adds to W4A8 models "as MindIE requires" (26.1.0
+    ``model/deepseek_v3/model_adapter.py:530-563``; ``model/kimi_k2/model_adapter.py:297-330``,
+    K2 having no MTP layer, leaves ``mtp_quantize`` out): written when MTP layers are kept."""
+    keys = {"mtp_quantize": "w8a8_dynamic"}
+    if not any(plan.item(j.source).role.mtp for j in plan.jobs):
+        keys = {}
+    keys.update(quantize="w8a8_dynamic", moe_quantize="w4a8_dynamic", mla_quantize="w8a8_dynamic")
+    return keys
 
 
 def _awq(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
@@ -74,6 +134,17 @@ def _awq(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
     cfg["quantization_config"] = get_format("awq_w4a16", group_size=group).quantization_config(
         unconverted_modules(plan) or None
     )
+
+
+def _ct(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
+    group = next(
+        dict(j.target.params)["group_size"]
+        for j in plan.jobs
+        if j.target.fmt == "ct_pack_quantized"
+    )
+    ignore = sorted(set(unconverted_modules(plan)))
+    qc = get_format("ct_pack_quantized", group_size=group).quantization_config(ignore=ignore)
+    cfg["quantization_config"] = {**qc, "group_size": group}
 
 
 def _nvfp4(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
@@ -95,7 +166,9 @@ def _nvfp4_ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None
 _WRITERS: dict[str, Callable[[Any, dict[str, Any], dict[str, Any]], None]] = {
     "w8a8_dynamic": _ascend,
     "w8a8": _ascend,
+    "w4a8_dynamic": _ascend,
     "awq_w4a16": _awq,
+    "ct_pack_quantized": _ct,
     "nvfp4": _nvfp4,
     "nvfp4_ascend": _nvfp4_ascend,
 }
@@ -117,6 +190,8 @@ def artifact_metadata(
         for j in plan.jobs
         if j.target.part == ROOT and j.target.fmt in _WRITERS
     }
+    if _ascend in writers:  # its description covers every root module (W4A16 experts included)
+        writers = {_ascend}
     for writer in sorted(writers, key=lambda w: w.__name__):
         writer(plan, cfg, files)
     return cfg, files

@@ -16,23 +16,33 @@ out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 | ascend-w8a8 | w8a8_dynamic | KEEP | w8a8_dynamic | w8a8_dynamic | KEEP |
 | awq-w4a16 | awq_w4a16 | awq_w4a16 | awq_w4a16 | awq_w4a16 | KEEP |
 | fp4 | KEEP | KEEP | nvfp4_ascend / nvfp4 | nvfp4_ascend / nvfp4 | KEEP |
+| ct-w4a16 | KEEP | KEEP | KEEP | ct_pack_quantized | KEEP |
 
 vllm-ascend requires ``kv_b_proj`` unquantized (``mla_v1.py``: "We currently do not support quant
 kv_b_proj"); the router is not an nn.Linear in DeepSeek's modeling code and stays FLOAT in
 msModelSlim's output (reference/ascend_formats.md §2.3).
+
+ct-w4a16 quantizes only what vllm-ascend can serve in W4A16: it registers that scheme for MoE
+layers alone (``quantization/methods/w4a16.py:111``, ``@register_scheme("W4A16", "moe")``) and
+raises NotImplementedError for a W4A16 linear (``compressed_tensors_config.py:333-338``), so every
+other linear stays at source precision and is listed in ``ignore`` (Kimi-K2-Thinking's layout).
+It is symmetric because that MoE method builds all-zero offsets and never loads a zero point
+(``w4a16.py:239-244``); the AWQ calibration then searches with the symmetric quantizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError
+from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError, get_format
 from hetquant.formats.expert_repack import EXPERT_REPACKS, repack_target
 from hetquant.formats.families import TensorRole
 from hetquant.formats.families.roles import MTP
+from hetquant.formats.linear_repack import LINEAR_REPACKS
 
 from . import DROP, Recipe, Target, keep, register_recipe
 
@@ -64,14 +74,19 @@ def role_class(role: TensorRole) -> str:
 
 @dataclass(frozen=True)
 class RuleRecipe(Recipe):
-    """A recipe given by ``rules`` (class → format or KEEP) and option choices."""
+    """A recipe given by ``rules`` (class → format or KEEP), option choices and parameters it
+    fixes for a format (``fixed``)."""
 
     rules: dict[str, str] = field(default_factory=dict)
+    fixed: dict[str, tuple[tuple[str, Any], ...]] = field(default_factory=dict)  # format → params
 
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         if role.mtp and self.option("mtp") == "drop":
             return Target(DROP)
-        fmt = self.rules[role_class(role)]
+        cls = role_class(role)
+        if role.mtp and f"mtp_{cls}" in self.rules:  # the MTP layer's own rule for this class
+            cls = f"mtp_{cls}"
+        fmt = self.rules[cls]
         if fmt == KEEP:
             return keep(source_fmt)
         if fmt == "int4_cpu*":  # the source's lossless CPU repack if it has one, else per-channel
@@ -80,9 +95,17 @@ class RuleRecipe(Recipe):
         self._check_requantize(role, source_fmt, target)
         return target
 
-    def refine(self, target: Target, source_params: tuple[tuple[str, Any], ...]) -> Target:
+    def refine(
+        self, target: Target, source_params: tuple[tuple[str, Any], ...], source_fmt: str = ""
+    ) -> Target:
         """A lossless repack target takes the source variant's parameters it shares (the
-        compressed-tensors group size becomes the CPU group format's)."""
+        compressed-tensors group size becomes the CPU group format's). A linear target with a
+        repack from the source's format (``formats/linear_repack.py``) keeps the recipe's
+        parameters; where those do not hold the source's codes, re-quantizing is refused unless
+        ``requantize`` was asked for."""
+        if (source_fmt, target.fmt) in LINEAR_REPACKS:
+            self._check_repack(target, source_params, source_fmt)
+            return target
         fmt = EXPERT_FORMATS.get(target.fmt)
         if fmt is None or not source_params or target.params:
             return target
@@ -109,15 +132,43 @@ class RuleRecipe(Recipe):
             "or a recipe that keeps it (bf16 dequantizes it exactly)"
         )
 
+    def _check_repack(
+        self, target: Target, source_params: tuple[tuple[str, Any], ...], source_fmt: str
+    ) -> None:
+        if self.option("requantize"):
+            return
+        src = get_format(source_fmt, **dict(source_params))
+        why = LINEAR_REPACKS[source_fmt, target.fmt].holds(src, _variant(target))
+        if why is not None:
+            raise HetquantError(
+                f"recipe {self.name} cannot keep the source's {source_fmt} codes: {why}; "
+                f"re-quantizing them loses accuracy twice. Choose the source's group "
+                f"(--group-size {dict(source_params).get('group_size')}) to keep them, or "
+                "--requantize to accept that"
+            )
+
     def _target(self, fmt: str, role: TensorRole) -> Target:
         if fmt in EXPERT_FORMATS:
             file = f"{CPU_EXPERTS}/layer_{role.layer:03d}.safetensors"
             return Target(fmt, CPU_EXPERTS, file=file)
-        if fmt == "awq_w4a16":
-            return Target(fmt, params=(("group_size", self.option("group_size")),))
         if fmt == "nvfp4*":
             return Target("nvfp4_ascend" if self.option("fp4_layout") == "ascend" else "nvfp4")
-        return Target(fmt)
+        params = _TARGET_PARAMS[fmt](self, role) if fmt in _TARGET_PARAMS else ()
+        params += self.fixed.get(fmt, ())
+        return Target(fmt, params=params) if params else Target(fmt)
+
+
+# a target format's parameters, from the recipe's options and the tensor's role
+_TARGET_PARAMS: dict[str, Callable[[RuleRecipe, TensorRole], tuple[tuple[str, Any], ...]]] = {
+    "awq_w4a16": lambda r, role: (("group_size", r.option("group_size")),),
+    # msModelSlim sums scale_bias in 16 chunks for row-parallel linears (down), 1 for others
+    "w4a8_dynamic": lambda r, role: (("bias_chunks", 16 if role.role.tp == "row" else 1),),
+    "ct_pack_quantized": lambda r, role: (("group_size", r.option("group_size")),),
+}
+
+
+def _variant(target: Target) -> Any:
+    return get_format(target.fmt, **dict(target.params))
 
 
 @functools.cache
@@ -186,4 +237,11 @@ register_recipe(RuleRecipe(
     "fp4", "NVFP4 (E2M1 + E4M3 per 16 + F32 global) for dense MLP and experts, Ascend 8×8 tiled layout by default",
     rules={"attention": KEEP, "absorbed": KEEP, "dense": "nvfp4*", "shared": "nvfp4*", "routed": "nvfp4*", **_KEEPS},
     choices={**_MTP, "fp4_layout": ("ascend", "nvfp4")},
+))  # fmt: skip
+register_recipe(RuleRecipe(
+    "ct-w4a16",
+    "compressed-tensors pack-quantized W4A16 (symmetric, group 32 or 128) for the routed experts, the rest at source precision, as vllm-ascend's W4A16 MoE and vLLM load it; AWQ-calibrated with --calib-data, else round-to-nearest",
+    rules={"attention": KEEP, "absorbed": KEEP, "dense": KEEP, "shared": KEEP, "routed": "ct_pack_quantized", **_KEEPS},
+    choices={**_MTP, "group_size": (32, 128)},
+    calibrates=True,
 ))  # fmt: skip

@@ -43,7 +43,10 @@ class Role:
     stands for the routed expert index. ``scope``: which layers hold it (module docstring);
     ``tp``: how tensor parallelism splits it (module docstring). ``mlp``: its part of a gated MLP
     ``down(silu(gate(x)) · up(x))``. ``absorbed``: a linear that engines fold into attention
-    (MLA's ``kv_b_proj``: vllm-ascend keeps it unquantized).
+    (MLA's ``kv_b_proj``: vllm-ascend keeps it unquantized). ``fuse``: the module engines merge
+    this linear into with the others of its layer (and expert) that name the same one — linears
+    reading one input, run as one GEMM (vLLM's packed modules: ``fused_qkv_a_proj``,
+    ``qkv_proj``); a gated MLP's gate and up are always merged (:attr:`fused`).
     """
 
     name: str
@@ -57,6 +60,14 @@ class Role:
     mlp: str | None = None  # gate | up | down
     absorbed: bool = False
     kept: bool = False
+    fuse: str | None = None
+
+    @property
+    def fused(self) -> str | None:
+        """The merged module this linear belongs to (None: run alone): ``fuse``, or
+        ``gate_up_proj`` for a gated MLP's gate and up (vLLM ``MergedColumnParallelLinear`` /
+        a routed expert's ``w13``)."""
+        return self.fuse or ("gate_up_proj" if self.mlp in ("gate", "up") else None)
 
     @property
     def module(self) -> str:

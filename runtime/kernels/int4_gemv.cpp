@@ -42,6 +42,16 @@ static bool runs_here(int isa, int best) {
 #endif
 }
 
+// The digit layout of a path's grouped kernel (Transposed; v = 0: natural).
+static Transposed grouped_layout(int isa) {
+#if defined(HQ_X86)
+  if (isa == AVX2) return GroupedAvx2::LAYOUT;
+  if (isa == AVX512_VNNI || isa == AMX_INT8) return GroupedVnni::LAYOUT;  // AMX: grouped on VNNI
+#endif
+  (void)isa;
+  return Transposed{};
+}
+
 static void run(const Job& j) {
   const bool grouped = j.sg != nullptr;
 #if defined(HQ_X86)
@@ -214,9 +224,10 @@ struct Prepared {
   ~Prepared() { free(xq); free(sx); free(sx8); free(ex); free(xb); }
 };
 
-// 0, -2 out of memory, -3 a NaN/Inf in x.
+// Digits and block sums in the natural order, or in the transposed layout `lay` of a grouped
+// path (Transposed). 0, -2 out of memory, -3 a NaN/Inf in x.
 static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L, bool grouped,
-                   Prepared& P) {
+                   const Transposed& lay, Prepared& P) {
   const int64_t kb = K / 2;
   P.xs = (kb + PAD - 1) / PAD * PAD;
   P.nbp = grouped ? P.xs / BLK : 0;
@@ -271,7 +282,12 @@ static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L,
         X[2 * i] = (a - da) / 256;
         X[2 * i + 1] = (b - db) / 256;
       }
+      if (lay.v > 0) {
+        lay.digits(de, P.xs);
+        lay.digits(dd, P.xs);
+      }
     }
+    if (lay.v > 0) transpose_block_sums(lay, P.sx8 + t * P.nbp, P.nbp);
     P.sx[t] = sum;
     P.ex[t] = ldexp(1.0, e);
   }
@@ -281,7 +297,9 @@ static int prepare(const float* x, int64_t xstride, int64_t T, int64_t K, int L,
 // Rounds x, then runs `base` (weights, scales, y, isa filled in) over all rows; returns the path.
 static int gemv(Job base, const float* x, int64_t xstride, int64_t K, int nthreads, int rows) {
   Prepared P;
-  const int rc = prepare(x, xstride, base.T, K, base.L, base.sg != nullptr, P);
+  const bool grouped = base.sg != nullptr;
+  const Transposed lay = grouped ? grouped_layout(base.isa) : Transposed{};
+  const int rc = prepare(x, xstride, base.T, K, base.L, grouped, lay, P);
   if (rc < 0) return rc;
   base.xq = P.xq;
   base.xs = P.xs;
@@ -365,7 +383,7 @@ int hq_int4_gemv_grouped(const uint8_t* w, int64_t rs, const uint16_t* sg, int64
   if (N == 0 || T == 0) return isa;
   Job base{w, rs, K / 2, nullptr, sg, ss, (int)(G / 32), nullptr, 0, L, nullptr, nullptr, 0,
            nullptr, T, y, ys, 0, N, isa, 1};
-  return gemv(base, x, xstride, K, nthreads, 2);
+  return gemv(base, x, xstride, K, nthreads, 1);
 }
 
 }  // extern "C"

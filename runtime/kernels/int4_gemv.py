@@ -58,17 +58,23 @@ tile data, ``arch_prctl(ARCH_REQ_XCOMP_PERM)``); aarch64 ``neon_dotprod`` > ``ge
 (``getauxval(AT_HWCAP) & HWCAP_ASIMDDP`` on Linux; elsewhere only when the compiler targets
 dotprod). The aarch64 path is tested bit for bit against the x86 results under qemu user mode
 (``tests/runtime/kernels/test_int4_gemv_crossisa.py``, which also runs the AVX2, AVX-512 and
-AMX paths on SIMDe's portable intrinsics and an emulation of the tile instructions); it has not run on Arm hardware. The grouped AVX-512 path was
-developed on an AVX2-only CPU and checked there on SIMDe; the test suite runs it natively on a
-CPU with AVX-512 VNNI. The AMX path (``int4_gemv_amx.cpp``; per-channel; grouped calls run the
-AVX-512 VNNI path) treats the digit planes of a token as more columns of a ``tdpbusd`` tile:
-each 64-byte chunk of 16 rows is unpacked once (into L1) and multiplied with every token and
-digit plane of the call (up to 80 token-planes per sweep of the rows); it runs from
+AMX paths on SIMDe's portable intrinsics and an emulation of the tile instructions); it has not
+run on Arm hardware. The grouped AVX-512 path was developed on an AVX2-only CPU, checked there on
+SIMDe and measured on a Xeon with AVX-512 VNNI; the test suite runs it natively on such a CPU.
+The grouped AVX2 and AVX-512 kernels load each superblock of weights (128 / 256 bytes) transposed
+by 4-byte words, so that their SIMD lanes add whole 32-element blocks and need no horizontal
+reduction; they read the digits in the same transposed order, which ``prepare``
+(``int4_gemv.cpp``) lays out per path (``Transposed``, ``int4_gemv_base.cpp``) — the integers,
+and so the bits, are the same. The AMX path (``int4_gemv_amx.cpp``; per-channel; grouped calls
+run the AVX-512 VNNI path) treats the digit planes of a token as more columns of a ``tdpbusd``
+tile: each 64-byte chunk of 16 rows is unpacked once (into L1) and multiplied with every token
+and digit plane of the call (up to 80 token-planes per sweep of the rows); it runs from
 ``AMX_MIN_TOKENS`` = 2 tokens on (one token stays on the VNNI tiles, faster there). It is built
 with GCC ≥ 11 or clang ≥ 12 only; it was developed on an AVX2 CPU against an emulation of the
 tile instructions (the SIMDe test) and run natively, tests included, on a Xeon with AMX (the
-H100 host of benchmarks/README.md). Rows go in tiles
-(4 rows per-channel, 2 grouped, at one token) and each tile prefetches the rows ≥ 12 KB ahead
+H100 host of benchmarks/README.md). Rows go in tiles (4 rows per-channel; grouped: 1 on AVX2, 2
+on AVX-512 and NEON; at one token; AMX: blocks of 16) and each tile prefetches the rows ≥ 12 KB
+ahead
 into L2: without it the kernel waited on DRAM at under half the read bandwidth; into L1 the
 prefetch evicts the 21 KB of digits. From ``GEMM_MIN_TOKENS`` = 16 tokens on the calls run in a
 GEMM-shaped order: rows in blocks of ~128 KB of weights, and within each row block the tokens in

@@ -192,13 +192,39 @@ struct GTile {
   }
 };
 
-// Row tiling of the grouped kernels: two rows per tile at one token, else one row and two
-// tokens (then one). Kernel::tile<R, TT, L>(j, n, t0) is one instruction path's grouped tile.
+// Digit layout of the grouped paths that transpose their weight superblocks (gtile_avx2,
+// gtile_vnni): a superblock of 4·v bytes (nb = v/4 blocks of 4 words of 4 bytes) is loaded as
+// 4 vectors of v bytes and transposed so that vector w holds word w of block b at word pos(b).
+// prepare() puts the digits through the same transposition (`digits`, the path's own code), so
+// that they meet the weights they multiply, and the block sums of each superblock in position
+// order. v = 0: the natural layout.
+struct Transposed {
+  int64_t v = 0;                                // bytes per vector: 32 (AVX2), 64 (AVX-512)
+  bool in_lane = false;                         // pos(b) = 4 (b mod q) + b / q, q = v/16 lanes
+  void (*digits)(int8_t*, int64_t) = nullptr;   // transposes `len` bytes (whole superblocks)
+  int64_t pos(int64_t b) const {
+    const int64_t q = v / 16;
+    return in_lane ? 4 * (b % q) + b / q : b;
+  }
+};
+
+// `n` block sums (whole superblocks).
+static void transpose_block_sums(const Transposed& lay, int32_t* sums, int64_t n) {
+  const int64_t nb = lay.v / 4;
+  int32_t tmp[16];
+  for (int64_t s = 0; s < n; s += nb) {
+    memcpy(tmp, sums + s, (size_t)nb * sizeof(int32_t));
+    for (int64_t b = 0; b < nb; ++b) sums[s + lay.pos(b)] = tmp[b];
+  }
+}
+
+// Row tiling of the grouped kernels: Kernel::ROWS rows per tile at one token, else one row and
+// two tokens (then one). Kernel::tile<R, TT, L>(j, n, t0) is one instruction path's grouped tile.
 template <class Kernel, int L>
 static void grouped_rows_l(const Job& j) {
   int64_t n = j.n0;
   if (j.T == 1) {
-    for (; n + 2 <= j.n1; n += 2) Kernel::template tile<2, 1, L>(j, n, 0);
+    for (; n + Kernel::ROWS <= j.n1; n += Kernel::ROWS) Kernel::template tile<Kernel::ROWS, 1, L>(j, n, 0);
   }
   for (; n < j.n1; ++n) {
     int64_t t = 0;

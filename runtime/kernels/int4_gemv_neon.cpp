@@ -209,6 +209,7 @@ HQ_DOT static inline void gtile_neon(const Job& j, int64_t n, int64_t t0) {
 }
 
 struct GroupedNeon {
+  static constexpr int ROWS = 2;
   template <int R, int TT, int L>
   HQ_DOT static void tile(const Job& j, int64_t n, int64_t t0) { gtile_neon<R, TT, L>(j, n, t0); }
 };

@@ -98,7 +98,7 @@ static int moe_inputs(const float* x, int64_t T, int64_t H, const int64_t* tok,
   std::vector<int> rc((size_t)R, 0);
   tl_pool.run(nt, R, [&](int64_t r) {
     const int64_t t0 = r * T / R, t1 = (r + 1) * T / R;
-    rc[r] = prepare(x + t0 * H, H, t1 - t0, H, L, false, P[r]);
+    rc[r] = prepare(x + t0 * H, H, t1 - t0, H, L, false, Transposed{}, P[r]);
   });
   for (int c : rc)
     if (c < 0) return c;
@@ -136,7 +136,7 @@ static int moe_act(MoeExpert& e, int64_t N1, int isa, int L) {
       a[k] = silu * up;
     }
   }
-  const int rc = prepare(e.act, K2, e.T, K2, L, false, e.down);
+  const int rc = prepare(e.act, K2, e.T, K2, L, false, Transposed{}, e.down);
   if (rc < 0) return rc;
 #ifdef HQ_HAS_AMX
   if (isa == AMX_INT8 && e.T >= AMX_MIN_T &&

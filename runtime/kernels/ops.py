@@ -16,6 +16,8 @@ w8a8_dynamic        per-token int8 quantization, exact  npu_dynamic_quant + npu_
                     int32 ``torch._int_mm``, F32 scales (vllm-ascend W8A8_DYNAMIC)
 w8a8                static int8 quantization,           npu_quantize + npu_quant_matmul
                     ``torch._int_mm`` + quant_bias      (vllm-ascend w8a8_static)
+w4a8_dynamic        int4 codes widened to int8 at load, then the w8a8_dynamic kernel of the backend
+                    (same numbers; ``backends/w4a8.py``)
 awq_w4a16           int4 GEMM (*)                       sglang's repack + npu_weight_quant_batchmatmul
 ct_pack_quantized   int4 GEMM (*)                       vllm-ascend's W4A16 repack
                                                         (npu_convert_weight_to_int4pack) + WQBMM

@@ -7,11 +7,23 @@ import torch
 
 from hetquant.calib import awq
 from hetquant.formats.awq_w4a16 import AwqW4A16
+from hetquant.formats.ct_pack_quantized import CtPackQuantized
 from hetquant.runtime.forward.model import rms_norm
 
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("group", [128, 32])
+@pytest.mark.parametrize("case", ["normal", "tiny", "huge", "one_signed", "zeros"])
+def test_fake_quantize_symmetric_is_the_ct_formats_round_trip(group, case):
+    w = torch.randn(48, 256, generator=_gen(group + 1))
+    w = {"normal": w, "tiny": w * 1e-30, "huge": w * 1e3, "one_signed": w.abs() + 0.5,
+         "zeros": w * (torch.arange(256) >= 128)}[case]  # fmt: skip
+    fmt = CtPackQuantized(group)
+    assert torch.equal(awq.fake_quantize_symmetric(w, group), fmt.dequantize(fmt.quantize(w)))
+    assert awq.FAKE_QUANTIZERS["ct_pack_quantized"] is awq.fake_quantize_symmetric
 
 
 @pytest.mark.parametrize("group", [128, 64])

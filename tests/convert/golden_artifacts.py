@@ -36,6 +36,14 @@ CASES: dict[str, list[str]] = {
     ],
     "fp4": ["--recipe", "fp4"],
     "fp4-nvfp4": ["--recipe", "fp4", "--fp4-layout", "nvfp4"],
+    "ascend-w4a8": ["--recipe", "ascend-w4a8"],
+    "ascend-w4a16": ["--recipe", "ascend-w4a16"],
+    "ascend-w4a16-g128": ["--recipe", "ascend-w4a16", "--group-size", "128"],
+    "ct-w4a16": ["--recipe", "ct-w4a16"],
+    "ct-w4a16-calibrated": [
+        "--recipe", "ct-w4a16", "--calib-data", "examples/tiny-tools/calib.txt",
+        "--calib-samples", "4", "--calib-seq-len", "64",
+    ],
 }  # fmt: skip
 
 

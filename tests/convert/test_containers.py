@@ -25,12 +25,12 @@ from hetquant.convert import containers
 from hetquant.convert.containers import (
     CONTAINERS,
     OutTensor,
-    PieceWriter,
     RawFile,
     SafetensorsFile,
     make_container,
 )
 from hetquant.convert.recipes import RECIPES
+from hetquant.convert.writer import PieceWriter
 from hetquant.formats import HetquantError, TensorMeta
 
 TENSORS = [OutTensor("a", TensorMeta("I32", (2, 3))), OutTensor("b", TensorMeta("BF16", (5,)))]

@@ -10,11 +10,12 @@ from support import make_kimi_k2, read_json
 
 from hetquant.convert.aux_files import aux_files
 from hetquant.convert.engine import convert
+from hetquant.convert.recipes import RECIPES as REGISTERED
 from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.convert.verify import verify_artifact
 
-RECIPES = ["bf16", "ascend-hybrid", "ascend-w8a8", "awq-w4a16", "fp4"]
+RECIPES = sorted(REGISTERED)  # every recipe
 K2_FILES = ["chat_template.jinja", "generation_config.json", "tiktoken.model",
             "tokenization_kimi.py", "tokenizer_config.json"]  # fmt: skip
 

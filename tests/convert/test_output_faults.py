@@ -29,6 +29,7 @@ from support import (
 from hetquant.convert import containers, engine, finalize, output_lock
 from hetquant.convert.output_lock import LOCK_NAME, OutputLock
 from hetquant.convert.verify import artifact_files, count_files
+from hetquant.convert.writer import PieceWriter
 from hetquant.formats import HetquantError
 
 BF16 = ("--recipe", "bf16")
@@ -74,15 +75,15 @@ def test_disk_filling_up_mid_run_is_one_line_and_resumes(
     cli, tiny_ro: Path, tiny_artifact: Path, tmp_path: Path, monkeypatch
 ) -> None:
     """ENOSPC from a job's write (simulated: the same OSError a full disk raises)."""
-    real, calls = containers.write_at, []
+    real, calls = PieceWriter.write, []
 
-    def write_at(fd: int, offset: int, data) -> None:
+    def write(self, tensor: str, offset: int, data) -> None:
         calls.append(offset)
         if len(calls) > 40:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(fd, offset, data)
+        real(self, tensor, offset, data)
 
-    monkeypatch.setattr(containers, "write_at", write_at)
+    monkeypatch.setattr(PieceWriter, "write", write)
     out = tmp_path / "out"
     line = _one_error_line(cli("convert", tiny_ro, out, *BF16))
     assert "the disk filled up during the run" in line
@@ -100,8 +101,9 @@ def test_full_tmpfs_up_front_then_filled_during_the_run(
     cli, hetquant_proc, tiny_ro: Path, tiny_artifact: Path, tmp_path: Path
 ) -> None:
     """A real file system: first too small for the artifact; then big enough, but filled by
-    another writer during the run (the containers are reserved with fallocate, so the finishing
-    writes are what fails); after the filler goes, the same command resumes and finishes."""
+    another writer during the run (on tmpfs the containers are sized, not reserved, so a job's
+    page populate (EFAULT, reported as ENOSPC) or the finishing writes fail); after the filler
+    goes, the same command resumes and finishes."""
     with tmpfs(tmp_path / "small", "3m") as small:
         line = _one_error_line(cli("convert", tiny_ro, small / "out", *BF16))
         need, free = _needs_and_free(line)

@@ -22,7 +22,15 @@ from hetquant.formats.int4_cpu import dequantize_expert
 from hetquant.formats.nvfp4 import BLOCK
 from hetquant.formats.nvfp4_ascend import to_canonical
 
-RECIPES = ["bf16", "ascend-hybrid", "ascend-w8a8", "awq-w4a16", "fp4"]
+RECIPES = [
+    "bf16",
+    "ascend-hybrid",
+    "ascend-w8a8",
+    "awq-w4a16",
+    "fp4",
+    "ascend-w4a8",
+    "ascend-w4a16",
+]
 VARIANTS = {
     "awq-g64": ("awq-w4a16", {"group_size": 64}),
     "fp4-nvfp4": ("fp4", {"fp4_layout": "nvfp4"}),
@@ -71,8 +79,11 @@ def _bound(fmt: str, stored: dict[str, torch.Tensor], shape: tuple[int, int]) ->
     n, k = shape
     if fmt == "bf16":
         return torch.zeros(shape)
-    if fmt in ("w8a8_dynamic", "int4_cpu"):
+    if fmt in ("w8a8_dynamic", "int4_cpu", "w4a8_dynamic"):
         return (stored["weight_scale"].reshape(n, 1) / 2).expand(n, k)
+    if fmt == "ct_pack_quantized":
+        g = k // stored["weight_scale"].shape[1]
+        return (stored["weight_scale"].float() / 2).repeat_interleave(g, 1)  # (N, K)
     if fmt == "awq_w4a16":
         g = k // stored["scales"].shape[0]
         return (stored["scales"].float().t() / 2).repeat_interleave(g, 1)  # (N, K)
@@ -145,14 +156,19 @@ def test_streamed_jobs_store_exactly_the_whole_tensor_quantization(
     artifacts: dict[str, Path], source: SourceCheckpoint, key: str
 ) -> None:
     """The converter streams block rows (absmax from FP8 codes, experts row by row, chunks packed
-    straight into their final layout); the bytes must equal quantizing the whole weight at once."""
+    straight into their final layout); the bytes must equal quantizing the whole weight at once
+    (with the joint absmax of its merged module where the plan groups one)."""
     root = artifacts[key]
     plan = replay_plan(root, load_json(root / MANIFEST_NAME))
     stored = _load(root)
     for job in (j for j in plan.jobs if j.kind != "copy"):
         refs = [_src_bf16(source, name).to(torch.bfloat16) for name in job.sources]
         if job.kind == "linear":
-            whole = get_format(job.target.fmt, **dict(job.target.params)).quantize(refs[0])
+            fmt = get_format(job.target.fmt, **dict(job.target.params))
+            # a merged module's members share the per-tensor scale of their joint absmax
+            group = [_src_bf16(source, n).abs().amax() for n in job.amax_group]
+            opts = {"weight_amax": float(max(group))} if group else {}
+            whole = fmt.quantize(refs[0], **opts)
         else:
             whole = get_expert_format(job.target.fmt).quantize_expert(*refs)
         for piece in job.outputs:
@@ -164,10 +180,12 @@ def test_streamed_jobs_store_exactly_the_whole_tensor_quantization(
 def test_ascend_description_covers_exactly_the_root(artifacts: dict[str, Path], key: str) -> None:
     root = artifacts[key]
     desc = load_json(root / "quant_model_description.json")
-    header = {"model_quant_type", "version", "group_size"}
+    header = ["version", "model_quant_type", "metadata", "group_size", "optional"]
+    assert list(desc)[-len(header) :] == header  # after the entries, as msModelSlim writes them
+    assert desc["metadata"] == desc["optional"] == {}
     assert desc["model_quant_type"] == "W8A8_DYNAMIC"
     index = load_json(root / "model.safetensors.index.json")["weight_map"]
-    assert set(desc) - header == set(index)
+    assert set(desc) - set(header) == set(index)
     for name, qt in desc.items():
         if name in header:
             continue
@@ -220,6 +238,8 @@ GOLDEN = {
     "ascend-w8a8": {"attention": "w8a8_dynamic", "kv_b": "bf16", "dense": "w8a8_dynamic", "shared": "w8a8_dynamic", "routed": "w8a8_dynamic", "router": "copy", "eh_proj": "copy"},
     "awq-w4a16": {"attention": "awq_w4a16", "kv_b": "awq_w4a16", "dense": "awq_w4a16", "shared": "awq_w4a16", "routed": "awq_w4a16", "router": "copy", "eh_proj": "copy"},
     "fp4": {"attention": "bf16", "kv_b": "bf16", "dense": "nvfp4_ascend", "shared": "nvfp4_ascend", "routed": "nvfp4_ascend", "router": "copy", "eh_proj": "copy"},
+    "ascend-w4a8": {"attention": "w8a8_dynamic", "kv_b": "bf16", "dense": "w8a8_dynamic", "shared": "w8a8_dynamic", "routed": "w4a8_dynamic", "mtp_routed": "w8a8_dynamic", "router": "copy", "eh_proj": "copy"},
+    "ascend-w4a16": {"attention": "w8a8_dynamic", "kv_b": "bf16", "dense": "w8a8_dynamic", "shared": "w8a8_dynamic", "routed": "ct_pack_quantized", "router": "copy", "eh_proj": "copy"},
 }  # fmt: skip
 PROBES = {
     "attention": ["self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.o_proj"],
@@ -245,4 +265,5 @@ def test_golden_format_listing(recipe: str, source: SourceCheckpoint) -> None:
         for layer in layers.get(cls, [1, 3]):  # a MoE layer and the MTP layer (kept)
             for probe in probes:
                 name = f"model.layers.{layer}.{probe}.weight"
-                assert fmt_of[name] == GOLDEN[recipe][cls], (recipe, name)
+                want = GOLDEN[recipe].get(f"mtp_{cls}" if layer == 3 else cls, GOLDEN[recipe][cls])
+                assert fmt_of[name] == want, (recipe, name)

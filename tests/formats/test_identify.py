@@ -15,6 +15,7 @@ VARIANTS: dict[str, tuple[list[dict], list[tuple[int, int]]]] = {
     "fp8_block": ([{}, {"block": 64}], [(160, 256), (160, 200), (7, 9), (129, 1000)]),
     "w8a8_dynamic": ([{}], [(7, 9), (576, 7168)]),
     "w8a8": ([{}], [(7, 9), (160, 256)]),
+    "w4a8_dynamic": ([{}, {"bias_chunks": 16}], [(6, 32), (2048, 7168), (7168, 2048)]),
     "awq_w4a16": ([{}, {"group_size": 64}], [(256, 512), (8, 128 * 3)]),
     "ct_pack_quantized": (
         [{}, {"group_size": 32, "scale_dtype": "F32", "shape_dtype": "I32"}],

@@ -199,11 +199,14 @@ def test_description_entries_golden() -> None:
     }
     r = "model.layers.0.self_attn.kv_b_proj"
     assert w8.description_entries(r, "bf16") == {f"{r}.weight": "FLOAT"}
-    assert w8.description_header() == {
-        "model_quant_type": "W8A8_DYNAMIC",
-        "version": "1.0.0",
-        "group_size": 0,
-    }
+    header = w8.description_header()  # msModelSlim's ascendv1.py:209-227, in its order
+    assert list(header.items()) == [
+        ("version", "1.0.0"),
+        ("model_quant_type", "W8A8_DYNAMIC"),
+        ("metadata", {}),
+        ("group_size", 0),
+        ("optional", {}),
+    ]
     assert w8.description_header("W8A8")["model_quant_type"] == "W8A8"
 
 
@@ -261,3 +264,66 @@ def test_other_bad_inputs_refused() -> None:
         w8.description_entries("model.layers.0.mlp.up_proj", "fp8_block")
     with pytest.raises(HetquantError, match="W4A8"):
         w8.description_header("W4A8")
+
+
+# -- scales the consumer holds exactly (issue #14 item 5) ------------------------------------------
+# Row [1, -0.5, 0.25, 0]: amax / 127 = 2^-7 · 1.00787…; BF16 keeps 7 fraction bits, so the value
+# between 2^-7 · (1 + 1/128) and 2^-7 · (1 + 2/128) is rounded UP to 2^-7 · 1.015625 =
+# 0.0079345703125 (bytes 00 00 02 3c as F32). Codes: 1 / s = 126.03 -> 126 (the row's extreme no
+# longer reaches 127), -0.5 / s = -63.02 -> -63, 0.25 / s = 31.51 -> 32, 0 -> 0.
+HELD_ROW = torch.tensor([[1.0, -0.5, 0.25, 0.0]], dtype=torch.bfloat16)
+
+
+def test_held_scale_golden() -> None:
+    t = DYN.quantize(HELD_ROW)
+    assert t["weight_scale"].numpy().tobytes() == bytes.fromhex("0000023c")
+    assert t["weight"].tolist() == [[126, -63, 32, 0]]
+
+
+def _bf16_weights(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    mags = torch.logspace(-6, 2, 48).reshape(48, 1)  # rows over eight decades
+    return (torch.randn(48, 300, generator=gen) * mags).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_scale_is_the_smallest_bf16_that_clips_nothing(seed: int) -> None:
+    w = _bf16_weights(seed)
+    t = DYN.quantize(w)
+    s = t["weight_scale"]  # (n, 1) F32
+    assert torch.equal(s.to(torch.bfloat16).float(), s)  # held exactly by a BF16 parameter
+    need = w.double().abs().amax(1, keepdim=True) / 127  # exact enough in F64
+    need = need.clamp(min=w8.SCALE_FLOOR)  # the smallest rows are floored at FLT_EPSILON
+    assert bool((s.double() >= need).all())
+    below = torch.nextafter(s.to(torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16))
+    assert bool((below.double() < need).all())  # one BF16 step down would clip
+    exact = w.double() / s.double()  # the codes are the exact quotients, rounded half to even
+    assert bool((exact.abs() <= 127).all())
+    assert torch.equal(t["weight"], torch.round(exact).to(torch.int8))
+
+
+def test_f32_weights_round_the_exact_quotient() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 257, generator=gen) * 3
+    t = DYN.quantize(w)
+    want = torch.round(w.double() / t["weight_scale"].double()).to(torch.int8)
+    assert torch.equal(t["weight"], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_vllm_ascend_bf16_scale_load_changes_nothing(dtype: torch.dtype) -> None:
+    """vllm-ascend copies weight_scale into a BF16 parameter: bit-identical output to F32."""
+    t = DYN.quantize(_bf16_weights(4).float())
+    x = (torch.randn(5, 300, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    held = w8.dynamic_quant_matmul(x, t, param_dtype=torch.bfloat16)
+    assert torch.equal(held, w8.dynamic_quant_matmul(x, t))
+
+
+def test_static_scales_held_and_deq_scale_exact() -> None:
+    t = STATIC.quantize(_bf16_weights(6), act_min=-3.3, act_max=7.1)
+    s_x, s_w = t["input_scale"], t["weight_scale"]
+    for s in (s_x, s_w):
+        assert torch.equal(s.to(torch.bfloat16).float(), s)
+    assert float(s_x) >= (7.1 + 3.3) / 255  # rounded up: the range fits in 255 steps
+    assert torch.equal(t["deq_scale"].double(), s_x.double() * s_w.double().squeeze(1))
+    assert torch.equal(t["input_offset"], torch.round(3.3 / s_x.double()).float() - 128)

@@ -4,4 +4,4 @@
 torch_npu operators the way vllm-ascend, sglang and chitu do.
 """
 
-from . import cpu, cuda, npu  # noqa: F401  (registration)
+from . import cpu, cuda, npu, w4a8  # noqa: F401  (registration)

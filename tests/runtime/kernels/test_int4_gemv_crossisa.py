@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gemv_reference import grouped_native_order, order_sensitive_grouped
 
 from hetquant.formats.native import DEFAULT_FLAGS, find_compiler
 from hetquant.runtime.kernels import int4_gemv as G
@@ -318,16 +319,29 @@ def _run(prefix: tuple[str, ...], cases, isa: int, tmp: Path) -> tuple[int, list
 
 
 def test_golden_cases_exact_on_this_host() -> None:
-    for c, (packed, scale, x), want in _golden():
+    for c, (packed, scale, x), want in _golden() + _ordered():
         assert _host(packed, scale, x, c.precision).flatten().tolist() == want
+
+
+def _ordered() -> list[tuple[Case, tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[float]]]:
+    """Grouped cases whose float32 bits depend on the order of the float step (huge products
+    that cancel, gemv_reference.order_sensitive_grouped), with the bits of the documented
+    order (grouped_native_order)."""
+    out = []
+    for n, k, t, g in ((5, 2080, 1, 32), (4, 1536, 2, 64), (3, 1536, 1, 128)):
+        packed, scale, m = order_sensitive_grouped(n, k, t, g, seed=n)
+        want = grouped_native_order(packed, scale, m, -21).flatten().tolist()
+        out.append((Case(n, k, t, group=g), (packed, scale, m.float() * 2.0**-21), want))
+    return out
 
 
 def _check(prefix, best: int, requests: dict[int, int], tmp: Path, moe: bool = False) -> None:
     """Every case through ``prefix`` for each requested path (request → the path that must run),
-    bit-identical to this host's x86 results; the golden ones equal their hand-computed values.
-    ``moe``: also the routed-expert sums of ``int4_moe.cpp`` — on x86 only: their SiLU calls the C
-    library's ``expf``, whose last bit differs between C libraries (as torch's ``F.silu`` does)."""
-    golden = _golden()
+    bit-identical to this host's x86 results; the golden ones equal their hand-computed values,
+    the order-sensitive ones the bits of the documented float order. ``moe``: also the
+    routed-expert sums of ``int4_moe.cpp`` — on x86 only: their SiLU calls the C library's
+    ``expf``, whose last bit differs between C libraries (as torch's ``F.silu`` does)."""
+    golden = _golden() + _ordered()
     cases = [(c, t) for c, t, _ in golden] + [(c, _tensors(c)) for c in RANDOM]
     want = [_host(*t, c.precision) for c, t in cases]
     if moe:
@@ -341,7 +355,10 @@ def _check(prefix, best: int, requests: dict[int, int], tmp: Path, moe: bool = F
             assert rc == used, c
             assert torch.equal(y.view(torch.int32), w.view(torch.int32)), (c, isa)
         for (_, _, expected), (_, y) in zip(golden, results, strict=False):
-            assert y.flatten().tolist() == expected
+            assert (
+                y.flatten().view(torch.int32).tolist()
+                == torch.tensor(expected).view(torch.int32).tolist()
+            )
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from gemv_reference import assert_within, gemv_bound, gemv_ref, routed_ref_and_bound, routing
+from gemv_reference import (
+    assert_within,
+    gemv_bound,
+    gemv_ref,
+    grouped_native_order,
+    order_sensitive_grouped,
+    routed_ref_and_bound,
+    routing,
+)
 from safetensors.torch import load_file, save_file
 
 from hetquant.formats import HetquantError
@@ -109,6 +117,22 @@ def test_strided_rows_and_scale_rows(native_or_skip, monkeypatch):
         y, gemv_ref(packed, scale, x.float()), gemv_bound(packed, scale, x.float(), y, "native") / 2
     )
     assert G.int4_gemv(packed, scale, x[0], backend="native").shape == (70,)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "t", "g"),
+    [(37, 2080, 1, 32), (6, 4096, 3, 32), (11, 1536, 1, 64), (9, 1536, 2, 128)],
+)
+def test_float_step_in_the_documented_order(native_or_skip, monkeypatch, n, k, t, g):
+    """Every path gives the bits of the documented float order (partials p[b mod 8]), whatever
+    its lanes (the transposed superblocks of AVX2 / AVX-512), on inputs where the order shows:
+    a single running sum gives other float32 bits for most outputs."""
+    packed, scale, m = order_sensitive_grouped(n, k, t, g, seed=k + t)
+    want = grouped_native_order(packed, scale, m, -21)
+    other = grouped_native_order(packed, scale, m, -21, order="sequential")
+    assert (want.view(torch.int32) != other.view(torch.int32)).float().mean() > 0.5
+    got = _all_isas(monkeypatch, packed, scale, m.float() * 2.0**-21)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("mag", [1e-42, 1e-30, 1.0, 1e20, 3e37])

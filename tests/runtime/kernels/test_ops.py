@@ -52,6 +52,7 @@ import torch
 from hetquant.formats import FORMATS, HetquantError, get_format
 from hetquant.formats.awq_w4a16 import AWQ_ORDER
 from hetquant.formats.bits import unpack_nibbles_i32
+from hetquant.formats.w4a8_npu import unpack_out_pairs
 from hetquant.formats.w8a8_npu import dynamic_quant_matmul, static_quant_matmul
 from hetquant.runtime.kernels import npu_emulation as emu
 from hetquant.runtime.kernels.backends import npu as npu_backend
@@ -82,6 +83,8 @@ CASES = [
     Case("w8a8_dynamic"),
     Case("w8a8_dynamic", n=60, k=100),  # cuda: in % 8 != 0 -> exact float64 fallback
     Case("w8a8"),
+    Case("w4a8_dynamic"),
+    Case("w4a8_dynamic", n=64, k=96, params=(("bias_chunks", 16),)),
     Case("awq_w4a16"),
     Case("awq_w4a16", params=(("group_size", 64),)),
     Case("awq_w4a16", n=72, k=128),  # one group (npu per-channel mode); cpu falls back (72 % 16)
@@ -150,7 +153,7 @@ def spec(case, backend, lin, t, x, w, y_dtype, *, cuda=False):
     """(e, E, gamma, u_s) for this path, as derived in the module docstring."""
     fmt = get_format(case.fmt, **dict(case.params))
     xa, wa, k = x.double().abs().reshape(-1, case.k), w.double().abs(), case.k
-    if case.fmt == "w8a8_dynamic":
+    if case.fmt in ("w8a8_dynamic", "w4a8_dynamic"):  # w4a8: the w8a8 kernel on widened codes
         amax = xa.amax(dim=1, keepdim=True)
         e = (amax / 127) * (1 + 4 * U32) / 2 + 3 * U32 * xa
         u_s = U[BF16] if backend == "npu" and x.dtype == BF16 else 0.0
@@ -225,6 +228,22 @@ def test_cpu_int8_bit_exact_against_reference(dtype: torch.dtype) -> None:
         t, x = stored(case), activations(case, dtype)
         y = QuantLinear.from_stored(case.fmt, t, backend="cpu")(x)
         assert torch.equal(y, ref(x, t))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "npu"])
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_w4a8_is_w8a8_dynamic_on_the_widened_codes(backend: str, dtype: torch.dtype) -> None:
+    case = Case("w4a8_dynamic", params=(("bias_chunks", 16),))
+    t, x = stored(case), activations(case, dtype)
+    widened = {k: v for k, v in t.items() if k != "scale_bias"}
+    widened["weight"] = unpack_out_pairs(t["weight"])
+    ops = {"npu_ops": emu} if backend == "npu" else {}
+    got = QuantLinear.from_stored(case.fmt, t, backend=backend, params=dict(case.params), **ops)
+    want = QuantLinear.from_stored("w8a8_dynamic", widened, backend=backend, **ops)
+    assert "widened" in got.uses and torch.equal(got(x), want(x))
+    bad = dict(t, scale_bias=t["scale_bias"] * 2)  # a corrupt artifact is refused at load
+    with pytest.raises(HetquantError, match="scale_bias disagrees"):
+        QuantLinear.from_stored(case.fmt, bad, backend=backend, params=dict(case.params), **ops)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])

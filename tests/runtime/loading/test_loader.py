@@ -31,6 +31,8 @@ ARTIFACTS = {  # name → convert options (bf16 keeps the MTP layer; the others 
     "awq": ("--recipe", "awq-w4a16", "--mtp", "drop"),
     "fp4": ("--recipe", "fp4", "--mtp", "drop"),
     "nvfp4": ("--recipe", "fp4", "--fp4-layout", "nvfp4", "--mtp", "drop"),
+    "w4a8": ("--recipe", "ascend-w4a8", "--mtp", "drop"),
+    "w4a16": ("--recipe", "ascend-w4a16", "--mtp", "drop"),
 }
 PHY2LOG = ((0, 1, 2, 3, 4, 5, 6, 7, 2),)  # 9 slots over 8 experts: expert 2 twice
 LAYOUTS = {
