@@ -14,17 +14,29 @@ the ratio of our time to kt's, per repeat, median (below 1: ours is faster). Thr
 Run it in kt-kernel's environment (``benchmarks/README.md``)::
 
     python benchmarks/bench_kt_side_by_side.py [--kind amxint4] [--experts 256] [--batches 1 8 64] [--threads 1 2]
+
+``--materialize``: our pools copy the layer into private memory on transparent huge pages
+(``CpuExpertPool.open(materialize=True)``), as kt-kernel holds its own copy; by default they
+serve the page cache through the file mapping (4 KB pages).
+
+``--ours-only`` (no kt-kernel needed, no export): our pool against itself before ``int4_moe``
+(``fused=False``: one ``int4_gemv`` call per expert and projection, torch glue between), in the
+same interleaved way, so the ratio is new / old on this machine; the rows also show kt's time
+recorded in ``--recorded`` (default ``results/bench_kt_side_by_side.json``, kt measured there)
+and our time over it — a ratio across runs, not interleaved, for a quick look only.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,29 +68,49 @@ def main() -> int:
     ap.add_argument("--work", default=None)
     ap.add_argument("--json", default=str(HERE / "results" / "bench_kt_side_by_side.json"))
     ap.add_argument("--readme", default=None, help="update this README's marked table")
+    ap.add_argument(
+        "--ours-only",
+        action="store_true",
+        help="ours against ours before int4_moe (no kt-kernel; module docstring)",
+    )
+    ap.add_argument("--recorded", default=str(HERE / "results" / "bench_kt_side_by_side.json"))
+    ap.add_argument(
+        "--materialize",
+        action="store_true",
+        help="our pools copy the layer into private memory (huge pages), as kt does",
+    )
     args = ap.parse_args()
+    if args.ours_only and args.json == ap.get_default("json"):
+        args.json = str(HERE / "results" / "bench_kt_side_by_side-ours.json")
     _kt.import_hetquant()
-    from kt_kernel.utils import amx as ktamx
-
     from hetquant.runtime.experts.expert_pool import CpuExpertPool
     from hetquant.runtime.kernels.int4_gemv import native_info
 
-    kind = args.kind or ("amxint4" if ktamx.AMXInt4_MOE is not None else "rawint4")
+    if args.ours_only:
+        kind, ktamx = args.kind or "amxint4", None
+    else:
+        from kt_kernel.utils import amx as ktamx
+
+        kind = args.kind or ("amxint4" if ktamx.AMXInt4_MOE is not None else "rawint4")
     to, method, group = {"amxint4": ("kt-amxint4", "AMXINT4", 0),
                          "rawint4": ("kt-rawint4", "RAWINT4", 32)}[kind]  # fmt: skip
     e, h, i, k = args.experts, args.hidden, args.inter, args.topk
     work = Path(args.work or tempfile.mkdtemp(prefix="hetquant-ktbench-"))
     t0 = time.perf_counter()
     art = _kt.make_hybrid(work, e, h, i, group, seed=0)
-    out = _kt.export(art, to, 1)
+    out = None if args.ours_only else _kt.export(art, to, 1)
     print(f"artifact + export in {time.perf_counter() - t0:.0f} s", flush=True)
     maxb = max(args.batches)
-    systems = {}
+    other, mat = ("loop" if args.ours_only else "kt"), args.materialize
+    systems: dict[tuple[str, int], Any] = {}
     for t in args.threads:
-        systems["kt", t] = _kt.KtMoE(out, method, e, k, h, i, t, 1, max_len=max(maxb, 128))
-        systems["ours", t] = CpuExpertPool.open(art, subpools=1, threads=t)
-    backend = systems["kt", args.threads[0]].backend
-    print(f"kt {backend}, ours {native_info()['isa']}", flush=True)
+        if args.ours_only:
+            systems["loop", t] = CpuExpertPool.open(art, threads=t, fused=False, materialize=mat)
+        else:
+            systems["kt", t] = _kt.KtMoE(out, method, e, k, h, i, t, 1, max_len=max(maxb, 128))
+        systems["ours", t] = CpuExpertPool.open(art, threads=t, materialize=mat)
+    backend = "ours before int4_moe" if args.ours_only else systems["kt", args.threads[0]].backend
+    print(f"against: {backend}, ours {native_info()['isa']}", flush=True)
 
     def call(
         name: str, t: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
@@ -98,7 +130,7 @@ def main() -> int:
                     ids, w = _kt.routing(b, e, k, seed=1000 * rep + 10 * b + c)
                     x = torch.randn(b, h, generator=g).to(torch.bfloat16)
                     inputs.append((x, ids, w))
-                order = ["ours", "kt"] if rep % 2 == 0 else ["kt", "ours"]
+                order = ["ours", other] if rep % 2 == 0 else [other, "ours"]
                 for name in order:
                     w0, c0 = time.perf_counter(), time.process_time()
                     for x, ids, w in inputs:
@@ -108,27 +140,36 @@ def main() -> int:
                     touched = statistics.mean(len(set(ids.flatten().tolist())) for _, ids, _ in inputs)  # fmt: skip
                     samples.setdefault((name, b, t), []).append((wall, cpu, touched))
         print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
-    # agreement on one input (both hold the same codes and scales)
+    # agreement on one input (both hold the same codes and scales; ours and loop: the same bits)
     x, ids, w = inputs[0]
-    agree = _kt.rel_err(call("kt", t, x, ids, w), call("ours", t, x, ids, w).to(torch.float64))
+    agree = _kt.rel_err(call(other, t, x, ids, w), call("ours", t, x, ids, w).to(torch.float64))
     for s in systems.values():
         if hasattr(s, "close"):
             s.close()
+    recorded = _recorded_kt(Path(args.recorded)) if args.ours_only else {}
     rows = []
     for b in args.batches:
         for t in args.threads:
-            ours, kt = samples["ours", b, t], samples["kt", b, t]
+            ours, kt = samples["ours", b, t], samples[other, b, t]
             ratio = statistics.median(o[0] / q[0] for o, q in zip(ours, kt, strict=True))
-            for name, smp in (("ours", ours), ("kt", kt)):
+            for name, smp in (("ours", ours), (other, kt)):
                 wall = statistics.median(s[0] for s in smp)
                 rows.append({
                     "system": name, "batch": b, "threads": t, "ms_per_call": wall * 1e3,
                     "ms_per_token": wall * 1e3 / b,
                     "cpu_ms_per_call": statistics.median(s[1] for s in smp) * 1e3,
                     "weight_gbps": statistics.median(s[2] * per_expert / s[0] for s in smp) / 1e9,
-                    "ratio_ours_over_kt": ratio, "samples_ms": [round(s[0] * 1e3, 2) for s in smp],
+                    f"ratio_ours_over_{other}": ratio,
+                    "samples_ms": [round(s[0] * 1e3, 2) for s in smp],
                 })  # fmt: skip
-    doc = {"machine": machine_info(), "environment": _kt.environment(), "kind": kind,
+                if name == "ours" and (b, t) in recorded:
+                    rows[-1]["kt_recorded_ms"] = recorded[b, t]
+                    rows[-1]["ratio_ours_over_kt_recorded"] = (
+                        rows[-1]["ms_per_call"] / recorded[b, t]
+                    )
+    env = {"torch": torch.__version__} if args.ours_only else _kt.environment()
+    doc = {"machine": machine_info(), "environment": env, "kind": kind, "against": other,
+           "materialize": mat,
            "kt_backend": backend, "ours_isa": native_info()["isa"], "experts": e, "hidden": h,
            "inter": i, "topk": k, "expert_bytes": per_expert, "rel_err_kt_vs_ours": agree,
            "command": " ".join(sys.argv), "rows": rows}  # fmt: skip
@@ -143,23 +184,43 @@ def main() -> int:
 
 
 def render(doc: dict) -> str:
-    m = doc["machine"]
+    m, other = doc["machine"], doc.get("against", "kt")
+    env = doc["environment"]
+    against = (
+        f"kt-kernel {env['kt_kernel']} `{doc['kt_backend']}` ({env['kt_variant']})"
+        if other == "kt"
+        else "our pool before int4_moe (`fused=False`)"
+    )
     head = (
         f"`{doc['command']}` · {m.get('cpu_model', '?')}, {m.get('nproc', '?')} CPUs · "
-        f"kt-kernel {doc['environment']['kt_kernel']} `{doc['kt_backend']}` "
-        f"({doc['environment']['kt_variant']}) against ours `{doc['ours_isa']}` · "
+        f"{against} against ours `{doc['ours_isa']}` · "
         f"{doc['experts']} experts [H {doc['hidden']}, I {doc['inter']}] top-{doc['topk']}, "
-        f"{doc['expert_bytes']:,} B per expert · kt vs ours on one input: "
+        f"{doc['expert_bytes']:,} B per expert · {other} vs ours on one input: "
         f"{doc['rel_err_kt_vs_ours']:.2e}\n\n"
     )
-    lines = ["| system | threads | batch | ms / call | ms / token | CPU ms / call | weight GB/s | time ratio ours / kt |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    extra = other != "kt"
+    lines = ["| system | threads | batch | ms / call | ms / token | CPU ms / call | weight GB/s | "
+             f"time ratio ours / {other} |" + (" kt recorded ms | ours / kt recorded |" if extra else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if extra else "")]  # fmt: skip
     for r in doc["rows"]:
-        ratio = f"**{r['ratio_ours_over_kt']:.2f}**" if r["system"] == "ours" else ""
-        lines.append(f"| {r['system']} | {r['threads']} | {r['batch']} | {r['ms_per_call']:.1f} | "
-                     f"{r['ms_per_token']:.2f} | {r['cpu_ms_per_call']:.1f} | "
-                     f"{r['weight_gbps']:.2f} | {ratio} |")  # fmt: skip
+        ratio = f"**{r[f'ratio_ours_over_{other}']:.2f}**" if r["system"] == "ours" else ""
+        line = (f"| {r['system']} | {r['threads']} | {r['batch']} | {r['ms_per_call']:.1f} | "
+                f"{r['ms_per_token']:.2f} | {r['cpu_ms_per_call']:.1f} | "
+                f"{r['weight_gbps']:.2f} | {ratio} |")  # fmt: skip
+        if extra:
+            rec = r.get("kt_recorded_ms")
+            line += f" {rec:.1f} | {r['ratio_ours_over_kt_recorded']:.2f} |" if rec else " | |"
+        lines.append(line)
     return head + "\n".join(lines) + "\n"
+
+
+def _recorded_kt(path: Path) -> dict[tuple[int, int], float]:
+    """kt's ms per call by (batch, threads) from an earlier side-by-side result (if any)."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {(r["batch"], r["threads"]): r["ms_per_call"] for r in rows if r["system"] == "kt"}
 
 
 if __name__ == "__main__":

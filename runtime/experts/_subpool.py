@@ -25,6 +25,15 @@ once, in anonymous memory), or ``split="experts"`` on a cold page cache: whole e
 contiguous byte ranges, so each pinned subpool's touch reads its own experts into page cache on
 its node (pages already cached stay where they are).
 
+Compute. A subpool's share of ``forward`` (``_Subpool.partial``) is one native call of
+:func:`~hetquant.runtime.kernels.int4_moe.int4_moe` for all its experts (``fused=True``, the
+default, per-channel experts): every token's activation digits once, the subpool's kernel
+threads splitting each expert's weight rows between them, no Python between experts. Otherwise
+— grouped scales, backend ``"torch"``, more than ``MAX_NATIVE_TOKENS`` tokens on one expert,
+non-finite activations, or ``fused=False`` (the reference for tests and A/B benchmarks) — a loop
+over its experts: two ``int4_gemv`` calls and torch glue each, with the same bits for the same
+kernel path.
+
 Threads. Subpool threads run their per-expert torch glue on one OpenMP thread (their own
 OpenMP setting; the caller's is untouched): otherwise each subpool thread gets its own OpenMP
 team whose barrier spinning competes with the kernel (see ``_init_worker``).
@@ -37,7 +46,7 @@ import mmap
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -46,10 +55,12 @@ import torch.nn.functional as F
 from hetquant.formats import HetquantError
 
 from ..kernels.int4_gemv import int4_gemv
+from ..kernels.int4_moe import int4_moe
 from ._expert_files import ExpertLayerInfo
 
 __all__ = [
     "_PAGE",
+    "Routing",
     "_Subpool",
     "_check_split",
     "_cpu_sets",
@@ -121,9 +132,36 @@ def _touch(t: torch.Tensor) -> None:
         int(t.view(torch.uint8)[..., ::_PAGE].sum())
 
 
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True) if hasattr(os, "sched_setaffinity") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+_HUGE = 2 << 20  # x86-64 / aarch64 (4 KB granule) transparent huge page
+_MADV_HUGEPAGE = 14
+
+
+def _ask_huge_pages(t: torch.Tensor) -> None:
+    """``madvise(MADV_HUGEPAGE)`` on the 2 MB-aligned interior of ``t``'s fresh, untouched memory:
+    with transparent huge pages set to ``madvise`` (or ``always``), the first touch then maps
+    2 MB pages, so the kernel's weight streams cross a page (a TLB miss, a stop for the hardware
+    prefetcher) every 2 MB instead of every 4 KB, as kt-kernel's copies in ``aligned_alloc``'d
+    memory may. Linux only; a refusal (THP ``never``) changes nothing."""
+    n = t.numel() * t.element_size()
+    a = -(-t.data_ptr() // _HUGE) * _HUGE
+    b = (t.data_ptr() + n) // _HUGE * _HUGE
+    if _LIBC is not None and b > a:
+        _LIBC.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_HUGEPAGE)
+
+
 def _private_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy allocated and written by the calling thread (first touch)."""
+    """A contiguous copy allocated and written by the calling thread (first touch), on
+    transparent huge pages where the kernel gives them (``_ask_huge_pages``)."""
     out = torch.empty(t.shape, dtype=t.dtype)
+    _ask_huge_pages(out)
     if t.numel():
         # numpy's copy runs in this thread (torch's copy_ may hand it to its OpenMP workers).
         np.copyto(out.view(torch.uint8).numpy(), t.view(torch.uint8).numpy())
@@ -175,25 +213,47 @@ class _Subpool:
             self.tensors[layer] = views
 
     def partial(
-        self,
-        layer: int,
-        e0: int,
-        x32: torch.Tensor,
-        groups: list[tuple[int, torch.Tensor, torch.Tensor]],
-        kw: dict[str, Any],
+        self, layer: int, e0: int, x32: torch.Tensor, r: Routing, kw: dict[str, Any]
     ) -> torch.Tensor:
         """Runs in this subpool's thread: its share of the expert sum, float32 [T, H]; ``e0`` is
-        its first expert, ``kw`` the ``int4_gemv`` options."""
+        its first expert, ``kw`` the ``int4_gemv`` options plus ``fused`` (module docstring)."""
         t = self.tensors[layer]
+        kw = dict(kw)
+        if kw.pop("fused"):
+            out = int4_moe(t, x32, r.experts - e0, r.offsets, r.tokens, r.weights, **kw)
+            if out is not None:
+                return out
         out = torch.zeros_like(x32)
-        for e, tok, w in groups:
-            i = e - e0
+        bounds = r.offsets.tolist()
+        for g, e in enumerate(r.experts.tolist()):
+            i, a, b = e - e0, bounds[g], bounds[g + 1]
+            tok, w = r.tokens[a:b], r.weights[a:b]
             xs = x32.index_select(0, tok)  # [n, H]
             gu = int4_gemv(t["gate_up_packed"][i], t["gate_up_scale"][i], xs, **kw)  # [n, 2I/S]
             act = F.silu(gu[:, 0::2]) * gu[:, 1::2]  # [n, I/S]
             y = int4_gemv(t["down_packed"][i], t["down_scale"][i], act, **kw)  # [n, H]
             out.index_add_(0, tok, y * w[:, None])
         return out
+
+
+class Routing(NamedTuple):
+    """Routed entries grouped by expert: expert ``experts[g]`` (ascending) takes the entries
+    ``offsets[g] .. offsets[g+1]-1`` of ``tokens`` (int64) and ``weights`` (float32)."""
+
+    experts: torch.Tensor
+    offsets: torch.Tensor
+    tokens: torch.Tensor
+    weights: torch.Tensor
+
+    def owned(self, start: int, stop: int) -> Routing | None:
+        """The entries of experts ``start .. stop-1`` (None if there are none)."""
+        a, b = torch.searchsorted(self.experts, torch.tensor([start, stop])).tolist()
+        if a == b:
+            return None
+        lo, hi = int(self.offsets[a]), int(self.offsets[b])
+        return Routing(
+            self.experts[a:b], self.offsets[a : b + 1] - lo, self.tokens[lo:hi], self.weights[lo:hi]
+        )
 
 
 def _expert_block(num_experts: int, s: int, n: int) -> tuple[int, int]:

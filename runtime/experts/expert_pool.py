@@ -35,6 +35,13 @@ up in subpool order (deterministic). ``cpus``: one CPU set per subpool, to which
 itself (for NUMA, with ``materialize=True``); ``threads=``: the native kernel's threads per
 subpool call. Threads, touching, copying and NUMA placement: ``_subpool.py``.
 
+Compute. Each subpool's share of ``forward`` is one native call of
+:func:`~hetquant.runtime.kernels.int4_moe.int4_moe` (per-channel layers; ``fused=True``, the
+default): activation digits once per token, the kernel threads splitting every expert's weight
+rows by bytes, no Python between experts; bit-identical to the per-expert loop it replaced
+(``fused=False``; also taken for group-wise layers, backend ``"torch"`` and the other cases
+``int4_moe`` declines).
+
 Numerics. Activations are computed in float32 whatever ``x``'s dtype (float32, bfloat16 or
 float16) and the result is cast back to it. The GEMVs are those of
 :mod:`hetquant.runtime.kernels.int4_gemv` (native kernel up to ``MAX_NATIVE_TOKENS`` tokens per expert,
@@ -65,7 +72,7 @@ from ._expert_files import ExpertLayerInfo, _Mapping, _select_layers
 from ._expert_files import _cpu_expert_files as _cpu_expert_files
 from ._expert_files import _layers_of as _layers_of
 from ._subpool import _PAGE as _PAGE
-from ._subpool import _check_split, _cpu_sets, _expert_block, _Subpool
+from ._subpool import Routing, _check_split, _cpu_sets, _expert_block, _Subpool
 from ._subpool import _init_worker as _init_worker
 from ._subpool import _omp_library as _omp_library
 from ._subpool import _private_copy as _private_copy
@@ -89,6 +96,7 @@ class CpuExpertPool:
         self._backend = "auto"
         self._precision = "high"
         self._threads = 1
+        self._fused = True
         self._closed = False
         self._lock = threading.Lock()
 
@@ -106,6 +114,7 @@ class CpuExpertPool:
         threads: int | None = None,
         backend: str = "auto",
         precision: str = "high",
+        fused: bool = True,
     ) -> CpuExpertPool:
         """Open the ``cpu_experts`` part of ``artifact_dir``.
 
@@ -115,7 +124,9 @@ class CpuExpertPool:
         ``threads``: native-kernel threads per subpool call (default
         ``max(1, torch.get_num_threads() // subpools)``). ``backend``, ``precision``: passed to
         ``int4_gemv`` (``precision="fast"`` rounds activations to 14-bit instead of 22-bit fixed
-        point, for about a third fewer dot-products).
+        point, for about a third fewer dot-products). ``fused=False``: one ``int4_gemv`` call per
+        expert and projection with torch glue between them (the path before ``int4_moe``; the
+        same bits, slower; for tests and A/B benchmarks).
         """
         if isinstance(subpools, bool) or not isinstance(subpools, int) or subpools < 1:
             raise HetquantError(f"CpuExpertPool: subpools = {subpools!r}; need an integer >= 1")
@@ -138,6 +149,7 @@ class CpuExpertPool:
         pool._materialized = materialize
         pool._backend = backend
         pool._precision = precision
+        pool._fused = bool(fused)
         pool._threads = (
             int(threads) if threads is not None else max(1, torch.get_num_threads() // subpools)
         )
@@ -237,13 +249,9 @@ class CpuExpertPool:
         order = torch.argsort(flat, stable=True)
         ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
         w_all = topk_weights.to(x.dtype).to(torch.float32).reshape(-1)[order]
-        tok_all = order // k
-        groups: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        start = 0
-        for e, c in zip(ids.tolist(), counts.tolist(), strict=True):
-            groups.append((e, tok_all[start : start + c], w_all[start : start + c]))
-            start += c
-        out = self._run(layer, x32, groups)
+        offsets = torch.zeros(ids.numel() + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        out = self._run(layer, x32, Routing(ids, offsets, order // k, w_all))
         return out.to(x.dtype)
 
     def expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -253,8 +261,9 @@ class CpuExpertPool:
             raise HetquantError(f"expert: expert {e} not in 0..{info.num_experts - 1}")
         x32 = x.reshape(-1, info.hidden).to(torch.float32).contiguous()
         n = x32.shape[0]
-        groups = [(e, torch.arange(n), torch.ones(n))] if n else []
-        return self._run(layer, x32, groups).reshape(x.shape).to(x.dtype)
+        one = torch.tensor([e] if n else [], dtype=torch.int64)
+        r = Routing(one, torch.tensor([0, n] if n else [0]), torch.arange(n), torch.ones(n))
+        return self._run(layer, x32, r).reshape(x.shape).to(x.dtype)
 
     def _check_x(self, layer: int, x: torch.Tensor, what: str) -> ExpertLayerInfo:
         if self._closed:
@@ -268,15 +277,14 @@ class CpuExpertPool:
             )
         return info
 
-    def _run(
-        self, layer: int, x32: torch.Tensor, groups: list[tuple[int, torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor:
+    def _run(self, layer: int, x32: torch.Tensor, routing: Routing) -> torch.Tensor:
         kw = {"backend": self._backend, "threads": self._threads, "precision": self._precision}
+        kw["fused"] = self._fused
         futures = []
         for sp in self._subpools:
             owned = self.subpool_experts(sp.index, layer)
-            mine = [g for g in groups if g[0] in owned]
-            if mine:
+            mine = routing.owned(owned.start, owned.stop)
+            if mine is not None:
                 futures.append(sp.submit(sp.partial, layer, owned.start, x32, mine, kw))
         out: torch.Tensor | None = None
         for f in futures:  # subpool order: the sum is deterministic

@@ -1,16 +1,20 @@
-// hetquant int4 GEMV, part 4 of 4: instruction-path dispatch, the worker pool, the activation
+// hetquant int4 GEMV, part 5 of 6: instruction-path dispatch, the worker pool, the activation
 // rounding shared by both weight layouts, and the C API (see int4_gemv.py).
 namespace {
 
 // Best instruction path of this CPU (Isa), from its features at run time.
-static int best_isa() {
+static int find_isa() {
 #if defined(HQ_SIMDE)
-  return AVX512_VNNI;  // every x86 path, emulated
+  return AMX_INT8;  // every x86 path, emulated
 #elif defined(HQ_X86)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
+#ifdef HQ_HAS_AMX
+    if (amx_usable()) return AMX_INT8;
+#endif
     return AVX512_VNNI;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
 #elif defined(HQ_ARM) && defined(__linux__)
   if (getauxval(AT_HWCAP) & HQ_HWCAP_ASIMDDP) return NEON_DOTPROD;
@@ -20,12 +24,17 @@ static int best_isa() {
   return GENERIC;
 }
 
-// Whether path `isa` runs on a CPU whose best path is `best` (x86: generic < avx2 < avx512_vnni;
-// aarch64: generic < neon_dotprod).
+static int best_isa() {
+  static const int best = find_isa();  // once per process (AMX asks the kernel)
+  return best;
+}
+
+// Whether path `isa` runs on a CPU whose best path is `best` (x86: generic < avx2 < avx512_vnni
+// < amx_int8; aarch64: generic < neon_dotprod).
 static bool runs_here(int isa, int best) {
   if (isa == GENERIC) return true;
 #if defined(HQ_X86)
-  return (isa == AVX2 || isa == AVX512_VNNI) && isa <= best;
+  return (isa == AVX2 || isa == AVX512_VNNI || isa == AMX_INT8) && isa <= best;
 #elif defined(HQ_ARM)
   return isa == NEON_DOTPROD && best == NEON_DOTPROD;
 #else
@@ -37,7 +46,7 @@ static bool runs_here(int isa, int best) {
 static Transposed grouped_layout(int isa) {
 #if defined(HQ_X86)
   if (isa == AVX2) return GroupedAvx2::LAYOUT;
-  if (isa == AVX512_VNNI) return GroupedVnni::LAYOUT;
+  if (isa == AVX512_VNNI || isa == AMX_INT8) return GroupedVnni::LAYOUT;  // AMX: grouped on VNNI
 #endif
   (void)isa;
   return Transposed{};
@@ -46,7 +55,10 @@ static Transposed grouped_layout(int isa) {
 static void run(const Job& j) {
   const bool grouped = j.sg != nullptr;
 #if defined(HQ_X86)
-  if (j.isa == AVX512_VNNI) { grouped ? grouped_rows<GroupedVnni>(j) : run_vnni(j); return; }
+#ifdef HQ_HAS_AMX
+  if (j.isa == AMX_INT8 && j.xb) { run_amx(j); return; }  // per-channel, T >= AMX_MIN_T
+#endif
+  if (j.isa == AVX512_VNNI || j.isa == AMX_INT8) { grouped ? grouped_rows<GroupedVnni>(j) : run_vnni(j); return; }
   if (j.isa == AVX2) { grouped ? grouped_rows<GroupedAvx2>(j) : run_avx2(j); return; }
 #elif defined(HQ_ARM)
   if (j.isa == NEON_DOTPROD) { grouped ? grouped_rows<GroupedNeon>(j) : run_neon(j); return; }
@@ -68,6 +80,7 @@ thread_local int tl_token_block = -1;  // -1 auto, 0 never, > 0 that many tokens
 static void run_blocked(const Job& j) {
   const int64_t per_token = (int64_t)j.L * 2 * j.xs;
   int64_t tb = j.tb;
+  if (j.xb) tb = 0;  // AMX sweeps all tokens of a row block itself
   if (tb < 0) tb = j.T >= GEMM_MIN_T ? std::max<int64_t>(2, GEMM_DIGIT_BYTES / per_token / 2 * 2) : 0;
   if (tb <= 0 || tb >= j.T) { run(j); return; }
   const int64_t nb = std::max<int64_t>(4, GEMM_ROW_BYTES / std::max<int64_t>(j.kb, 1) / 4 * 4);
@@ -88,12 +101,13 @@ static void run_blocked(const Job& j) {
 }
 
 // Worker threads of one calling thread, kept between calls (creating threads per call cost about
-// as much as a second thread gained on a 0.5-1 ms GEMV). The rows are dealt in chunks through an
-// atomic counter, so a thread slowed by another process does not hold the call up; every row is
-// computed by exactly one thread with the same code, so the result does not depend on the split.
-// One pool per calling thread (thread_local): concurrent callers (CPU expert subpools) never
-// share workers. The workers are joined when the calling thread exits; after a fork() the child
-// forgets the parent's workers (they do not exist there) and starts its own.
+// as much as a second thread gained on a 0.5-1 ms GEMV). run(nt, items, fn) calls fn(i) for every
+// i in [0, items) on up to nt threads (this one too), the items dealt through an atomic counter,
+// so a thread slowed by another process does not hold the call up; every item is computed by
+// exactly one thread with the same code, so results do not depend on the split. One pool per
+// calling thread (thread_local): concurrent callers (CPU expert subpools) never share workers.
+// The workers are joined when the calling thread exits; after a fork() the child forgets the
+// parent's workers (they do not exist there) and starts its own.
 class Pool {
  public:
   ~Pool() {
@@ -106,8 +120,14 @@ class Pool {
     for (pthread_t t : workers_) pthread_join(t, nullptr);
   }
 
-  // Run rows [0, base.n1) of base in chunks of `chunk` rows on up to `nt` threads (this one too).
-  void run_all(const Job& base, int64_t chunk, int nt) {
+  template <class F>
+  void run(int nt, int64_t items, const F& fn) {
+    if (items <= 0) return;
+    nt = (int)std::min<int64_t>(std::max(nt, 1), std::min<int64_t>(items, 256));
+    if (nt == 1) {
+      for (int64_t i = 0; i < items; ++i) fn(i);
+      return;
+    }
     if (pid_ != getpid()) forget_parent();
     while ((int)workers_.size() < nt - 1) {
       {
@@ -121,9 +141,9 @@ class Pool {
     const int helpers = std::min<int>(nt - 1, (int)workers_.size());
     {
       std::lock_guard<std::mutex> lk(m_);
-      base_ = &base;
-      chunk_ = chunk;
-      chunks_ = (base.n1 + chunk - 1) / chunk;
+      fn_ = [](const void* f, int64_t i) { (*static_cast<const F*>(f))(i); };
+      ctx_ = &fn;
+      items_ = items;
       next_.store(0, std::memory_order_relaxed);
       active_ = helpers;
       running_ = helpers;
@@ -156,12 +176,9 @@ class Pool {
 
   void work() {
     for (;;) {
-      const int64_t c = next_.fetch_add(1, std::memory_order_relaxed);
-      if (c >= chunks_) return;
-      Job j = *base_;
-      j.n0 = c * chunk_;
-      j.n1 = std::min(base_->n1, (c + 1) * chunk_);
-      run_blocked(j);
+      const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
+      if (i >= items_) return;
+      fn_(ctx_, i);
     }
   }
 
@@ -188,8 +205,9 @@ class Pool {
   bool stop_ = false;
   uint64_t gen_ = 0, created_gen_ = 0;
   int next_id_ = 0, active_ = 0, running_ = 0;
-  const Job* base_ = nullptr;
-  int64_t chunk_ = 4, chunks_ = 0;
+  void (*fn_)(const void*, int64_t) = nullptr;
+  const void* ctx_ = nullptr;
+  int64_t items_ = 0;
   std::atomic<int64_t> next_{0};
 };
 
@@ -201,8 +219,9 @@ struct Prepared {
   int64_t* sx = nullptr;   // per token: sum of X
   int32_t* sx8 = nullptr;  // grouped: per token, nbp entries of 8 * (sum of X over 32-element block)
   double* ex = nullptr;    // per token: 2^e
+  int8_t* xb = nullptr;    // AMX: B tiles (int4_gemv_amx.cpp)
   int64_t xs = 0, nbp = 0;
-  ~Prepared() { free(xq); free(sx); free(sx8); free(ex); }
+  ~Prepared() { free(xq); free(sx); free(sx8); free(ex); free(xb); }
 };
 
 // Digits and block sums in the natural order, or in the transposed layout `lay` of a grouped
@@ -288,19 +307,33 @@ static int gemv(Job base, const float* x, int64_t xstride, int64_t K, int nthrea
   base.sx8 = P.sx8;
   base.nbp = P.nbp;
   base.p2 = P.ex;
+#ifdef HQ_HAS_AMX
+  if (base.isa == AMX_INT8 && !base.sg && base.T >= AMX_MIN_T) {
+    P.xb = amx_b(P.xq, P.xs, base.L, base.T, base.kb);
+    if (!P.xb) return -2;
+    base.xb = P.xb;
+    base.xbg = amx_groups(base.T, base.L);
+  }
+#endif
   base.tb = tl_token_block;  // the calling thread's setting, for its workers too
   // prefetch at least ~12 KB ahead (one row tile of a 7168-wide row, more of a 2048-wide one)
   base.pf = base.kb > 0 ? (12288 + rows * base.kb - 1) / (rows * base.kb) : 1;
   const int64_t N = base.n1;
-  const int64_t blocks = (N + 3) / 4;
+  const int64_t tile = base.xb ? 16 : 4;  // rows of the AMX blocks, of the other paths' tiles
+  const int64_t blocks = (N + tile - 1) / tile;
   int64_t nt = nthreads < 1 ? 1 : nthreads;
   if (nt > blocks) nt = blocks;
   if (nt > 256) nt = 256;
   if (nt <= 1) {
     run_blocked(base);
-  } else {  // ~8 chunks per thread, whole 4-row tiles
-    const int64_t chunk = ((blocks + 8 * nt - 1) / (8 * nt)) * 4;
-    tl_pool.run_all(base, chunk, (int)nt);
+  } else {  // ~8 chunks per thread, whole tiles
+    const int64_t chunk = ((blocks + 8 * nt - 1) / (8 * nt)) * tile;
+    tl_pool.run((int)nt, (N + chunk - 1) / chunk, [&](int64_t c) {
+      Job j = base;
+      j.n0 = c * chunk;
+      j.n1 = std::min(N, (c + 1) * chunk);
+      run_blocked(j);
+    });
   }
   return base.isa;
 }
@@ -314,8 +347,8 @@ static int pick_isa(int isa) {
 
 extern "C" {
 
-// Best instruction path of this CPU: 4 = NEON dotprod (aarch64), 3 = AVX-512 VNNI, 2 = AVX2
-// (x86-64), 1 = generic C++.
+// Best instruction path of this CPU: 4 = NEON dotprod (aarch64), 5 = AMX-INT8, 3 = AVX-512
+// VNNI, 2 = AVX2 (x86-64), 1 = generic C++.
 int hq_int4_best_isa(void) { return best_isa(); }
 
 // Token blocking of the calling thread's next calls (see run_blocked): -1 auto (from

@@ -29,8 +29,9 @@ bit-identical results:
    beside the low nibbles, odd ``k`` beside the high nibbles). ``precision="fast"`` uses
    ``e = E − 14`` and two digits (error ``≤ amax · 2^-14``) for a third fewer dot-products.
 2. Integer dot products of the codes ``c`` (``b & 0xF``, ``b >> 4``: unsigned, 0..15) with the
-   digits, exact in int32 lanes: AVX-512 VNNI ``vpdpbusd``; AVX2 ``vpmaddubsw`` + ``vpmaddwd``;
-   aarch64 ``sdot`` (ARMv8.2 dot product; the codes are valid signed bytes); or plain C++.
+   digits, exact in int32 lanes: AMX-INT8 ``tdpbusd`` (per-channel, 16 rows × 16 token-planes
+   per tile); AVX-512 VNNI ``vpdpbusd``; AVX2 ``vpmaddubsw`` + ``vpmaddwd``; aarch64 ``sdot``
+   (ARMv8.2 dot product; the codes are valid signed bytes); or plain C++.
    Per-channel: ``acc = Σ_k c·X`` over the row (``K ≤ 2^20`` keeps every lane below 2^31).
    Grouped: per block of 32 elements, ``A_b = Σ_{k in b} (c − 8)·X_k`` (``|Σ c·X| ≤ 480·2^22 <
    2^31``), the digit planes combined by Horner (``acc = (acc << 8) + plane``) in the lanes.
@@ -51,20 +52,29 @@ for ``"fast"``), tighter than a float32 dot product of length K. Limits: ``K ≤
 ``x`` (NaN/Inf activations go to the torch path, which propagates them as float math does).
 
 Instruction paths, chosen at run time from the CPU's features (no ``-march`` flag: each path
-carries its own ``target`` attribute): x86-64 ``avx512_vnni`` > ``avx2`` > ``generic``
-(``__builtin_cpu_supports``); aarch64 ``neon_dotprod`` > ``generic``
+carries its own ``target`` attribute): x86-64 ``amx_int8`` > ``avx512_vnni`` > ``avx2`` >
+``generic`` (``__builtin_cpu_supports``; AMX from CPUID and the kernel's permission for the
+tile data, ``arch_prctl(ARCH_REQ_XCOMP_PERM)``); aarch64 ``neon_dotprod`` > ``generic``
 (``getauxval(AT_HWCAP) & HWCAP_ASIMDDP`` on Linux; elsewhere only when the compiler targets
 dotprod). The aarch64 path is tested bit for bit against the x86 results under qemu user mode
-(``tests/runtime/test_int4_gemv_crossisa.py``, which also runs the AVX2 and AVX-512 paths on
-SIMDe's portable intrinsics); it has not run on Arm hardware. The grouped AVX-512 path was
-developed on an AVX2-only CPU, checked there on SIMDe and measured on a Xeon with AVX-512 VNNI;
-the test suite runs it natively on such a CPU. The grouped AVX2 and AVX-512 kernels load each
-superblock of weights (128 / 256 bytes) transposed by 4-byte words, so that their SIMD lanes
-add whole 32-element blocks and need no horizontal reduction; they read the digits in the same
-transposed order, which ``prepare`` (``int4_gemv.cpp``) lays out per path (``Transposed``,
-``int4_gemv_base.cpp``) — the integers, and so the bits, are the same. Rows go in tiles
-(4 rows per-channel; grouped: 1 on AVX2, 2 on AVX-512 and NEON; at one token) and each tile
-prefetches the rows ≥ 12 KB ahead
+(``tests/runtime/kernels/test_int4_gemv_crossisa.py``, which also runs the AVX2, AVX-512 and
+AMX paths on SIMDe's portable intrinsics and an emulation of the tile instructions); it has not
+run on Arm hardware. The grouped AVX-512 path was developed on an AVX2-only CPU, checked there on
+SIMDe and measured on a Xeon with AVX-512 VNNI; the test suite runs it natively on such a CPU.
+The grouped AVX2 and AVX-512 kernels load each superblock of weights (128 / 256 bytes) transposed
+by 4-byte words, so that their SIMD lanes add whole 32-element blocks and need no horizontal
+reduction; they read the digits in the same transposed order, which ``prepare``
+(``int4_gemv.cpp``) lays out per path (``Transposed``, ``int4_gemv_base.cpp``) — the integers,
+and so the bits, are the same. The AMX path (``int4_gemv_amx.cpp``; per-channel; grouped calls
+run the AVX-512 VNNI path) treats the digit planes of a token as more columns of a ``tdpbusd``
+tile: each 64-byte chunk of 16 rows is unpacked once (into L1) and multiplied with every token
+and digit plane of the call (up to 80 token-planes per sweep of the rows); it runs from
+``AMX_MIN_TOKENS`` = 2 tokens on (one token stays on the VNNI tiles, faster there). It is built
+with GCC ≥ 11 or clang ≥ 12 only; it was developed on an AVX2 CPU against an emulation of the
+tile instructions (the SIMDe test) and run natively, tests included, on a Xeon with AMX (the
+H100 host of benchmarks/README.md). Rows go in tiles (4 rows per-channel; grouped: 1 on AVX2, 2
+on AVX-512 and NEON; at one token; AMX: blocks of 16) and each tile prefetches the rows ≥ 12 KB
+ahead
 into L2: without it the kernel waited on DRAM at under half the read bandwidth; into L1 the
 prefetch evicts the 21 KB of digits. From ``GEMM_MIN_TOKENS`` = 16 tokens on the calls run in a
 GEMM-shaped order: rows in blocks of ~128 KB of weights, and within each row block the tokens in
@@ -116,6 +126,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.native import NativeBuild, NativeLibrary
 
 __all__ = [
+    "AMX_MIN_TOKENS",
     "BACKENDS",
     "GEMM_MIN_TOKENS",
     "GROUP_SIZES",
@@ -136,21 +147,29 @@ BACKENDS = ("auto", "native", "torch")
 PRECISIONS = {"high": 3, "fast": 2}  # native kernel: signed-byte digits per activation
 MAX_NATIVE_TOKENS = 256  # "auto" uses the native kernel up to this many tokens per call
 GEMM_MIN_TOKENS = 16  # native: the GEMM-shaped (token-blocked) order from this many tokens on
+AMX_MIN_TOKENS = 2  # native: the AMX path from this many tokens on (int4_gemv_amx.cpp AMX_MIN_T)
 MAX_K = 1 << 20  # native kernel: int32 lanes cannot overflow for K ≤ 2^20
 GROUP_SIZES = (32, 64, 128)  # grouped scales the native kernel takes (whole 32-element blocks)
 _TORCH_BLOCK_ELEMS = 1 << 22  # torch path: rows per block so that a float block is ~16 MB
 _MIN_ELEMS_PER_THREAD = 1 << 19  # native: split a call over threads only above this many weights
 
-_ISA_NAMES = {1: "generic", 2: "avx2", 3: "avx512_vnni", 4: "neon_dotprod"}
+_ISA_NAMES = {1: "generic", 2: "avx2", 3: "avx512_vnni", 4: "neon_dotprod", 5: "amx_int8"}
 _ISA_CODES = {v: k for k, v in _ISA_NAMES.items()}
 # The instruction paths of each machine, slowest first (a cap picks the best at or below it).
 ISA_LADDERS = {
-    "x86_64": ("generic", "avx2", "avx512_vnni"),
+    "x86_64": ("generic", "avx2", "avx512_vnni", "amx_int8"),
     "aarch64": ("generic", "neon_dotprod"),
 }
 
 # One translation unit, in this order (each part says what it holds).
-_CPP_PARTS = ("int4_gemv_base.cpp", "int4_gemv_x86.cpp", "int4_gemv_neon.cpp", "int4_gemv.cpp")
+_CPP_PARTS = (
+    "int4_gemv_base.cpp",
+    "int4_gemv_x86.cpp",
+    "int4_gemv_amx.cpp",
+    "int4_gemv_neon.cpp",
+    "int4_gemv.cpp",
+    "int4_moe.cpp",
+)
 _CPP_SOURCE = "\n".join(
     (Path(__file__).parent / part).read_text(encoding="utf-8") for part in _CPP_PARTS
 )
@@ -164,6 +183,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.hq_int4_gemv_grouped
     fn.restype = ctypes.c_int
     fn.argtypes = [vp, i64, vp, i64, i64, i64, i64, vp, i64, i64, vp, i64, ci, ci, ci]
+    fn = lib.hq_int4_moe
+    fn.restype = ctypes.c_int
+    fn.argtypes = [vp, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, i64, i64, vp, i64, i64]
+    fn.argtypes += [vp, vp, vp, vp, vp, ci, ci, ci]
     lib.hq_int4_best_isa.restype = ctypes.c_int
     lib.hq_int4_best_isa.argtypes = []
     lib.hq_int4_token_block.restype = None

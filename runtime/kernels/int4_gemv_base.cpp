@@ -97,7 +97,7 @@ constexpr int64_t PAD = 256;   // digit rows padded with zeros to a multiple of 
 constexpr int64_t BLK = 16;    // grouped: bytes of one 32-element block, the unit of exact sums
 constexpr int NPART = 8;       // grouped: block b is added to double partial sum b % NPART
 
-enum Isa { GENERIC = 1, AVX2 = 2, AVX512_VNNI = 3, NEON_DOTPROD = 4 };
+enum Isa { GENERIC = 1, AVX2 = 2, AVX512_VNNI = 3, NEON_DOTPROD = 4, AMX_INT8 = 5 };
 
 struct Job {
   const uint8_t* w; int64_t rs; int64_t kb;   // packed rows: stride rs bytes, kb = K/2 bytes used
@@ -112,6 +112,7 @@ struct Job {
   int isa;
   int64_t pf;                                 // prefetch distance in tiles (>= 1)
   int tb = -1;                                // token blocking (int4_gemv.cpp run_blocked)
+  const int8_t* xb = nullptr; int64_t xbg = 0;  // AMX: B tiles of the digits, column groups
 };
 
 static inline const int8_t* digits(const Job& j, int64_t t, int l, int h) {

@@ -140,6 +140,22 @@ def test_subpools_and_splits_agree(hybrid, layer_tensors):
         assert_within(y, ref, bound)
 
 
+@pytest.mark.parametrize(("subpools", "split", "dtype"), [(1, "inter", torch.bfloat16),
+                                                       (2, "inter", torch.float32),
+                                                       (3, "experts", torch.float16)])  # fmt: skip
+def test_fused_call_gives_the_per_expert_loops_bits(hybrid, subpools, split, dtype):
+    g = torch.Generator().manual_seed(subpools)
+    x = (torch.randn(11, 256, generator=g) * 3).to(dtype)
+    ids, w = routing(11, 8, 3, seed=7)
+    outs = []
+    for fused in (True, False):
+        with CpuExpertPool.open(hybrid, subpools=subpools, split=split, fused=fused) as pool:
+            outs.append([pool.forward(layer, x, ids, w) for layer in pool.layers])
+            outs[-1].append(pool.expert(pool.layers[0], 3, x))
+    for a, b in zip(*outs, strict=True):
+        assert a.dtype == dtype and torch.equal(a, b)
+
+
 def test_one_expert(hybrid, layer_tensors):
     x = torch.randn(3, 4, 256, generator=torch.Generator().manual_seed(6))
     with CpuExpertPool.open(hybrid, subpools=4, layers=[2]) as pool:
@@ -160,6 +176,7 @@ def test_empty_and_bad_calls(hybrid):
             layer, torch.zeros(0, 256), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
         )
         assert out.shape == (0, 256)
+        assert pool.expert(layer, 3, torch.zeros(0, 256)).shape == (0, 256)
         x = torch.randn(2, 256)
         ids = torch.tensor([[0, 8], [1, 2]])
         with pytest.raises(HetquantError, match="topk_ids outside"):

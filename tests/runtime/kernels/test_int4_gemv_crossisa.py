@@ -6,8 +6,10 @@ compared bit for bit with the x86 paths of the real module on this (x86-64) host
   ``qemu-aarch64 -cpu max`` (FEAT_DotProd: the run-time dispatch must pick ``neon_dotprod``; the
   generic path is run too) and ``-cpu cortex-a53`` (ARMv8.0, no dot product: dispatch must fall
   back to generic, also when NEON is asked for);
-- x86 AVX2 and AVX-512 VNNI on a CPU without them: the same sources built with ``-DHQ_SIMDE`` on
-  SIMDe's portable implementations of the intrinsics (``libsimde-dev``), run here with each path.
+- x86 AVX2, AVX-512 VNNI and AMX-INT8 on a CPU without them: the same sources built with
+  ``-DHQ_SIMDE`` on SIMDe's portable implementations of the intrinsics (``libsimde-dev``; the AMX
+  tile instructions emulated in ``int4_gemv_amx.cpp``), run here with each path — also the
+  routed-expert sums of ``int4_moe.cpp`` (x86 only: their SiLU uses the C library's ``expf``).
 
 Every result must equal, as float32 bits, what every x86 path of this CPU gives through
 ``int4_gemv`` — on golden inputs with hand-computed results and on random shapes (odd row
@@ -35,11 +37,12 @@ from gemv_reference import grouped_native_order, order_sensitive_grouped
 
 from hetquant.formats.native import DEFAULT_FLAGS, find_compiler
 from hetquant.runtime.kernels import int4_gemv as G
+from hetquant.runtime.kernels.int4_moe import int4_moe
 
 HERE = Path(__file__).resolve().parent
 CROSS = "aarch64-linux-gnu-g++"
 QEMUS = ("qemu-aarch64", "qemu-aarch64-static")
-GENERIC, AVX2, VNNI, NEON = 1, 2, 3, 4  # the kernel's codes for its paths
+GENERIC, AVX2, VNNI, NEON, AMX = 1, 2, 3, 4, 5  # the kernel's codes for its paths
 BF16_HALF, BF16_TWO = 0x3F00, 0x4000
 
 
@@ -161,6 +164,9 @@ RANDOM = [
     Case(65, 2050, 1),
     Case(9, 7168, 1),
     Case(9, 7168, 17),  # token-blocked (GEMM-shaped) order: 17 tokens in blocks of 6
+    Case(37, 514, 30, rs_pad=9),  # AMX: 90 token-planes, two sweeps; partial row block and chunk
+    Case(20, 130, 27, precision="fast"),  # AMX: 54 token-planes at two digits
+    Case(150, 258, 4, rs_pad=2),  # AMX: groups of four 16-row blocks, the last one partial
     Case(1, 32, 1, group=32),
     Case(5, 96, 3, group=32, ss_pad=1),
     Case(7, 384, 1, group=64, rs_pad=5),
@@ -172,6 +178,65 @@ RANDOM = [
     Case(9, 7168, 2, group=128),
     Case(6, 2048, 1, group=64),
 ]
+
+
+@dataclass(frozen=True)
+class MoeCase:
+    """A routed-expert sum (``int4_moe``) of t tokens' top-k over e experts [H = n, I]."""
+
+    e: int
+    n: int  # hidden size H: the result is [t, n] like a GEMV's
+    inter: int
+    t: int
+    k: int
+    precision: str = "high"
+
+
+MOE = [MoeCase(5, 130, 24, 1, 2), MoeCase(6, 258, 40, 7, 3), MoeCase(4, 66, 36, 23, 4, "fast")]
+
+
+def _moe_tensors(c: MoeCase) -> tuple:
+    """(layer, x, experts, offsets, tokens, weights), entries grouped by expert."""
+    g = torch.Generator().manual_seed(c.e * 131 + c.t)
+    layer = {
+        "gate_up_packed": torch.randint(0, 256, (c.e, 2 * c.inter, c.n // 2), dtype=torch.uint8, generator=g),
+        "gate_up_scale": torch.rand(c.e, 2 * c.inter, generator=g) * 0.05 + 1e-3,
+        "down_packed": torch.randint(0, 256, (c.e, c.n, c.inter // 2), dtype=torch.uint8, generator=g),
+        "down_scale": torch.rand(c.e, c.n, generator=g) * 0.05 + 1e-3,
+    }  # fmt: skip
+    ids = torch.stack([torch.randperm(c.e, generator=g)[: c.k] for _ in range(c.t)]).reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    x = torch.randn(c.t, c.n, generator=g) * 2
+    return layer, x, experts, offsets, order // c.k, torch.rand(ids.numel(), generator=g)
+
+
+def _host_moe(c: MoeCase, tensors: tuple) -> torch.Tensor:
+    """The x86 result of ``int4_moe``: every path of this CPU, asserted identical."""
+    outs = []
+    mp = pytest.MonkeyPatch()
+    try:
+        for isa in G.isa_names("x86_64"):
+            mp.setenv("HETQUANT_INT4_ISA", isa)
+            outs.append(int4_moe(*tensors, backend="native", threads=2, precision=c.precision))
+    finally:
+        mp.undo()
+    for y in outs[1:]:
+        assert torch.equal(y.view(torch.int32), outs[0].view(torch.int32))
+    return outs[0]
+
+
+def _moe_bytes(c: MoeCase, tensors: tuple, isa: int) -> list[bytes]:
+    layer, x, experts, offsets, tokens, weights = tensors
+    hdr = (2, 2 * c.inter, c.n, c.e, c.t, G.PRECISIONS[c.precision], isa, experts.numel())
+    out = [struct.pack("<10q", *hdr, tokens.numel(), 2)]
+    for key in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"):
+        out.append(layer[key].contiguous().numpy().tobytes())
+    out.append(x.float().contiguous().numpy().tobytes())
+    out += [t.to(torch.int64).numpy().tobytes() for t in (experts, offsets, tokens)]
+    out.append(weights.float().numpy().tobytes())
+    return out
 
 
 def _host(packed, scale, x, precision: str) -> torch.Tensor:
@@ -193,7 +258,11 @@ def _host(packed, scale, x, precision: str) -> torch.Tensor:
 
 def _write_input(path: Path, cases: list[tuple[Case, tuple]], isa: int) -> None:
     out = [b"HQG1", struct.pack("<q", len(cases))]
-    for c, (packed, scale, x) in cases:
+    for c, tensors in cases:
+        if isinstance(c, MoeCase):
+            out += _moe_bytes(c, tensors, isa)
+            continue
+        packed, scale, x = tensors
         rs = packed.stride(0) if c.n > 1 else c.k // 2
         ss = (scale.stride(0) if c.n > 1 else scale.shape[1]) if c.group else 0
         hdr = (
@@ -266,13 +335,19 @@ def _ordered() -> list[tuple[Case, tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return out
 
 
-def _check(prefix, best: int, requests: dict[int, int], tmp: Path) -> None:
+def _check(prefix, best: int, requests: dict[int, int], tmp: Path, moe: bool = False) -> None:
     """Every case through ``prefix`` for each requested path (request → the path that must run),
     bit-identical to this host's x86 results; the golden ones equal their hand-computed values,
-    the order-sensitive ones the bits of the documented float order."""
+    the order-sensitive ones the bits of the documented float order. ``moe``: also the
+    routed-expert sums of ``int4_moe.cpp`` — on x86 only: their SiLU calls the C library's
+    ``expf``, whose last bit differs between C libraries (as torch's ``F.silu`` does)."""
     golden = _golden() + _ordered()
     cases = [(c, t) for c, t, _ in golden] + [(c, _tensors(c)) for c in RANDOM]
     want = [_host(*t, c.precision) for c, t in cases]
+    if moe:
+        sums = [(c, _moe_tensors(c)) for c in MOE]
+        cases += sums
+        want += [_host_moe(c, t) for c, t in sums]
     for isa, used in requests.items():
         got_best, results = _run(prefix, cases, isa, tmp)
         assert got_best == best  # run-time dispatch from the CPU's features
@@ -299,4 +374,4 @@ def test_aarch64_paths_bit_identical_to_x86(aarch64, tmp_path, cpu, best, reques
 
 
 def test_x86_paths_on_simde_bit_identical(simde, tmp_path) -> None:
-    _check(simde, VNNI, {VNNI: VNNI, AVX2: AVX2, GENERIC: GENERIC}, tmp_path)
+    _check(simde, AMX, {AMX: AMX, VNNI: VNNI, AVX2: AVX2, GENERIC: GENERIC}, tmp_path, moe=True)
