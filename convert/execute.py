@@ -29,9 +29,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hetquant.formats import HetquantError
+from hetquant.formats._lazy import torch
 from hetquant.formats.native import load_defined
 
 from . import workers as W

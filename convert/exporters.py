@@ -19,10 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
-
 from hetquant.formats import HetquantError, TensorMeta, get_format
 from hetquant.formats import kt_amxint4 as amx
+from hetquant.formats._lazy import torch
 
 __all__ = ["EXPORTERS", "ExpertLayer", "Exporter", "Output", "get_exporter"]
 

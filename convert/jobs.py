@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hetquant.formats import HetquantError, get_expert_format, get_format
+from hetquant.formats._lazy import torch
 from hetquant.formats.base import check_finite
 from hetquant.formats.dtypes import st_dtype, torch_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hetquant.formats import HetquantError, WeightFormat
+from hetquant.formats._lazy import torch
 from hetquant.formats.base import float_rows
 from hetquant.formats.families import ModelConfig, TensorRole, load_json
 from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME

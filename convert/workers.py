@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from hetquant.formats._lazy import torch
 
 from .jobs import JobRunner
 from .plan import Job, plan_for

@@ -19,8 +19,7 @@ import mmap
 import os
 from pathlib import Path
 
-import torch
-
+from hetquant.formats._lazy import torch
 from hetquant.formats.safetensors_io import write_at
 
 from .containers import Container

@@ -31,8 +31,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-import torch
-
+from ._lazy import torch
 from .native import DEFAULT_FLAGS, NativeLibrary
 
 __all__ = [

@@ -24,8 +24,7 @@ division, as torch divides by a broadcast column) and round half to even.
 
 from __future__ import annotations
 
-import torch
-
+from ._lazy import torch
 from ._quant_native import QUANT_LIBRARY, _lib_for
 
 __all__ = ["fp8_dequant_rows", "int4_rows", "w8a8_rows"]

@@ -45,9 +45,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from . import _quant_native
+from ._lazy import torch
 from .base import Streaming, TensorMeta, WeightFormat, all_finite, register
 from .bits import unpack_nibbles_i32
 from .dtypes import round_up_to
@@ -69,7 +68,6 @@ RANGE_EPS = 1e-5  # AutoAWQ: (max - min).clamp(min=1e-5)
 GROUP_SIZES = (128, 64)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # bits 4i..4i+3 hold element AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # element j sits in nibble AWQ_REVERSE_ORDER[j]
-_SCALE_DTYPE = torch.float16
 
 
 @dataclass(frozen=True)
@@ -162,11 +160,11 @@ class AwqW4A16(WeightFormat):
         sf = scales.to(torch.float32)
         if not bool(torch.isfinite(sf).all()) or not bool((sf > 0).all()):
             raise HetquantError("awq_w4a16.quantize_with: scales must be finite and positive")
-        s = scales.to(_SCALE_DTYPE)
+        s = scales.to(torch.float16)
         if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
             raise HetquantError(
                 "awq_w4a16.quantize_with: scales overflow FP16 or round to 0 in it; they must "
-                f"lie within about 6e-8..{torch.finfo(_SCALE_DTYPE).max:g}"
+                f"lie within about 6e-8..{torch.finfo(torch.float16).max:g}"
             )
         z = zeros.to(torch.float32)
         if not bool((z == z.round()).all()) or not bool(((z >= QMIN) & (z <= QMAX)).all()):
@@ -265,7 +263,7 @@ def _round_up_f16(x: torch.Tensor, what: str) -> torch.Tensor:
     y = round_up_to(x, "F16")
     if not bool(torch.isfinite(y).all()):
         raise HetquantError(
-            f"awq_w4a16: {what} exceed the FP16 range ({torch.finfo(_SCALE_DTYPE).max:g}); "
+            f"awq_w4a16: {what} exceed the FP16 range ({torch.finfo(torch.float16).max:g}); "
             "the weight's values are far too large for this format"
         )
     return y

@@ -23,8 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
+from ._lazy import torch
 from ._quant_native import absmax
 from .dtypes import itemsize
 from .errors import HetquantError

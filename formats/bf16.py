@@ -9,8 +9,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
+from ._lazy import torch
 from .base import Streaming, TensorMeta, WeightFormat, float_rows, register
 
 __all__ = ["Bf16"]

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
+from ._lazy import torch
 from .errors import HetquantError
 
 if (
@@ -60,10 +59,8 @@ def unpack_nibbles_i32(
 ) -> torch.Tensor:
     """Inverse of :func:`pack_nibbles_i32`: int32 [..., K/8] → uint8 codes [..., K]."""
     nib = (
-        words.to(torch.int64)[..., None] >> _SHIFTS.to(words.device)
+        words.to(torch.int64)[..., None] >> torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)
     ) & 0xF  # (..., K/8, 8) in nibble order
     inverse = [order.index(k) for k in range(8)]
     return nib[..., inverse].to(torch.uint8).reshape(*words.shape[:-1], -1)
 
-
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)

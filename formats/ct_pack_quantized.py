@@ -48,8 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
+from ._lazy import torch
 from .base import Streaming, TensorMeta, WeightFormat, register
 from .bits import pack_nibbles_i32, unpack_nibbles_i32
 from .dtypes import round_up_to, st_dtype, torch_dtype
@@ -62,7 +61,7 @@ PACK = 32 // BITS  # codes per int32 word
 QMIN, QMAX = -(2 ** (BITS - 1)), 2 ** (BITS - 1) - 1  # signed code range -8..7
 OFFSET = 2 ** (BITS - 1)  # stored nibble = q + 8
 HALF_RANGE = (2**BITS - 1) / 2  # 7.5: compressed-tensors' symmetric divisor (bit_range / 2)
-SCALE_EPS = torch.finfo(torch.float32).eps  # compressed-tensors clamps scales to this
+SCALE_EPS = 2.0**-23  # float32's epsilon: compressed-tensors clamps scales to this
 GROUP_SIZES = (128, 32)
 SCALE_DTYPES = ("BF16", "F16", "F32")
 SHAPE_DTYPES = ("I64", "I32")

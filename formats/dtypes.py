@@ -1,58 +1,91 @@
-"""Safetensors dtype strings ↔ torch dtypes, and element sizes.
+"""Safetensors dtype strings ↔ torch and numpy dtypes, and element sizes.
 
 The safetensors header names dtypes with strings ("F8_E4M3", "BF16", …). This table is the only
-place that maps them; everything else asks it.
+place that maps them; everything else asks it. It is keyed by those strings, so planning, the
+native conversion lane and the writer need no torch (``_lazy``): the torch dtypes are looked up
+only when asked for. numpy has no BF16 or FP8 dtypes, so :func:`numpy_dtype` gives those as
+their bits (unsigned integers of their width), the form the native kernels take them in.
 """
 
 from __future__ import annotations
 
-import torch
+import functools
 
+import numpy as np
+
+from ._lazy import torch
 from .errors import HetquantError
 
-__all__ = ["ST_TO_TORCH", "TORCH_TO_ST", "itemsize", "round_up_to", "st_dtype", "torch_dtype"]
+__all__ = [
+    "ST_DTYPES",
+    "itemsize",
+    "numpy_dtype",
+    "round_up_to",
+    "st_dtype",
+    "torch_dtype",
+    "torch_dtypes",
+]
 
-ST_TO_TORCH: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+# safetensors dtype → (bytes per element, torch dtype name, numpy dtype: the bits where numpy lacks it)
+ST_DTYPES: dict[str, tuple[int, str, type]] = {
+    "F64": (8, "float64", np.float64),
+    "F32": (4, "float32", np.float32),
+    "F16": (2, "float16", np.float16),
+    "BF16": (2, "bfloat16", np.uint16),
+    "F8_E4M3": (1, "float8_e4m3fn", np.uint8),
+    "F8_E5M2": (1, "float8_e5m2", np.uint8),
+    "I64": (8, "int64", np.int64),
+    "I32": (4, "int32", np.int32),
+    "I16": (2, "int16", np.int16),
+    "I8": (1, "int8", np.int8),
+    "U8": (1, "uint8", np.uint8),
+    "BOOL": (1, "bool", np.bool_),
 }
-TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
 
-_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in ST_TO_TORCH.items()}
+
+def _entry(st: str) -> tuple[int, str, type]:
+    try:
+        return ST_DTYPES[st]
+    except KeyError:
+        raise HetquantError(
+            f"unsupported safetensors dtype {st!r}; known: {', '.join(ST_DTYPES)}"
+        ) from None
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """safetensors dtype string → torch dtype, every one (imports torch)."""
+    return {st: getattr(torch, name) for st, (_, name, _) in ST_DTYPES.items()}
+
+
+@functools.cache
+def _st_of_torch() -> dict[torch.dtype, str]:
+    return {v: k for k, v in torch_dtypes().items()}
 
 
 def torch_dtype(st: str) -> torch.dtype:
     """The torch dtype for a safetensors dtype string."""
-    try:
-        return ST_TO_TORCH[st]
-    except KeyError:
-        raise HetquantError(
-            f"unsupported safetensors dtype {st!r}; known: {', '.join(ST_TO_TORCH)}"
-        ) from None
+    _entry(st)
+    return torch_dtypes()[st]
 
 
 def st_dtype(dtype: torch.dtype) -> str:
     """The safetensors dtype string for a torch dtype."""
     try:
-        return TORCH_TO_ST[dtype]
+        return _st_of_torch()[dtype]
     except KeyError:
         raise HetquantError(f"dtype {dtype} cannot be stored in safetensors") from None
 
 
+def numpy_dtype(st: str) -> np.dtype:
+    """The numpy dtype holding a safetensors dtype's elements: the dtype itself, or for BF16
+    and FP8, which numpy lacks, their bits (``uint16``, ``uint8``)."""
+    return np.dtype(_entry(st)[2])
+
+
 def itemsize(st: str) -> int:
     """Bytes per element of a safetensors dtype string."""
-    torch_dtype(st)
-    return _ITEMSIZE[st]
+    return _entry(st)[0]
 
 
 def round_up_to(x: torch.Tensor, st: str) -> torch.Tensor:

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
+from ._lazy import torch
 from .int4_cpu_group import expert_from_ct
 
 __all__ = ["EXPERT_REPACKS", "Repack", "repack_target"]
 
-Repack = Callable[..., dict[str, torch.Tensor]]  # (gate, up, down stored dicts) → layer slices
+Repack = Callable[..., "dict[str, torch.Tensor]"]  # (gate, up, down stored dicts) → layer slices
 
 EXPERT_REPACKS: dict[tuple[str, str], Repack] = {
     ("ct_pack_quantized", "int4_cpu_group_experts"): expert_from_ct,

@@ -36,8 +36,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
+from ._lazy import torch
 from ._rows_native import fp8_dequant_rows
 from .base import TensorMeta, WeightFormat, register
 from .errors import HetquantError
@@ -81,7 +80,7 @@ def dequantize_rows(
 
 
 _E4M3_MAGNITUDE = 0x7F  # low 7 bits; also E4M3FN's NaN magnitude (S.1111.111)
-_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+_BF16_MAX = (2 - 2**-7) * 2.0**127  # torch.finfo(torch.bfloat16).max
 
 
 def check_codes(name: str, codes: torch.Tensor) -> None:

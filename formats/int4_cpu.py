@@ -70,9 +70,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-
+from ._lazy import torch
 from ._rows_native import int4_rows
 from .base import (
     ExpertLayerFormat,
@@ -344,7 +342,7 @@ def expert_forward(layer: Mapping[str, torch.Tensor], e: int, x: torch.Tensor) -
         )
     dt = torch.promote_types(x.dtype, torch.float32)
     x = x.to(dt)
-    act = F.silu(x @ gate.to(dt).T) * (x @ up.to(dt).T)  # (..., I)
+    act = torch.nn.functional.silu(x @ gate.to(dt).T) * (x @ up.to(dt).T)  # (..., I)
     return act @ down.to(dt).T  # (..., H)
 
 

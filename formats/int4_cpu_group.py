@@ -59,8 +59,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
+from ._lazy import torch
 from .base import (
     ExpertLayerFormat,
     Streaming,

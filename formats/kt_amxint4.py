@@ -41,8 +41,7 @@ scale (kt memcpy's scales as given: lossless, not byte-equal to kt's converter).
 
 from __future__ import annotations
 
-import torch
-
+from ._lazy import torch
 from .bits import unpack_nibbles_u8
 from .errors import HetquantError
 

@@ -19,8 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from ._lazy import torch
 from .base import all_finite
 from .dtypes import torch_dtype
 from .errors import HetquantError

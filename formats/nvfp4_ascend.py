@@ -47,8 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
+from ._lazy import torch
 from .base import Streaming, TensorMeta, WeightFormat, register
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .errors import HetquantError

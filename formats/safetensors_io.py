@@ -25,8 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from ._lazy import torch
 from .base import TensorMeta
 from .dtypes import itemsize, torch_dtype
 from .errors import HetquantError

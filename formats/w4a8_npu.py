@@ -59,8 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
+from ._lazy import torch
 from .base import TensorMeta, WeightFormat, all_finite, register
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .errors import HetquantError
@@ -78,7 +77,7 @@ __all__ = [
 
 QMIN, QMAX = -8, 7
 BIAS_CHUNKS = (1, 16)  # msModelSlim process_scale: column-parallel 1, row-parallel 16 (tp_num)
-SCALE_FLOOR = torch.finfo(torch.float32).eps
+SCALE_FLOOR = 2.0**-23  # float32's machine epsilon
 _WEIGHT_AXES: dict[str, tuple[int | None, int | None]] = {
     "weight": (0, 1),  # unit: two rows per packed row
     "weight_scale": (0, None),

@@ -78,8 +78,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
+from ._lazy import torch
 from ._rows_native import w8a8_rows
 from .base import Streaming, TensorMeta, WeightFormat, all_finite, get_format, register
 from .dtypes import round_up_to
@@ -104,9 +103,8 @@ __all__ = [
 
 INT8_MIN, INT8_MAX = -128, 127
 ASYM_LEVELS = 255  # 2**8 - 1 steps across [lo, hi]
-SCALE_FLOOR = torch.finfo(torch.float32).eps  # msModelSlim's lower bound for every scale
+SCALE_FLOOR = 2.0**-23  # FLT_EPSILON: msModelSlim's lower bound for every scale
 HELD_SCALE_DTYPE = "BF16"  # the dtype consumers hold scales in (vllm-ascend: the model's)
-_NARROW = (torch.bfloat16, torch.float16)  # weights whose F32 quotient rounds exactly
 QUANT_MATMUL_MAX_DIM = 65535  # npu_quant_matmul: last dim of x1 (k) and x2 (n) at most this
 
 QUANT_TYPE_W8A8_DYNAMIC = "W8A8_DYNAMIC"
@@ -165,7 +163,8 @@ def _weight_tensors(weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
     if not all_finite(amax):
         _checked_weight(weight, name)  # raises, naming the first bad value
     scale = held_scale(amax.double() / INT8_MAX)  # (n, 1), >= amax / 127
-    exact = w if weight.dtype in _NARROW else w.double()  # F32 weights: an F64 quotient
+    narrow = weight.dtype in (torch.bfloat16, torch.float16)  # their F32 quotient rounds exactly
+    exact = w if narrow else w.double()  # F32 weights: an F64 quotient
     q = (exact / scale).round_().clamp_(INT8_MIN, INT8_MAX).to(torch.int8)  # (n, k)
     return {"weight": q, "weight_scale": scale, "weight_offset": torch.zeros_like(scale)}
 

@@ -35,8 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
-
+from .._lazy import torch
 from ..errors import HetquantError
 from ._common import DENSE_MLP, GLOBALS, LAYER_NORMS, ROUTED_EXPERTS, ROUTER
 from .base import ModelConfig, ModelFamily, register_family
