@@ -58,9 +58,8 @@ def unpack_nibbles_i32(
     words: torch.Tensor, order: tuple[int, ...] = tuple(range(8))
 ) -> torch.Tensor:
     """Inverse of :func:`pack_nibbles_i32`: int32 [..., K/8] → uint8 codes [..., K]."""
-    nib = (
-        words.to(torch.int64)[..., None] >> torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)
-    ) & 0xF  # (..., K/8, 8) in nibble order
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)  # (8,)
+    nib = (words.to(torch.int64)[..., None] >> shifts) & 0xF  # (..., K/8, 8) in nibble order
     inverse = [order.index(k) for k in range(8)]
     return nib[..., inverse].to(torch.uint8).reshape(*words.shape[:-1], -1)
 
