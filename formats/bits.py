@@ -62,4 +62,3 @@ def unpack_nibbles_i32(
     nib = (words.to(torch.int64)[..., None] >> shifts) & 0xF  # (..., K/8, 8) in nibble order
     inverse = [order.index(k) for k in range(8)]
     return nib[..., inverse].to(torch.uint8).reshape(*words.shape[:-1], -1)
-
