@@ -18,9 +18,9 @@ import errno
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
-from hetquant.formats._lazy import torch
-from hetquant.formats.safetensors_io import write_at
+from hetquant.formats.safetensors_io import byte_view, write_at
 
 from .containers import Container
 
@@ -41,24 +41,25 @@ class PieceWriter:
         self._maps: dict[str, mmap.mmap] = {}
         self.mapped = mapped and hasattr(mmap.mmap, "madvise")
 
-    def write(self, tensor: str, offset: int, data: torch.Tensor | bytes) -> None:
-        """Write ``data`` at ``offset`` bytes past the start of output tensor ``tensor``."""
+    def write(self, tensor: str, offset: int, data: Any) -> None:
+        """Write ``data`` (bytes, a numpy array or a CPU tensor: ``safetensors_io.byte_view``)
+        at ``offset`` bytes past the start of output tensor ``tensor``."""
         file, start = self._where[tensor]
         fd = self._fds.get(file)
         if fd is None:
             fd = self._fds[file] = os.open(self.work_dir / file, os.O_RDWR)
         pos = start + offset
-        src = _bytes_of(data)
-        if self.mapped and src.numel() and self._store(file, fd, pos, src):
+        src = byte_view(data)
+        if self.mapped and src.nbytes and self._store(file, fd, pos, src):
             return
         write_at(fd, pos, src)
 
-    def _store(self, file: str, fd: int, pos: int, src: torch.Tensor) -> bool:
+    def _store(self, file: str, fd: int, pos: int, src: memoryview) -> bool:
         """Copy ``src`` into the mapping of ``file`` at ``pos``; False where it cannot."""
         m = self._maps.get(file)
         if m is None:
             m = self._maps[file] = mmap.mmap(fd, self._size[file], mmap.MAP_SHARED)
-        n = src.numel()
+        n = src.nbytes
         first = pos // _PAGE * _PAGE
         try:
             m.madvise(_MADV_POPULATE_WRITE, first, pos + n - first)
@@ -67,9 +68,7 @@ class PieceWriter:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.work_dir / file)) from None  # fmt: skip
             self.mapped = False  # EINVAL: this kernel cannot populate; pwrite from now on
             return False
-        dst = torch.frombuffer(m, dtype=torch.uint8, count=n, offset=pos)
-        dst.copy_(src)
-        del dst  # no buffer export may outlive the copy (close() unmaps)
+        m[pos : pos + n] = src  # one memcpy; no buffer export outlives it (close() unmaps)
         return True
 
     def close(self) -> None:
@@ -79,10 +78,3 @@ class PieceWriter:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def _bytes_of(data: torch.Tensor | bytes) -> torch.Tensor:
-    """``data`` as a flat uint8 tensor (no copy for a contiguous tensor or bytes)."""
-    if isinstance(data, torch.Tensor):
-        return data.contiguous().reshape(-1).view(torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)  # fmt: skip

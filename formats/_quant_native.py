@@ -31,18 +31,25 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
+
 from ._lazy import torch
+from .dtypes import numpy_dtype, st_dtype
+from .errors import HetquantError
 from .native import DEFAULT_FLAGS, NativeLibrary
 
 __all__ = [
     "ISAS",
     "QUANT_LIBRARY",
     "absmax",
+    "absmax_array",
     "available",
     "awq_rtn",
     "best_isa",
     "e4m3_encode",
     "f16_encode",
+    "float_kind",
+    "host_array",
     "nvfp4",
 ]
 
@@ -95,6 +102,26 @@ def best_isa() -> int:
     return 0 if lib is None else int(lib.hq_quant_best_isa())
 
 
+def host_array(t: torch.Tensor) -> np.ndarray | None:
+    """A zero-copy numpy view of a C-contiguous CPU tensor (BF16 and FP8 as their bits,
+    ``dtypes.numpy_dtype``); None for any other tensor."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    try:
+        dtype = numpy_dtype(st_dtype(t.dtype))
+    except HetquantError:
+        return None
+    return t.detach().reshape(-1).view(torch.uint8).numpy().view(dtype).reshape(t.shape)
+
+
+def float_kind(a: np.ndarray) -> int | None:
+    """The kernels' ``bf16`` argument for float rows ``a``: 1 for BF16 (its bits, ``uint16``),
+    0 for F32; None where they cannot take ``a`` as is (another dtype, not C-contiguous, empty)."""
+    if not a.flags.c_contiguous or a.size == 0:
+        return None
+    return {np.dtype(np.uint16): 1, np.dtype(np.float32): 0}.get(a.dtype)
+
+
 def _lib_for(w: torch.Tensor) -> ctypes.CDLL | None:
     """The library, if it can take ``w`` as is: CPU, BF16/F32, C-contiguous, non-empty."""
     if (
@@ -107,12 +134,18 @@ def _lib_for(w: torch.Tensor) -> ctypes.CDLL | None:
     return QUANT_LIBRARY.get().lib
 
 
+def absmax_array(a: np.ndarray, isa: int = 0) -> float | None:
+    """``max |a|`` of float rows ``a`` (BF16 bits or F32; NaN if any NaN), or None where the
+    kernel does not apply."""
+    kind = float_kind(a)
+    lib = None if kind is None else QUANT_LIBRARY.get().lib
+    return None if lib is None else float(lib.hq_absmax(a.ctypes.data, kind, a.size, isa))
+
+
 def absmax(w: torch.Tensor, isa: int = 0) -> float | None:
     """``float(w.abs().amax())`` (NaN if any NaN), or None where the kernel does not apply."""
-    lib = _lib_for(w)
-    if lib is None:
-        return None
-    return float(lib.hq_absmax(w.data_ptr(), w.dtype == torch.bfloat16, w.numel(), isa))
+    a = host_array(w)
+    return None if a is None else absmax_array(a, isa)
 
 
 def nvfp4(

@@ -12,8 +12,10 @@ same rules hold: IEEE float32, no ``-ffast-math``, no FMA contraction; built on 
 ``HETQUANT_QUANT_BACKEND=torch`` or a missing compiler leaves the torch path. Each wrapper
 returns ``None`` where the kernel does not apply (no library, another dtype or device, a
 non-contiguous tensor) or the input is bad (NaN codes, NaN/Inf values): the caller then runs
-the torch code, which gives the result or raises the format's own error. Single-threaded: a
-conversion runs one kernel per worker process (``convert/execute.py``).
+the torch code, which gives the result or raises the format's own error. The kernels take numpy
+arrays (``*_array``: what the native conversion lane calls, without torch); the functions of
+the torch code's callers are thin adapters over them (zero-copy views of CPU tensors).
+Single-threaded: a conversion runs one kernel per worker process (``convert/execute.py``).
 
 Precision notes, checked against the torch code (tests/formats/test_rows_native.py):
 ``f32(code)`` is exact (E4M3 bits moved into a float32 and multiplied by 2^120, as
@@ -24,71 +26,120 @@ division, as torch divides by a broadcast column) and round half to even.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ._lazy import torch
-from ._quant_native import QUANT_LIBRARY, _lib_for
+from ._quant_native import QUANT_LIBRARY, float_kind, host_array
 
-__all__ = ["fp8_dequant_rows", "int4_rows", "w8a8_rows"]
+__all__ = [
+    "fp8_dequant_rows",
+    "fp8_dequant_rows_array",
+    "int4_rows",
+    "int4_rows_array",
+    "w8a8_rows",
+    "w8a8_rows_array",
+]
 
 
-def fp8_dequant_rows(
-    codes: torch.Tensor, scale_row: torch.Tensor, block: int, isa: int = 0
-) -> torch.Tensor | None:
-    """BF16 [r, in] of E4M3 rows ``codes`` [r, in] lying in one block row whose scales are
-    ``scale_row`` [ceil(in / block)] (F32); None where the kernel does not apply or a code is
-    NaN (the caller's torch path then raises)."""
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+# The kernels on numpy arrays (BF16 as its bits, ``uint16``: ``dtypes.numpy_dtype``); the
+# conversion's native lane (``convert/native_jobs.py``) calls these, without torch.
+
+
+def fp8_dequant_rows_array(
+    codes: np.ndarray, scale_row: np.ndarray, block: int, isa: int = 0
+) -> np.ndarray | None:
+    """BF16 bits (``uint16`` [r, in]) of E4M3 codes ``codes`` (``uint8`` [r, in]) lying in one
+    block row whose scales are ``scale_row`` (F32 [ceil(in / block)]); None where the kernel
+    does not apply or a code is NaN (the caller's torch path then raises)."""
     if (
-        codes.device.type != "cpu"
-        or codes.dtype not in (torch.float8_e4m3fn, torch.uint8)
+        codes.dtype != np.uint8
         or codes.ndim != 2
-        or not codes.is_contiguous()
-        or scale_row.dtype != torch.float32
-        or scale_row.device.type != "cpu"
-        or scale_row.numel() != -(-codes.shape[1] // block)
+        or not codes.flags.c_contiguous
+        or scale_row.dtype != np.float32
+        or scale_row.size != -(-codes.shape[1] // block)
     ):
         return None
     lib = QUANT_LIBRARY.get().lib
     if lib is None:
         return None
-    s = scale_row.contiguous()
-    out = torch.empty(codes.shape, dtype=torch.bfloat16)
+    s = np.ascontiguousarray(scale_row)
+    out = np.empty(codes.shape, dtype=np.uint16)
     rc = lib.hq_fp8_dequant_rows(
-        codes.data_ptr(), codes.shape[0], codes.shape[1], s.data_ptr(), block, out.data_ptr(), isa
+        _ptr(codes), codes.shape[0], codes.shape[1], _ptr(s), block, _ptr(out), isa
     )
     return None if rc else out
 
 
-def w8a8_rows(w: torch.Tensor, isa: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(q I8 [n, k], scale F32 [n, 1])`` of float rows ``w`` [n, k] (shape already checked);
-    None where the kernel does not apply or ``w`` holds NaN/Inf."""
-    lib = _lib_for(w)
-    if lib is None or w.ndim != 2:
+def w8a8_rows_array(w: np.ndarray, isa: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(q I8 [n, k], scale F32 [n, 1])`` of float rows ``w`` [n, k] (BF16 bits or F32; shape
+    already checked); None where the kernel does not apply or ``w`` holds NaN/Inf."""
+    kind = float_kind(w)
+    lib = None if kind is None or w.ndim != 2 else QUANT_LIBRARY.get().lib
+    if lib is None:
         return None
     n, k = w.shape
-    q = torch.empty((n, k), dtype=torch.int8)
-    scale = torch.empty((n, 1), dtype=torch.float32)
-    rc = lib.hq_w8a8_rows(
-        w.data_ptr(), w.dtype == torch.bfloat16, n, k, q.data_ptr(), scale.data_ptr(), isa
-    )
+    q = np.empty((n, k), dtype=np.int8)
+    scale = np.empty((n, 1), dtype=np.float32)
+    rc = lib.hq_w8a8_rows(_ptr(w), kind, n, k, _ptr(q), _ptr(scale), isa)
     return None if rc else (q, scale)
+
+
+def int4_rows_array(
+    a: np.ndarray, b: np.ndarray | None = None, isa: int = 0
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(packed U8 [R, K/2], scale F32 [R])`` of float rows ``a`` [R, K] (BF16 bits or F32,
+    K even), or with ``b`` (same shape and dtype) of ``a`` and ``b`` rows interleaved (``2R``
+    rows: 2i from a, 2i + 1 from b). None where the kernel does not apply or a value is NaN/Inf."""
+    kind = float_kind(a)
+    if kind is None or a.ndim != 2 or a.shape[1] % 2:
+        return None
+    if b is not None and (float_kind(b) is None or b.shape != a.shape or b.dtype != a.dtype):
+        return None
+    lib = QUANT_LIBRARY.get().lib
+    if lib is None:
+        return None
+    r, k = a.shape
+    rows = r if b is None else 2 * r
+    packed = np.empty((rows, k // 2), dtype=np.uint8)
+    scale = np.empty(rows, dtype=np.float32)
+    rc = lib.hq_int4_rows(
+        _ptr(a), None if b is None else _ptr(b), kind, r, k, _ptr(packed), _ptr(scale), isa
+    )
+    return None if rc else (packed, scale)
+
+
+# Thin torch adapters for the torch code's callers: zero-copy views of CPU tensors, and back.
+
+
+def fp8_dequant_rows(
+    codes: torch.Tensor, scale_row: torch.Tensor, block: int, isa: int = 0
+) -> torch.Tensor | None:
+    """:func:`fp8_dequant_rows_array` of tensors (E4M3 or its bits) → BF16 [r, in]."""
+    if codes.dtype not in (torch.float8_e4m3fn, torch.uint8) or scale_row.dtype != torch.float32:
+        return None
+    c, s = host_array(codes), host_array(scale_row)
+    out = None if c is None or s is None else fp8_dequant_rows_array(c, s, block, isa)
+    return None if out is None else torch.from_numpy(out).view(torch.bfloat16)
+
+
+def w8a8_rows(w: torch.Tensor, isa: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`w8a8_rows_array` of a tensor."""
+    a = host_array(w)
+    out = None if a is None else w8a8_rows_array(a, isa)
+    return None if out is None else (torch.from_numpy(out[0]), torch.from_numpy(out[1]))
 
 
 def int4_rows(
     a: torch.Tensor, b: torch.Tensor | None = None, isa: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(packed U8 [R, K/2], scale F32 [R])`` of float rows ``a`` [R, K] (K even), or with
-    ``b`` (same shape and dtype) of ``a`` and ``b`` rows interleaved (``2R`` rows: 2i from a,
-    2i + 1 from b). None where the kernel does not apply or a value is NaN/Inf."""
-    lib = _lib_for(a)
-    if lib is None or a.ndim != 2 or a.shape[1] % 2:
+    """:func:`int4_rows_array` of tensors."""
+    x = host_array(a)
+    y = None if b is None else host_array(b)
+    if x is None or (b is not None and y is None):
         return None
-    if b is not None and (_lib_for(b) is None or b.shape != a.shape or b.dtype != a.dtype):
-        return None
-    r, k = a.shape
-    rows = r if b is None else 2 * r
-    packed = torch.empty((rows, k // 2), dtype=torch.uint8)
-    scale = torch.empty(rows, dtype=torch.float32)
-    rc = lib.hq_int4_rows(
-        a.data_ptr(), None if b is None else b.data_ptr(), a.dtype == torch.bfloat16, r, k,
-        packed.data_ptr(), scale.data_ptr(), isa,
-    )  # fmt: skip
-    return None if rc else (packed, scale)
+    out = int4_rows_array(x, y, isa)
+    return None if out is None else (torch.from_numpy(out[0]), torch.from_numpy(out[1]))

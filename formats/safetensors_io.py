@@ -24,16 +24,21 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from ._lazy import torch
 from .base import TensorMeta
-from .dtypes import itemsize, torch_dtype
+from .dtypes import itemsize, numpy_dtype, torch_dtype
 from .errors import HetquantError
 
 __all__ = [
     "HeaderEntry",
     "SafetensorsHeader",
+    "array_view",
     "build_header",
+    "byte_view",
     "create_file",
     "read_header",
     "tensor_view",
@@ -153,6 +158,9 @@ class MappedFile:
     def view(self, entry: HeaderEntry) -> torch.Tensor:
         return tensor_view(self._mm, entry)
 
+    def array(self, entry: HeaderEntry) -> np.ndarray:
+        return array_view(self._mm, entry)
+
     def advise_dontneed(self) -> None:
         """Tell the kernel the mapped pages may go (the bytes stay in the page cache)."""
         if self._mm is not None and hasattr(mmap, "MADV_DONTNEED"):
@@ -167,6 +175,17 @@ def tensor_view(buf: mmap.mmap | None, entry: HeaderEntry) -> torch.Tensor:
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
     if entry.start % itemsize(entry.dtype):
         raw = raw.clone()
+    return raw.view(dtype).reshape(entry.shape)
+
+
+def array_view(buf: mmap.mmap | None, entry: HeaderEntry) -> np.ndarray:
+    """:func:`tensor_view` as a numpy array, BF16 and FP8 as their bits (``dtypes.numpy_dtype``)."""
+    dtype = numpy_dtype(entry.dtype)
+    if entry.nbytes == 0 or buf is None:
+        return np.empty(entry.shape, dtype=dtype)
+    raw = np.frombuffer(buf, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
+    if entry.start % itemsize(entry.dtype):
+        raw = raw.copy()
     return raw.view(dtype).reshape(entry.shape)
 
 
@@ -193,11 +212,19 @@ def create_file(path: str | os.PathLike[str], header: bytes, data_size: int) -> 
         f.truncate(len(header) + data_size)
 
 
-def write_at(fd: int, offset: int, data: torch.Tensor | bytes) -> None:
-    """Write ``data`` (a contiguous tensor's bytes, or bytes) at absolute ``offset`` of ``fd``."""
-    if isinstance(data, torch.Tensor):
-        data = data.contiguous().view(-1).view(torch.uint8).numpy().data
-    view = memoryview(data).cast("B")
+def byte_view(data: Any) -> memoryview:
+    """The bytes of ``data`` (bytes-like, a numpy array or a CPU tensor) as a flat memoryview;
+    no copy for bytes or a C-contiguous array or tensor."""
+    if isinstance(data, np.ndarray):
+        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return memoryview(data).cast("B")
+    return memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy())  # a tensor
+
+
+def write_at(fd: int, offset: int, data: Any) -> None:
+    """Write ``data`` (see :func:`byte_view`) at absolute ``offset`` of ``fd``."""
+    view = byte_view(data)
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
