@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from hetquant.formats import HetquantError
-from hetquant.formats._lazy import torch
 from hetquant.formats.native import load_defined
 
 from . import workers as W
@@ -101,11 +100,7 @@ def _run_here(
     source: SourceCheckpoint, plan: Plan, work: Path, todo: list[Job], guard: SourceGuard,
     progress: Callable[[int], None] | None, calibration: Any,
 ) -> Iterator[int]:  # fmt: skip
-    runner = JobRunner(source, plan, work, calibration)
-    threads = torch.get_num_threads()
-    # One thread, as in the pool's workers: jobs are block-row sized, and per-op thread teams
-    # cost more than they save (benchmarks/README.md, bf16 convert).
-    torch.set_num_threads(1)
+    runner = JobRunner(source, plan, work, calibration)  # torch, if used, on one thread
     try:
         for job in todo:
             nbytes = W.guarded_run(runner, guard, job)
@@ -114,7 +109,6 @@ def _run_here(
             yield job.id
     finally:
         runner.close()
-        torch.set_num_threads(threads)
 
 
 def _run_pool(

@@ -22,6 +22,7 @@ from hetquant.formats.dtypes import st_dtype, torch_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
+from .native_jobs import NativeJobs
 from .plan import Job, OutPiece, Plan
 from .recipes import COPY
 from .source import SourceCheckpoint
@@ -45,11 +46,19 @@ class JobRunner:
     def __post_init__(self) -> None:
         self._out = PieceWriter(self.plan.files, self.work_dir, mapped=self.shared)
         self._handlers = {COPY: self._copy, "linear": self._linear, "experts": self._experts}
+        self._native = NativeJobs(self.source, self._out)
+        self._threads: int | None = None  # torch's threads before this runner's first torch job
 
     def run(self, job: Job) -> int:
-        """Run one job; returns the source bytes it consumed."""
+        """Run one job, natively where the kernels can (``native_jobs``), else with the torch
+        code (one torch thread: jobs are block rows, the pool is the parallelism; restored at
+        :meth:`close`); returns the source bytes it consumed."""
         try:
-            self._handlers[job.kind](job)
+            if any(map(self._calibrated, job.sources)) or not self._native.run(job):
+                if self._threads is None:
+                    self._threads = torch.get_num_threads()
+                    torch.set_num_threads(1)
+                self._handlers[job.kind](job)
         except HetquantError as e:  # a format's message may not name the tensor
             if any(name.rpartition(".")[0] in str(e) for name in job.sources):
                 raise
@@ -58,6 +67,9 @@ class JobRunner:
 
     def close(self) -> None:
         self._out.close()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
 
     def _copy(self, job: Job) -> None:
         data = self.source.weight(job.source)

@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hetquant.formats import HetquantError, WeightFormat
 from hetquant.formats._lazy import torch
+from hetquant.formats.arrays import NotNative, float_row_arrays
 from hetquant.formats.base import float_rows
 from hetquant.formats.families import ModelConfig, TensorRole, load_json
 from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
@@ -110,12 +113,40 @@ class SourceCheckpoint:
         digest = hashlib.sha256(index_bytes + b"\0" + cfg_path.read_bytes()).hexdigest()
         return cls(root, config, tensors, sorted(headers), digest, revision, repo_id)
 
-    def read(self, file: str, entry: HeaderEntry) -> torch.Tensor:
-        """A zero-copy view of one tensor's bytes in shard ``file`` (memory-mapped, copy-on-write)."""
+    def _mapped(self, file: str) -> MappedFile:
         mapped = self._maps.get(path := self.root / file)
         if mapped is None:
             mapped = self._maps[path] = MappedFile(path)
-        return mapped.view(entry)
+        return mapped
+
+    def read(self, file: str, entry: HeaderEntry) -> torch.Tensor:
+        """A zero-copy view of one tensor's bytes in shard ``file`` (memory-mapped, copy-on-write)."""
+        return self._mapped(file).view(entry)
+
+    def array(self, file: str, entry: HeaderEntry) -> np.ndarray:
+        """:meth:`read` as a numpy array (BF16 and FP8 as their bits: ``dtypes.numpy_dtype``)."""
+        return self._mapped(file).array(entry)
+
+    def arrays(self, name: str) -> dict[str, np.ndarray]:
+        """:meth:`stored` as numpy arrays."""
+        return {k: self.array(f, e) for k, (f, e) in self.tensors[name].parts.items()}
+
+    def weight_array(self, name: str) -> tuple[str, np.ndarray]:
+        """(safetensors dtype, :meth:`weight` as a numpy array)."""
+        t = self.tensors[name]
+        file, entry = t.parts.get("weight", next(iter(t.parts.values())))
+        return entry.dtype, self.array(file, entry)
+
+    def row_arrays(self, name: str) -> Iterator[tuple[int, np.ndarray]]:
+        """:meth:`rows` as numpy arrays, by the formats' native kernels
+        (``formats/arrays.py``); raises ``NotNative`` where they cannot."""
+        t = self.tensors[name]
+        if t.fmt is None:
+            return float_row_arrays(name, self.weight_array(name)[1])
+        rows = getattr(t.fmt, "source_row_arrays", None)
+        if rows is None:
+            raise NotNative(f"{name}: source format {t.fmt.name} has no native rows")
+        return rows(t.prefix, self.arrays(name), t.shape)
 
     def stored(self, name: str) -> dict[str, torch.Tensor]:
         """The stored tensors of role ``name`` by key, zero-copy."""

@@ -6,15 +6,16 @@ Two ways to start (``start_method``):
   inherited, nothing is rebuilt or loaded; a worker is ready in milliseconds. Not used once this
   process has initialised CUDA (a calibration on the GPU before the jobs): a forked child must not
   touch a CUDA context, and nothing must tempt it to.
-- ``spawn`` (elsewhere, or ``HETQUANT_WORKER_START=spawn``): a fresh interpreter imports torch,
-  opens the source and rebuilds the plan (it holds role-table lambdas, which cannot be pickled),
-  loading the calibration the parent saved in the work directory — seconds per worker.
+- ``spawn`` (elsewhere, or ``HETQUANT_WORKER_START=spawn``): a fresh interpreter opens the source
+  and rebuilds the plan (it holds role-table lambdas, which cannot be pickled), loading the
+  calibration the parent saved in the work directory; torch only where a job needs it
+  (``native_jobs.py``), else well under a second per worker.
 
 Either way a worker ignores SIGINT (a Ctrl-C reaches the whole process group; the parent
 decides), takes SIGTERM's default action, dies with its parent (``PR_SET_PDEATHSIG`` on Linux
 plus a watchdog thread that exits when the parent PID changes), reports a SIGBUS (a shard
-truncated under its memory map) by its exit status, runs torch on one thread (jobs are block
-rows, and the pool is the parallelism) at nice +5 (``WORKER_NICE``), and stores into the
+truncated under its memory map) by its exit status, runs torch (if a job needs it) on one thread
+(jobs are block rows, and the pool is the parallelism: ``JobRunner``) at nice +5 (``WORKER_NICE``), and stores into the
 containers through shared memory maps (``writer.py``: pwrite into one file serializes writers).
 """
 
@@ -68,7 +69,8 @@ def start_method() -> str:
     forced = os.environ.get(START_ENV, "").lower()
     if forced in ("fork", "spawn"):
         return forced
-    fork_safe = sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+    cuda = "torch" in sys.modules and torch.cuda.is_initialized()  # (no torch: no CUDA)
+    fork_safe = sys.platform.startswith("linux") and not cuda
     return "fork" if fork_safe else "spawn"
 
 
@@ -163,7 +165,6 @@ def _setup(parent: int, root: Path, ids: dict[str, Identity]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker has the parent's handler
     _die_with(parent)
     on_sigbus(b"", SIGBUS_STATUS)  # the parent reports it (a changed source, or the death)
-    torch.set_num_threads(1)
     os.nice(WORKER_NICE)
     _GUARD = SourceGuard(root, ids)
 

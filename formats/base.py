@@ -358,10 +358,15 @@ def check_finite(name: str, t: torch.Tensor, what: str = "source") -> None:
 SOURCE_CHUNK_BYTES = 8 << 20  # BF16 bytes of one streamed source chunk
 
 
+def float_row_step(inp: int, itemsize: int) -> int:
+    """Rows of a float weight [out, ``inp``] in one chunk of about SOURCE_CHUNK_BYTES."""
+    return max(1, SOURCE_CHUNK_BYTES // max(1, inp * itemsize))
+
+
 def float_rows(name: str, w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
     """A float weight [out, in] as stored, checked, in chunks of about SOURCE_CHUNK_BYTES."""
     out, inp = w.shape
-    step = max(1, SOURCE_CHUNK_BYTES // max(1, inp * w.element_size()))
+    step = float_row_step(inp, w.element_size())
     for r in range(0, out, step):
         check_finite(name, w[r : r + step])
         yield r, w[r : r + step]

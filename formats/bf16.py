@@ -9,7 +9,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from ._lazy import torch
+from .arrays import NotNative, float_row_arrays
 from .base import Streaming, TensorMeta, WeightFormat, float_rows, register
 
 __all__ = ["Bf16"]
@@ -34,6 +37,11 @@ class Bf16(WeightFormat):
     ) -> Iterator[tuple[int, torch.Tensor]]:
         return float_rows(name, tensors["weight"])
 
+    def source_row_arrays(
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        return float_row_arrays(name, arrays["weight"])
+
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return {"weight": TensorMeta("BF16", tuple(shape))}
 
@@ -42,6 +50,12 @@ class Bf16(WeightFormat):
 
     def quantize(self, weight: torch.Tensor, **options: Any) -> dict[str, torch.Tensor]:
         return {"weight": weight.to(torch.bfloat16).contiguous()}
+
+    def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`quantize` of BF16 rows (their bits, ``uint16``): as they are."""
+        if rows.dtype != np.uint16:
+            raise NotNative(f"bf16: rows of {rows.dtype} need rounding")
+        return {"weight": rows}
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return tensors["weight"].to(torch.float32)

@@ -36,8 +36,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from ._lazy import torch
-from ._rows_native import fp8_dequant_rows
+from ._rows_native import fp8_dequant_rows, fp8_dequant_rows_array
+from .arrays import native
 from .base import TensorMeta, WeightFormat, register
 from .errors import HetquantError
 
@@ -97,26 +100,36 @@ SCALE_FMTS = ("float", "ue8m0")
 _F32_MANTISSA = (1 << 23) - 1
 
 
-def check_pow2_scales(name: str, scale_inv: torch.Tensor) -> None:
+def _host_f32(scale_inv: Any) -> np.ndarray:
+    """Scales (a numpy array, or a tensor on any device) as a float32 numpy array: the checks
+    below are one rule for the torch code and the native lane (``arrays``)."""
+    if isinstance(scale_inv, np.ndarray):
+        return scale_inv.astype(np.float32, copy=False)
+    return scale_inv.detach().to("cpu", torch.float32).numpy()
+
+
+def check_pow2_scales(name: str, scale_inv: Any) -> None:
     """Refuse a scale that is not a power of two (UE8M0: exponent only; zero mantissa bits,
-    normal numbers, positive)."""
-    bits = scale_inv.to(torch.float32).contiguous().view(torch.int32)
-    bad = ((bits & _F32_MANTISSA) != 0) | (bits <= (_F32_MANTISSA))  # mantissa, or ≤ 0 / subnormal
-    if bool(bad.any()):
-        i = int(bad.reshape(-1).nonzero()[0])
-        value = float(scale_inv.reshape(-1)[i])
+    normal numbers, positive). ``scale_inv``: a numpy array or a tensor."""
+    s = np.ascontiguousarray(_host_f32(scale_inv)).reshape(-1)
+    bits = s.view(np.int32)
+    bad = ((bits & _F32_MANTISSA) != 0) | (bits <= _F32_MANTISSA)  # mantissa, or ≤ 0 / subnormal
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
         raise HetquantError(
-            f"{name}: scale {value!r} (entry {i}) is not a power of two, but config.json declares "
-            "scale_fmt ue8m0; the checkpoint is corrupt or its config is not its own"
+            f"{name}: scale {float(s[i])!r} (entry {i}) is not a power of two, but config.json "
+            "declares scale_fmt ue8m0; the checkpoint is corrupt or its config is not its own"
         )
 
 
-def check_scales(name: str, scale_inv: torch.Tensor) -> None:
-    """Refuse NaN/Inf, negative scales, and scales whose largest code (448) overflows BF16."""
-    lo, hi = (float(v) for v in torch.aminmax(scale_inv)) if scale_inv.numel() else (0.0, 0.0)
+def check_scales(name: str, scale_inv: Any) -> None:
+    """Refuse NaN/Inf, negative scales, and scales whose largest code (448) overflows BF16.
+    ``scale_inv``: a numpy array or a tensor."""
+    s = _host_f32(scale_inv)
+    lo, hi = (float(s.min()), float(s.max())) if s.size else (0.0, 0.0)  # NaN propagates
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        bad = int((~torch.isfinite(scale_inv)).sum())
-        raise HetquantError(f"{name}: {bad} NaN/Inf value(s) of {scale_inv.numel()}; corrupt scale")
+        bad = int((~np.isfinite(s)).sum())
+        raise HetquantError(f"{name}: {bad} NaN/Inf value(s) of {s.size}; corrupt scale")
     if lo < 0:
         raise HetquantError(
             f"{name}: negative scale {lo:g}; block scales are positive, the checkpoint is corrupt"
@@ -177,7 +190,7 @@ class Fp8Block(WeightFormat):
                 f"fp8_block: scale_fmt {self.scale_fmt!r} is not one of {list(SCALE_FMTS)}"
             )
 
-    def _check_scales(self, name: str, scale_inv: torch.Tensor) -> None:
+    def _check_scales(self, name: str, scale_inv: Any) -> None:
         check_scales(name, scale_inv)
         if self.scale_fmt == "ue8m0":
             check_pow2_scales(name, scale_inv)
@@ -202,6 +215,16 @@ class Fp8Block(WeightFormat):
         self._check_scales(f"{name}.weight_scale_inv", s)
         for r in range(0, shape[0], self.block):
             yield r, self._block_row(f"{name}.weight", w[r : r + self.block], s, r)
+
+    def source_row_arrays(
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """:meth:`source_rows` on numpy arrays (``arrays``): BF16 bits, by the kernel alone."""
+        w, s = arrays["weight"], arrays["weight_scale_inv"]
+        self._check_scales(f"{name}.weight_scale_inv", s)
+        for r in range(0, shape[0], self.block):
+            rows = fp8_dequant_rows_array(w[r : r + self.block], s[r // self.block], self.block)
+            yield r, native(rows, f"{name}.weight: FP8 rows {r}+")
 
     def _block_row(
         self, name: str, rows: torch.Tensor, scale_inv: torch.Tensor, row0: int

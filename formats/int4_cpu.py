@@ -70,8 +70,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from ._lazy import torch
-from ._rows_native import int4_rows
+from ._rows_native import int4_rows, int4_rows_array
+from .arrays import NotNative, native
 from .base import (
     ExpertLayerFormat,
     Streaming,
@@ -219,6 +222,11 @@ class Int4Cpu(WeightFormat):
         if options:
             raise HetquantError(f"{self.name}.quantize: unknown options {sorted(options)}")
         packed, scale = _quantize_rows(f"{self.name}.quantize", weight, clip_search)
+        return {"weight_packed": packed, "weight_scale": scale}
+
+    def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`quantize` (RTN) of numpy rows (``arrays``), by the kernel alone."""
+        packed, scale = native(int4_rows_array(rows), f"{self.name}: rows {rows.dtype}")
         return {"weight_packed": packed, "weight_scale": scale}
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -415,6 +423,15 @@ class Int4CpuExperts(ExpertLayerFormat):
         """Rows [R, K] of gate_up (interleaved) or down → (packed U8 [R, K/2], scale F32 [R]);
         rows are independent, so a converter may stream an expert one block row at a time."""
         return _quantize_rows("int4_cpu_experts", rows, self.clip_search, finite=False)
+
+    def quantize_rows_array(
+        self, a: np.ndarray, b: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`quantize_rows` of numpy rows ``a`` [R, K], or with ``b`` of ``a`` and ``b`` rows
+        interleaved (row 2i from a, 2i + 1 from b: ``gate_up``), by the kernel alone."""
+        if self.clip_search:
+            raise NotNative("int4_cpu_experts: clip search has no kernel")
+        return native(int4_rows_array(a, b), f"int4_cpu_experts: rows {a.dtype}")
 
 
 register_expert_format(Int4CpuExperts())

@@ -78,8 +78,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from ._lazy import torch
-from ._rows_native import w8a8_rows
+from ._rows_native import w8a8_rows, w8a8_rows_array
+from .arrays import NotNative, native
 from .base import Streaming, TensorMeta, WeightFormat, all_finite, get_format, register
 from .dtypes import round_up_to
 from .errors import HetquantError
@@ -216,6 +219,13 @@ class W8A8Dynamic(WeightFormat):
     def quantize(self, weight: torch.Tensor, *, name: str = "weight") -> dict[str, torch.Tensor]:
         """``name`` is the tensor's full name, used in error messages."""
         return _weight_tensors(weight, name)
+
+    def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`quantize` of numpy rows (``arrays``), by the kernel alone."""
+        if rows.ndim != 2 or 0 in rows.shape:
+            raise NotNative(f"{self.name}: shape {rows.shape}")
+        q, scale = native(w8a8_rows_array(rows), f"{self.name}: rows {rows.dtype}")
+        return {"weight": q, "weight_scale": scale, "weight_offset": np.zeros_like(scale)}
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return _dequantize(self, tensors)

@@ -1,0 +1,106 @@
+"""The native lane: jobs run by the formats' C++ kernels on numpy arrays, without torch.
+
+``import torch`` alone takes 1.5-4.5 s, a third of a 12 GB conversion on 16 cores (issue #16),
+and the hot path does not need it: the FP8 → BF16, W8A8 and INT4 row kernels take data pointers,
+the writer stores bytes into mapped files, the plan is shapes alone. So :class:`JobRunner`
+(``jobs.py``) first offers each job to :class:`NativeJobs`; a job it takes is read from the
+source's memory maps as numpy arrays (``SourceCheckpoint.row_arrays``), converted by the
+formats' ``*_array`` methods (``formats/arrays.py``) and written as it comes — the same bytes as
+the torch code (the kernels are tested bit-identical to it, and the golden artifacts hold).
+
+It takes a job only where every step has a kernel: a copy of BF16/F32 (checked finite by the
+absmax kernel) or of a dtype no check applies to; a linear weight from FP8 blocks, BF16 or a
+plain float tensor into a format that streams rows straight to its outputs (every stored key
+along the weight's rows, no per-tensor amax, no finishing step) and has ``quantize_array``;
+stacked experts into a format with ``quantize_rows_array``. Anything else — a calibrated job, a
+source kept as stored or repacked, another format, no compiler, ``HETQUANT_QUANT_BACKEND=torch``,
+bad input a kernel declines (``NotNative``) — goes to the torch code, which imports torch then,
+in the process that needs it, and redoes the whole job (fixed byte ranges: a redo is safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hetquant.formats import get_expert_format, get_format
+from hetquant.formats.arrays import NotNative, require_finite
+from hetquant.formats.expert_repack import EXPERT_REPACKS
+from hetquant.formats.linear_repack import LINEAR_REPACKS
+
+from .plan import Job, OutPiece
+from .recipes import COPY
+from .source import SourceCheckpoint
+from .writer import PieceWriter
+
+__all__ = ["NativeJobs"]
+
+_CHECKED = frozenset({"BF16", "F32"})  # float copies whose finiteness the absmax kernel checks
+_UNCHECKED = frozenset({"F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL"})
+
+
+@dataclasses.dataclass
+class NativeJobs:
+    """Runs the jobs the kernels can take (module docstring), writing through ``out``."""
+
+    source: SourceCheckpoint
+    out: PieceWriter
+
+    def __post_init__(self) -> None:
+        self._handlers = {COPY: self._copy, "linear": self._linear, "experts": self._experts}
+
+    def run(self, job: Job) -> bool:
+        """Run ``job`` natively; False (nothing promised about its bytes) where it cannot."""
+        try:
+            self._handlers[job.kind](job)
+        except NotNative:
+            return False
+        return True
+
+    def _copy(self, job: Job) -> None:
+        dtype, data = self.source.weight_array(job.source)
+        if dtype in _CHECKED:
+            require_finite(job.source, data)
+        elif dtype not in _UNCHECKED:
+            raise NotNative(f"{job.source}: no finite check for {dtype}")
+        self._write(job.outputs[0], data)
+
+    def _linear(self, job: Job) -> None:
+        fmt = get_format(job.target.fmt, **dict(job.target.params))
+        src = self.source.tensors[job.source]
+        if src.fmt == fmt or (src.fmt_name, fmt.name) in LINEAR_REPACKS:
+            raise NotNative("kept as stored, or repacked")
+        plan = fmt.streaming(src.shape)  # type: ignore[arg-type]
+        quantize = getattr(fmt, "quantize_array", None)
+        direct = plan is not None and plan.finish is None and not plan.needs_amax
+        if not direct or quantize is None or set(plan.axes.values()) != {0}:  # type: ignore[union-attr]
+            raise NotNative(f"{fmt.name}: not streamed row by row natively")
+        pieces = {p.key: p for p in job.outputs}
+        for row0, rows in self.source.row_arrays(job.source):
+            for key, part in quantize(rows).items():
+                piece = pieces[key]
+                self._write(piece, part, row0 * (piece.meta.nbytes // piece.meta.shape[0]))
+
+    def _experts(self, job: Job) -> None:
+        fmt = dataclasses.replace(get_expert_format(job.target.fmt), **dict(job.target.params))
+        quantize = getattr(fmt, "quantize_rows_array", None)
+        source_fmt = self.source.tensors[job.source].fmt_name
+        if quantize is None or (source_fmt, job.target.fmt) in EXPERT_REPACKS:
+            raise NotNative(f"{job.target.fmt}: no native rows")
+        gate, up, down = job.sources
+        shapes = [self.source.tensors[n].shape for n in job.sources]
+        if shapes[0] != shapes[1] or shapes[2] != shapes[0][::-1]:
+            raise NotNative("expert shapes disagree")  # the torch code names them
+        pieces = {p.key: p for p in job.outputs}
+        rows = self.source.row_arrays
+        for (r, g), (_, u) in zip(rows(gate), rows(up), strict=True):
+            packed, scale = quantize(g, u)  # gate and up rows interleaved
+            self._write(pieces["gate_up_packed"], packed, 2 * r * packed.shape[1])
+            self._write(pieces["gate_up_scale"], scale, 2 * r * scale.itemsize)
+        for r, d in rows(down):
+            packed, scale = quantize(d)
+            self._write(pieces["down_packed"], packed, r * packed.shape[1])
+            self._write(pieces["down_scale"], scale, r * scale.itemsize)
+
+    def _write(self, piece: OutPiece, data: Any, rel: int = 0) -> None:
+        self.out.write(piece.tensor, piece.offset + rel, data)
