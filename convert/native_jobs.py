@@ -7,11 +7,13 @@ the writer stores bytes into mapped files, the plan is shapes alone. So :class:`
 source's memory maps as numpy arrays (``SourceCheckpoint.row_arrays``), converted by the
 formats' ``*_array`` methods (``formats/arrays.py``) and written as it comes — the same bytes as
 the torch code (the kernels are tested bit-identical to it, and the golden artifacts hold).
+Recipes whose jobs are all native this way: bf16, ascend-w8a8, ascend-hybrid, awq-w4a16 (RTN).
 
 It takes a job only where every step has a kernel: a copy of BF16/F32 (checked finite by the
 absmax kernel) or of a dtype no check applies to; a linear weight from FP8 blocks, BF16 or a
-plain float tensor into a format that streams rows straight to its outputs (every stored key
-along the weight's rows, no per-tensor amax, no finishing step) and has ``quantize_array``;
+plain float tensor into a format that streams by rows and has ``quantize_array`` (outputs along
+the weight's rows written as they come, others assembled, as the torch code does; no per-tensor
+amax, no finishing step such as a tiling): bf16, w8a8_dynamic, int4_cpu, awq_w4a16 (RTN);
 stacked experts into a format with ``quantize_rows_array``. Anything else — a calibrated job, a
 source kept as stored or repacked, another format, no compiler, ``HETQUANT_QUANT_BACKEND=torch``,
 bad input a kernel declines (``NotNative``) — goes to the torch code, which imports torch then,
@@ -23,8 +25,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from hetquant.formats import get_expert_format, get_format
 from hetquant.formats.arrays import NotNative, require_finite
+from hetquant.formats.dtypes import numpy_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
@@ -70,16 +75,30 @@ class NativeJobs:
         src = self.source.tensors[job.source]
         if src.fmt == fmt or (src.fmt_name, fmt.name) in LINEAR_REPACKS:
             raise NotNative("kept as stored, or repacked")
-        plan = fmt.streaming(src.shape)  # type: ignore[arg-type]
-        quantize = getattr(fmt, "quantize_array", None)
-        direct = plan is not None and plan.finish is None and not plan.needs_amax
-        if not direct or quantize is None or set(plan.axes.values()) != {0}:  # type: ignore[union-attr]
-            raise NotNative(f"{fmt.name}: not streamed row by row natively")
+        shape = src.shape
+        plan = fmt.streaming(shape)  # type: ignore[arg-type]
+        quantize = None if plan is None else getattr(plan.chunk_format, "quantize_array", None)
+        if quantize is None or plan.finish is not None or plan.needs_amax:  # type: ignore[union-attr]
+            raise NotNative(f"{fmt.name}: no native streaming")
         pieces = {p.key: p for p in job.outputs}
+        metas = plan.chunk_format.stored(shape)  # type: ignore[union-attr, arg-type]
+        buffers = {k: np.empty(m.shape, numpy_dtype(m.dtype))  # assembled, written at the end
+                   for k, m in metas.items() if plan.axes[k] != 0}  # type: ignore[union-attr]  # fmt: skip
         for row0, rows in self.source.row_arrays(job.source):
             for key, part in quantize(rows).items():
-                piece = pieces[key]
-                self._write(piece, part, row0 * (piece.meta.nbytes // piece.meta.shape[0]))
+                axis = plan.axes[key]  # type: ignore[union-attr]
+                if axis == 0:  # written as it comes
+                    piece = pieces[key]
+                    self._write(piece, part, row0 * (piece.meta.nbytes // piece.meta.shape[0]))
+                elif axis is None:  # a value of the whole weight
+                    buffers[key] = part
+                else:  # these rows' entries along ``axis``: len / out per row
+                    start = row0 * buffers[key].shape[axis] // shape[0]
+                    index = [slice(None)] * part.ndim
+                    index[axis] = slice(start, start + part.shape[axis])
+                    buffers[key][tuple(index)] = part
+        for key, data in buffers.items():
+            self._write(pieces[key], data)
 
     def _experts(self, job: Job) -> None:
         fmt = dataclasses.replace(get_expert_format(job.target.fmt), **dict(job.target.params))

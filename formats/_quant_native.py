@@ -45,6 +45,7 @@ __all__ = [
     "absmax_array",
     "available",
     "awq_rtn",
+    "awq_rtn_array",
     "best_isa",
     "e4m3_encode",
     "f16_encode",
@@ -167,22 +168,30 @@ def nvfp4(
     return None if rc else (q, sc.view(torch.float8_e4m3fn))
 
 
-def awq_rtn(w: torch.Tensor, group: int, isa: int = 0) -> dict[str, torch.Tensor] | None:
-    """AWQ round-to-nearest of rows ``w`` [R, K] (shape already validated): ``qweight`` I32
-    [K, R/8], ``qzeros`` I32 [K/g, R/8], ``scales`` F16 [K/g, R]. None where the kernel does not
-    apply, ``w`` holds NaN/Inf or a scale overflows FP16."""
-    lib = _lib_for(w)
+def awq_rtn_array(w: np.ndarray, group: int, isa: int = 0) -> dict[str, np.ndarray] | None:
+    """AWQ round-to-nearest of rows ``w`` [R, K] (BF16 bits or F32; shape already validated):
+    ``qweight`` I32 [K, R/8], ``qzeros`` I32 [K/g, R/8], ``scales`` F16 [K/g, R]. None where the
+    kernel does not apply, ``w`` holds NaN/Inf or a scale overflows FP16."""
+    kind = float_kind(w)
+    lib = None if kind is None or w.ndim != 2 else QUANT_LIBRARY.get().lib
     if lib is None:
         return None
     r, k = w.shape
     out = {
-        "qweight": torch.empty((k, r // 8), dtype=torch.int32),
-        "qzeros": torch.empty((k // group, r // 8), dtype=torch.int32),
-        "scales": torch.empty((k // group, r), dtype=torch.float16),
+        "qweight": np.empty((k, r // 8), dtype=np.int32),
+        "qzeros": np.empty((k // group, r // 8), dtype=np.int32),
+        "scales": np.empty((k // group, r), dtype=np.float16),
     }
-    ptrs = (t.data_ptr() for t in out.values())
-    rc = lib.hq_awq_quantize(w.data_ptr(), w.dtype == torch.bfloat16, r, k, group, *ptrs, isa)
+    ptrs = (a.ctypes.data for a in out.values())
+    rc = lib.hq_awq_quantize(w.ctypes.data, kind, r, k, group, *ptrs, isa)
     return None if rc else out
+
+
+def awq_rtn(w: torch.Tensor, group: int, isa: int = 0) -> dict[str, torch.Tensor] | None:
+    """:func:`awq_rtn_array` of a tensor."""
+    a = host_array(w)
+    out = None if a is None else awq_rtn_array(a, group, isa)
+    return None if out is None else {k: torch.from_numpy(v) for k, v in out.items()}
 
 
 def _encode(fn_name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

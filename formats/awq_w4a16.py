@@ -45,8 +45,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from . import _quant_native
 from ._lazy import torch
+from .arrays import native
 from .base import Streaming, TensorMeta, WeightFormat, all_finite, register
 from .bits import unpack_nibbles_i32
 from .dtypes import round_up_to
@@ -128,6 +131,12 @@ class AwqW4A16(WeightFormat):
         self._check_shape(tuple(weight.shape))
         native = _quant_native.awq_rtn(weight, self.group_size)  # None: not applicable, or bad
         return self._quantize_torch(weight) if native is None else native
+
+    def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`quantize` (RTN) of numpy rows (``arrays``), by the kernel alone."""
+        self._check_shape(rows.shape)
+        out = _quant_native.awq_rtn_array(rows, self.group_size)
+        return native(out, f"{self.name}: rows {rows.dtype}")
 
     def _quantize_torch(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The round-to-nearest reference (module docstring)."""

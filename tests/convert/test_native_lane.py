@@ -21,7 +21,8 @@ from golden_artifacts import CASES, GOLDEN, TINY, artifact_digest
 from hetquant.formats import _quant_native as Q
 
 GOLDEN_FILES = {case: doc["files"] for case, doc in json.loads(GOLDEN.read_text()).items()}
-LANE = ("bf16", "bf16-1mb-shards", "ascend-hybrid", "ascend-hybrid-mtp-drop", "ascend-w8a8")
+LANE = ("bf16", "bf16-1mb-shards", "ascend-hybrid", "ascend-hybrid-mtp-drop", "ascend-w8a8",
+        "awq-w4a16", "awq-w4a16-g64")  # fmt: skip
 
 # runs `hetquant ARGS`, then reports whether torch was imported ("torch: True|False")
 _RUN = """
@@ -72,7 +73,7 @@ def test_lane_converts_without_torch(case: str, workers: str, start: str, tmp_pa
     assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES[case]
 
 
-@pytest.mark.parametrize("case", ["bf16", "ascend-hybrid"])
+@pytest.mark.parametrize("case", ["bf16", "ascend-hybrid", "awq-w4a16"])
 def test_torch_fallback_gives_the_same_bytes(case: str, tmp_path: Path) -> None:
     out = _convert(case, tmp_path / "out", {"HETQUANT_QUANT_BACKEND": "torch"})
     assert "torch: True" in out  # the kernels were off: every job took the torch code
