@@ -167,19 +167,9 @@ class MappedFile:
             self._mm.madvise(mmap.MADV_DONTNEED)
 
 
-def tensor_view(buf: mmap.mmap | None, entry: HeaderEntry) -> torch.Tensor:
-    """A zero-copy tensor over ``entry``'s bytes in ``buf`` (copied only if misaligned)."""
-    dtype = torch_dtype(entry.dtype)
-    if entry.nbytes == 0 or buf is None:
-        return torch.empty(entry.shape, dtype=dtype)
-    raw = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
-    if entry.start % itemsize(entry.dtype):
-        raw = raw.clone()
-    return raw.view(dtype).reshape(entry.shape)
-
-
 def array_view(buf: mmap.mmap | None, entry: HeaderEntry) -> np.ndarray:
-    """:func:`tensor_view` as a numpy array, BF16 and FP8 as their bits (``dtypes.numpy_dtype``)."""
+    """A zero-copy numpy array over ``entry``'s bytes in ``buf`` (copied only if misaligned),
+    BF16 and FP8 as their bits (``dtypes.numpy_dtype``)."""
     dtype = numpy_dtype(entry.dtype)
     if entry.nbytes == 0 or buf is None:
         return np.empty(entry.shape, dtype=dtype)
@@ -187,6 +177,12 @@ def array_view(buf: mmap.mmap | None, entry: HeaderEntry) -> np.ndarray:
     if entry.start % itemsize(entry.dtype):
         raw = raw.copy()
     return raw.view(dtype).reshape(entry.shape)
+
+
+def tensor_view(buf: mmap.mmap | None, entry: HeaderEntry) -> torch.Tensor:
+    """:func:`array_view` as a tensor of the entry's dtype (zero-copy)."""
+    raw = torch.from_numpy(array_view(buf, entry).reshape(-1).view(np.uint8))
+    return raw.view(torch_dtype(entry.dtype)).reshape(entry.shape)
 
 
 def build_header(tensors: Iterable[tuple[str, TensorMeta]], metadata: dict[str, str]) -> bytes:
