@@ -146,6 +146,30 @@ def test_folds_are_the_identity_on_the_float_model():
 def test_gram_and_direct_paths_agree():
     x = torch.randn(600, 128, generator=_gen(12))
     err = torch.randn(16, 128, generator=_gen(13)) * 1e-2
-    direct = awq._sq_out(x, err, None, torch.float32)
-    gram = awq._sq_out(x, err, awq._gram(x, torch.float32), torch.float32)
+    direct = float(awq._sq_out(x, err, None, torch.float32))
+    gram = float(awq._sq_out(x, err, awq._gram(x, torch.float32), torch.float32))
     assert gram == pytest.approx(direct, rel=1e-4)
+
+
+def test_search_clip_row_batches_do_not_change_the_choice():
+    """Rows are searched independently: batching them (256 on the CPU, whole weights on an
+    accelerator: ``clip_rows_per_batch``) picks the same shrink steps up to float ties."""
+    w = torch.randn(600, 256, generator=_gen(14))
+    w[:, 7] *= 6
+    x = torch.randn(120, 256, generator=_gen(15))
+    small = awq.search_clip(w, x, 128, rows_per_batch=256)  # 3 batches, the last partial
+    whole = awq.search_clip(w, x, 128, rows_per_batch=600)
+    assert bool(small.any())
+    assert torch.equal(small, whole)
+
+
+def test_clip_rows_per_batch():
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert awq.clip_rows_per_batch(cpu, 7168, 56, 512) == 256  # AutoAWQ's, the CPU's bytes
+    rows = awq.clip_rows_per_batch(meta, 7168, 56, 512)  # an accelerator: by working set
+    assert (
+        rows * 4 * (56 * 512 + 4 * 7168)
+        <= awq.CLIP_BATCH_BYTES
+        < (rows + 1) * 4 * (56 * 512 + 4 * 7168)
+    )
+    assert awq.clip_rows_per_batch(meta, 1 << 20, 8192, 1 << 16) == 256  # at least 256
