@@ -34,6 +34,7 @@ from hetquant.formats.native import load_defined
 
 from . import workers as W
 from .jobs import JobRunner
+from .native_jobs import needs_torch
 from .plan import Job, Plan
 from .source import SourceCheckpoint
 from .source_guard import SourceGuard
@@ -119,6 +120,8 @@ def _run_pool(
     method = stats["start_method"] = W.start_method()
     if method == "fork":
         load_defined()  # the kernels, built once here rather than in every worker
+        if needs_torch(source, todo, () if calibration is None else calibration):
+            import torch  # noqa: F401  # once here: shared by the forked workers, not one each
         W.inherit((source, plan, work, calibration))
         init, args = W.init_forked, (os.getpid(), guard.ids)
     else:

@@ -38,7 +38,7 @@ from .recipes import COPY
 from .source import SourceCheckpoint
 from .writer import PieceWriter
 
-__all__ = ["NativeJobs"]
+__all__ = ["NativeJobs", "needs_torch"]
 
 _CHECKED = frozenset({"BF16", "F32"})  # float copies whose finiteness the absmax kernel checks
 _UNCHECKED = frozenset({"F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL"})
@@ -62,6 +62,17 @@ class NativeJobs:
             return False
         return True
 
+    def declines(self, job: Job) -> bool:
+        """Whether ``job`` goes to the torch code whatever its data says (its formats alone)."""
+        try:
+            if job.kind == "linear":
+                self._linear_plan(job)
+            elif job.kind == "experts":
+                self._experts_format(job)
+        except NotNative:
+            return True
+        return False
+
     def _copy(self, job: Job) -> None:
         dtype, data = self.source.weight_array(job.source)
         if dtype in _CHECKED:
@@ -70,16 +81,21 @@ class NativeJobs:
             raise NotNative(f"{job.source}: no finite check for {dtype}")
         self._write(job.outputs[0], data)
 
-    def _linear(self, job: Job) -> None:
+    def _linear_plan(self, job: Job) -> tuple[Any, Any]:
+        """(streaming plan, its ``quantize_array``) of a linear job; NotNative where none."""
         fmt = get_format(job.target.fmt, **dict(job.target.params))
         src = self.source.tensors[job.source]
         if src.fmt == fmt or (src.fmt_name, fmt.name) in LINEAR_REPACKS:
             raise NotNative("kept as stored, or repacked")
-        shape = src.shape
-        plan = fmt.streaming(shape)  # type: ignore[arg-type]
+        plan = fmt.streaming(src.shape)  # type: ignore[arg-type]
         quantize = None if plan is None else getattr(plan.chunk_format, "quantize_array", None)
         if quantize is None or plan.finish is not None or plan.needs_amax:  # type: ignore[union-attr]
             raise NotNative(f"{fmt.name}: no native streaming")
+        return plan, quantize
+
+    def _linear(self, job: Job) -> None:
+        plan, quantize = self._linear_plan(job)
+        shape = self.source.tensors[job.source].shape
         pieces = {p.key: p for p in job.outputs}
         metas = plan.chunk_format.stored(shape)  # type: ignore[union-attr, arg-type]
         buffers = {k: np.empty(m.shape, numpy_dtype(m.dtype))  # assembled, written at the end
@@ -100,12 +116,17 @@ class NativeJobs:
         for key, data in buffers.items():
             self._write(pieces[key], data)
 
-    def _experts(self, job: Job) -> None:
+    def _experts_format(self, job: Job) -> Any:
+        """The expert format's ``quantize_rows_array``; NotNative where it has none."""
         fmt = dataclasses.replace(get_expert_format(job.target.fmt), **dict(job.target.params))
         quantize = getattr(fmt, "quantize_rows_array", None)
         source_fmt = self.source.tensors[job.source].fmt_name
         if quantize is None or (source_fmt, job.target.fmt) in EXPERT_REPACKS:
             raise NotNative(f"{job.target.fmt}: no native rows")
+        return quantize
+
+    def _experts(self, job: Job) -> None:
+        quantize = self._experts_format(job)
         gate, up, down = job.sources
         shapes = [self.source.tensors[n].shape for n in job.sources]
         if shapes[0] != shapes[1] or shapes[2] != shapes[0][::-1]:
@@ -123,3 +144,17 @@ class NativeJobs:
 
     def _write(self, piece: OutPiece, data: Any, rel: int = 0) -> None:
         self.out.write(piece.tensor, piece.offset + rel, data)
+
+
+def needs_torch(source: SourceCheckpoint, jobs: list[Job], calibrated: Any = ()) -> bool:
+    """Whether some of ``jobs`` will run the torch code, from their formats alone (no bytes
+    read; a job the lane takes may still hand bad input to torch, which that worker imports
+    then). ``calibrated``: the source names a calibration changes (always torch). The pool's
+    parent imports torch once before it forks where this holds, rather than every worker on its
+    own (seconds of CPU and 100-300 MB of private memory each)."""
+    from hetquant.formats._quant_native import available
+
+    lane = NativeJobs(source, None)  # type: ignore[arg-type]  # declines() writes nothing
+    return not available() or any(
+        any(name in calibrated for name in job.sources) or lane.declines(job) for job in jobs
+    )

@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 from golden_artifacts import CASES, GOLDEN, TINY, artifact_digest
 
+from hetquant.convert.native_jobs import needs_torch
+from hetquant.convert.plan import plan_for
+from hetquant.convert.recipes import get_recipe
+from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import _quant_native as Q
 
 GOLDEN_FILES = {case: doc["files"] for case, doc in json.loads(GOLDEN.read_text()).items()}
@@ -83,4 +87,26 @@ def test_torch_fallback_gives_the_same_bytes(case: str, tmp_path: Path) -> None:
 def test_a_recipe_without_kernels_imports_torch(tmp_path: Path) -> None:
     """fp4 (NVFP4 tiling, a per-tensor amax) is not on the lane: it needs torch, and gets it."""
     assert "torch: True" in _convert("fp4", tmp_path / "out", {})
+    assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES["fp4"]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "torch_needed"),
+    [("bf16", False), ("ascend-w8a8", False), ("ascend-hybrid", False), ("awq-w4a16", False),
+     ("fp4", True), ("ascend-w4a16", True)],
+)  # fmt: skip
+def test_needs_torch_from_the_plan(recipe: str, torch_needed: bool) -> None:
+    """The parent's shape-only forecast: the lane's recipes need no torch, the others do."""
+    source = SourceCheckpoint.open(TINY)
+    jobs = plan_for(source, get_recipe(recipe), 1 << 40).jobs
+    assert needs_torch(source, jobs) is torch_needed
+    some = jobs[len(jobs) // 2]
+    assert needs_torch(source, [some], calibrated=set(some.sources))  # calibrated: torch code
+
+
+def test_the_pool_parent_imports_torch_once_for_its_workers(tmp_path: Path) -> None:
+    """fp4 on two forked workers: torch is imported in the parent before the fork (shared by
+    the workers), not by each worker alone; the bytes are the golden ones."""
+    out = _convert("fp4", tmp_path / "out", {"HETQUANT_WORKER_START": "fork"}, "--workers", "2")
+    assert "torch: True" in out
     assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES["fp4"]
