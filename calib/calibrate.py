@@ -11,8 +11,9 @@ Lifecycle (``calibrate``): embed the calibration tokens [N, T]; then for each de
    weights and float inputs of step 2 (as AutoAWQ: search every group, then apply);
 4. fold them (``Transform``), then search the clip of every quantized linear on its transformed
    weight and transformed input (``awq.search_clip``; AutoAWQ skips q_a / q_b / q);
-5. run the layer again with the transformed, fake-quantized weights (AwqW4A16 RTN of the final
-   weight, the artifact's exact values) and pass ITS output to layer L + 1 (``propagate=
+5. run the layer again with the transformed, fake-quantized weights (each linear's target
+   format, quantize → dequantize of the final weight: the artifact's exact values) and pass ITS
+   output to layer L + 1 (``propagate=
    "quantized"``, llm-compressor's default: later layers calibrate on the inputs they will see;
    AutoAWQ passes the float output, ``propagate="float"``); free layer L.
 
@@ -27,13 +28,18 @@ saved result are in ``transforms``.
 
 ``method="rtn"`` runs the same pipeline with identity scales and no clip: the round-to-nearest
 baseline the recipe produces without calibration data.
+
+Targets: ``targets`` maps each quantized linear to its format's quantizer (``quantizer.py``; a
+converter takes them from the recipe's plan), ``searched`` names those whose scales and clips
+are searched (``layer``'s docstring). Without ``targets``: awq-w4a16's, every linear of the
+decoder layers in ``AwqW4A16(options.group_size)``, all searched.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +47,7 @@ import torch
 from .data import tokens_digest
 from .forward import check_tokens, default_device, layer_names, source_tensor_fn
 from .layer import _Context, _LayerCalibration, _QuantizedWeights, _RowsOf
+from .quantizer import Quantizer, quantizer_for
 from .transforms import (
     _DTYPES,
     RESULT_FORMAT,
@@ -78,12 +85,18 @@ def calibrate(
     tokens: torch.Tensor,
     options: AwqOptions | None = None,
     *,
+    targets: Mapping[str, Quantizer] | None = None,
+    searched: Collection[str] | None = None,
     device: str | torch.device | None = None,
     weights_fn: Callable[[str], torch.Tensor] | None = None,
     names: list[str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CalibrationResult:
     """Calibrate ``source`` on ``tokens`` [N, T] (see module docstring).
+
+    ``targets``: linear weight name → its quantizer (default: awq-w4a16's); names outside the
+    decoder layers (MTP) are left to the converter's round-to-nearest. ``searched``: the targets
+    whose AWQ scales and clips are searched (default: all).
 
     ``source``: anything with ``.config`` (a ``formats.families.ModelConfig``) and ``.tensors``
     (names), and — unless ``weights_fn(name) -> tensor`` is given — ``.dequantized(name)`` (BF16
@@ -101,7 +114,13 @@ def calibrate(
     dev = torch.device(device) if device is not None else default_device()
     tokens = check_tokens(tokens, cfg.vocab_size)
     roles = fam.expected_tensors(cfg)
-    quantized = tuple(n for n in names if n in roles and is_quantized_linear(roles[n]))
+    if targets is None:
+        awq_q = quantizer_for("awq_w4a16", {"group_size": opts.group_size})
+        targets = {n: awq_q for n in names if n in roles and is_quantized_linear(roles[n])}
+    reached = {n for n in names if n in roles and roles[n].layer is not None and not roles[n].mtp}
+    quantized = tuple(n for n in names if n in targets and n in reached)
+    search = set(quantized) if searched is None else set(searched) & set(quantized)
+    kept = {n: targets[n] for n in quantized}
     ctx = _Context(cfg, opts, dev, opts.compute_dtype(dev), tokens.shape[1])
     start = time.perf_counter()
     transforms: dict[str, Transform] = {}
@@ -114,7 +133,7 @@ def calibrate(
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
             state = {n: fn(n).to(dev) for n in layer_names(names, layer, fam)}
-            h, tf, st = _LayerCalibration(ctx, layer, state, set(quantized)).run(h)
+            h, tf, st = _LayerCalibration(ctx, layer, state, kept, search).run(h)
             transforms.update({n: t.to("cpu") for n, t in tf.items()})
             del state
             st["seconds"] = round(time.perf_counter() - t0, 3)
@@ -140,7 +159,7 @@ def calibrate(
         else None,
         "layers": layer_stats,
     }
-    return CalibrationResult(opts, transforms, quantized, stats, fn)
+    return CalibrationResult(opts, transforms, quantized, stats, fn, kept)
 
 
 # -- memory ------------------------------------------------------------------------------------

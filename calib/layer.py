@@ -6,6 +6,12 @@ how a mapping runs; ``deepseek_v3.py`` lists DeepSeek-V3's): ``_attention`` runs
 for every gated MLP of the role table, its up → down balance and the clips of its three linears.
 A prev op absorbs ``diag(s)⁻¹`` (a norm its elements, a linear its rows), the linears ``diag(s)``.
 
+What is searched: every linear has its target's quantizer (``targets``: ``Q`` in the objectives
+and in the quantized forward of step 5); the *searched* ones get the searches — a balance runs
+when one of its linears is searched (the others in it are folded too and scored with their own
+``Q``, a float one adding no error), a clip only for a searched linear. ``awq-w4a16`` searches
+every linear; ``ascend-hybrid`` its routed experts (``convert/recipes/quantized.py``).
+
 - Router compensation: the router reads the same normed hidden state as the experts. Folding s
   into the norm would change its logits (AutoAWQ's bug, fixed in llm-compressor PR #2451), so its
   columns are multiplied by s: ``(x/s)·(W·s)ᵀ = x·Wᵀ``. The logits are then equal up to float
@@ -27,18 +33,18 @@ A prev op absorbs ``diag(s)⁻¹`` (a norm its elements, a linear its rows), the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from hetquant.formats import HetquantError
 from hetquant.formats.families import Balance
 
 from . import awq
 from .forward import Capture, LayerRunner, LayerWeights
+from .quantizer import Quantizer
 from .transforms import AwqOptions, Transform, apply_transform
 
 __all__: list[str] = []  # internal to ``calibrate`` (_Context, _LayerCalibration)
@@ -63,21 +69,24 @@ class _LayerCalibration:
     """Steps 2-5 of ``calibrate``'s module docstring for one layer."""
 
     def __init__(
-        self, ctx: _Context, layer: int, state: dict[str, torch.Tensor], quantized: set[str]
+        self,
+        ctx: _Context,
+        layer: int,
+        state: dict[str, torch.Tensor],
+        targets: Mapping[str, Quantizer],
+        searched: Set[str],
     ) -> None:
         self.ctx, self.opts, self.layer, self.state = ctx, ctx.opts, layer, state
         self.fam = ctx.cfg.family
         self.p = self.fam.layer_prefix.format(layer=layer)
         self.has = {r.name for r in self.fam.layer_roles(ctx.cfg, layer)}  # roles of this layer
-        self.quantized = {n for n in state if n in quantized}
+        self.q = {n: targets[n] for n in state if n in targets}  # this layer's quantized linears
+        self.quantized = set(self.q)
+        self.searched = {n for n in self.q if n in searched}
         self.tf: dict[str, Transform] = {}
         self.searches: dict[str, dict[str, Any]] = {}
-        bad = [n for n in self.quantized if state[n].shape[1] % self.opts.group_size]
-        if bad:
-            raise HetquantError(
-                f"{bad[0]}: in features {state[bad[0]].shape[1]} not divisible by group size "
-                f"{self.opts.group_size}"
-            )
+        for n, q in self.q.items():
+            q.check(n, tuple(state[n].shape))
 
     # orchestration -------------------------------------------------------------------------
     def run(self, h: torch.Tensor) -> tuple[torch.Tensor, dict[str, Transform], dict[str, Any]]:
@@ -122,7 +131,7 @@ class _LayerCalibration:
             if on and (b.when is None or b.when(self.ctx.cfg)):
                 self._mapping(b, cap)
         for role in mappings.clips:
-            if role in self.has:
+            if role in self.has and f"{self._m(role)}.weight" in self.searched:
                 self._clip(self._m(role), cap.input(self._m(role)))
 
     def _mlps(self, cap: Capture) -> None:
@@ -135,11 +144,17 @@ class _LayerCalibration:
             roles = (mlp.gate, mlp.up, mlp.down)
             if mlp.expert != "routed":
                 mods = [self._m(r) for r in roles]
-                self._mlp_unit(_parent(mods[0]), mods, cap.input(mods[0]), cap.input(mods[2]))
+                if self._searches(mods):
+                    self._mlp_unit(_parent(mods[0]), mods, cap.input(mods[0]), cap.input(mods[2]))
                 continue
             for e in range(self.ctx.cfg.num_experts):
                 mods = [self._m(r, e) for r in roles]
-                self._mlp_unit(_parent(mods[0]), mods, self._expert_x(e), None)
+                if self._searches(mods):
+                    self._mlp_unit(_parent(mods[0]), mods, self._expert_x(e), None)
+
+    def _searches(self, modules: Sequence[str]) -> bool:
+        """Whether any of ``modules`` is searched (module docstring)."""
+        return any(f"{m}.weight" in self.searched for m in modules)
 
     def _mapping(self, b: Balance, cap: Capture) -> None:
         """One balance of the family (``formats/families/mappings.py`` says how it runs)."""
@@ -152,6 +167,8 @@ class _LayerCalibration:
         for e in range(self.ctx.cfg.num_experts) if routed else ():
             mods += [self._m(r, e) for r in routed]  # the objective: each expert on its tokens
             rows += [self.routed[e]] * len(routed)
+        if not self._searches(mods):
+            return
         if routed:
             x: torch.Tensor | Sequence[torch.Tensor] = _RowsOf(self.moe_x, rows)
             x_mean = awq.activation_mean(self.moe_x)
@@ -190,8 +207,9 @@ class _LayerCalibration:
         """Search the scale of ``modules`` and fold it (``prev``: a norm, or a linear's rows)."""
         o = self.opts
         ws = [self.state[f"{m}.weight"] for m in modules]
+        qs = [self.q.get(f"{m}.weight") for m in modules]  # None: kept in float
         found = awq.search_scale(
-            ws, x, o.group_size, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling,
+            ws, x, qs, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling,
             pow2=o.pow2_scales, matmul_dtype=self.ctx.dtype,
         )  # fmt: skip
         s = found.scales
@@ -214,14 +232,14 @@ class _LayerCalibration:
 
     def _clip(self, module: str, x: torch.Tensor) -> None:
         o, name = self.opts, f"{module}.weight"
-        if not o.clip or module.rsplit(".", 1)[-1] in o.clip_skip:
+        if not o.clip or module.rsplit(".", 1)[-1] in o.clip_skip or name not in self.searched:
             return
         t = self.tf.get(name)
-        w = apply_transform(self.state[name], t, o.group_size, self.ctx.factors)
+        w = apply_transform(self.state[name], t, self.ctx.factors)
         if t is not None and t.col_mul is not None:
             x = x / t.col_mul.to(x.dtype)
         shrink = awq.search_clip(
-            w, x, o.group_size, grid=o.clip_grid, max_shrink=o.clip_max_shrink,
+            w, x, self.q[name], grid=o.clip_grid, max_shrink=o.clip_max_shrink,
             n_tokens=o.clip_tokens,
         )  # fmt: skip
         if bool(shrink.any()):
@@ -267,9 +285,8 @@ class _QuantizedWeights(LayerWeights):
         w = super().get(name)
         lc = self.lc
         t = lc.tf.get(name)
-        if name in lc.quantized:
-            w2 = apply_transform(w, t, lc.opts.group_size, lc.ctx.factors)
-            return awq.fake_quantize(w2, lc.opts.group_size)
+        if name in lc.q:
+            return lc.q[name](apply_transform(w, t, lc.ctx.factors))
         if t is None:
             return w
-        return apply_transform(w, t, lc.opts.group_size, lc.ctx.factors).to(w.dtype)
+        return apply_transform(w, t, lc.ctx.factors).to(w.dtype)

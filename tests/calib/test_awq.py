@@ -6,12 +6,17 @@ import pytest
 import torch
 
 from hetquant.calib import awq
+from hetquant.calib.quantizer import quantizer_for
 from hetquant.formats.awq_w4a16 import AwqW4A16
 from hetquant.runtime.forward.model import rms_norm
 
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _awq(group: int):
+    return quantizer_for("awq_w4a16", {"group_size": group})
 
 
 @pytest.mark.parametrize("group", [128, 64])
@@ -63,7 +68,7 @@ def test_search_scale_protects_outlier_channels():
     x[:, ::32] *= 30  # salient input channels
     w1 = torch.randn(64, 256, generator=_gen(3))
     w2 = torch.randn(32, 256, generator=_gen(4))
-    found = awq.search_scale([w1, w2], x, 128)
+    found = awq.search_scale([w1, w2], x, [_awq(128)] * 2)
     assert found.ratio is not None
     assert found.loss < 0.8 * found.identity_loss
     assert found.losses[0] == (None, found.identity_loss)
@@ -79,7 +84,7 @@ def test_search_scale_per_weight_inputs_and_empty():
     x = torch.randn(40, 256, generator=_gen(5))  # T < K: the direct path
     x[:, :8] *= 10
     w1, w2 = torch.randn(16, 256, generator=_gen(6)), torch.randn(16, 256, generator=_gen(7))
-    found = awq.search_scale([w1, w2], [x, x[:0]], 128, x_mean=awq.activation_mean(x))
+    found = awq.search_scale([w1, w2], [x, x[:0]], [_awq(128)] * 2, x_mean=awq.activation_mean(x))
     # the expert that saw no token adds nothing: the loss is w1's alone
     assert found.loss == pytest.approx(_objective([w1], [x], found.scales, 128), rel=1e-4)
     assert found.loss <= found.identity_loss
@@ -88,7 +93,7 @@ def test_search_scale_per_weight_inputs_and_empty():
 def test_identity_wins_on_isotropic_data():
     x = torch.randn(200, 128, generator=_gen(8))
     w = torch.randn(32, 128, generator=_gen(9))
-    found = awq.search_scale([w], x, 128)
+    found = awq.search_scale([w], x, [_awq(128)])
     assert found.loss <= found.identity_loss  # never worse than round-to-nearest
 
 
@@ -96,7 +101,7 @@ def test_search_clip_never_worse_per_group():
     w = torch.randn(64, 256, generator=_gen(10))
     w[:, 5] *= 8  # a weight outlier per row: clipping it pays
     x = torch.randn(100, 256, generator=_gen(11))
-    shrink = awq.search_clip(w, x, 128)
+    shrink = awq.search_clip(w, x, _awq(128))
     assert shrink.dtype == torch.uint8 and shrink.shape == (64, 2)
     assert int(shrink.max()) < 10 and bool(shrink.any())
     factors = awq.clip_factors(20, 0.5)
@@ -108,7 +113,7 @@ def test_search_clip_never_worse_per_group():
 
     assert bool((group_err(clipped) <= group_err(w) + 1e-6).all())
     assert float(group_err(clipped).sum()) < 0.95 * float(group_err(w).sum())
-    assert not awq.search_clip(w, x[:0], 128).any()  # no tokens: no clip
+    assert not awq.search_clip(w, x[:0], _awq(128)).any()  # no tokens: no clip
 
 
 def test_folds_are_the_identity_on_the_float_model():
