@@ -96,6 +96,12 @@ def main(verbose: bool) -> None:
 )
 @click.option("--group-size", type=int, help="AWQ group size (awq-w4a16: 128 or 64).")
 @click.option(
+    "--cpu-group-size",
+    type=int,
+    help="ascend-hybrid: CPU experts group-wise, a BF16 scale per 32, 64 or 128 inputs "
+    "(default: per-channel).",
+)
+@click.option(
     "--fp4-layout",
     type=click.Choice(["ascend", "nvfp4"]),
     help="fp4: Ascend 8x8 tiled layout (default) or canonical ModelOpt NVFP4.",
@@ -141,6 +147,7 @@ def convert(
     calib_data: Path | None,
     mtp: str | None,
     group_size: int | None,
+    cpu_group_size: int | None,
     fp4_layout: str | None,
     requantize: bool | None,
     calib_samples: int,
@@ -151,6 +158,7 @@ def convert(
     token: str | None,
 ) -> None:
     """Convert SOURCE (a checkpoint directory or a Hub repo id org/name[@revision]) into OUTPUT."""
+    from .calibration import calibrate_for, calibration_targets
     from .engine import convert as run_convert
     from .engine import plan_for
     from .hub import parse_repo_spec, resolve_source
@@ -162,8 +170,8 @@ def convert(
     from .verify import artifact_files, count_files
 
     workers = _cap_workers(workers)
-    given = {"mtp": mtp, "group_size": group_size, "fp4_layout": fp4_layout,
-             "requantize": requantize or None}  # fmt: skip
+    given = {"mtp": mtp, "group_size": group_size, "cpu_group_size": cpu_group_size,
+             "fp4_layout": fp4_layout, "requantize": requantize or None}  # fmt: skip
     options = {k: v for k, v in given.items() if v is not None}
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     root, revision = resolve_source(source, download_dir, token)
@@ -172,15 +180,17 @@ def convert(
     size = parse_size(max_shard_size)
     if calib_data is not None and not rec.calibrates:
         raise HetquantError(f"recipe {rec.name} does not calibrate; drop --calib-data")
+    plan = plan_for(src, rec, size)  # headers only; refuses what the recipe cannot write
+    if calib_data is not None:
+        calibration_targets(plan)  # refuses what cannot be calibrated, before any work
     if dry_run:  # the plan from the headers alone: nothing calibrated, nothing written
-        plan = plan_for(src, rec, size)
         _print_plan(plan, src, workers)
         if calib_data is not None:
             click.echo(f"calibration: AWQ on {calib_samples} x {calib_seq_len} tokens of {calib_data}, before the jobs")  # fmt: skip
         click.echo(format_precision(precision_table(plan)))
         return
     calibrate = (  # run by the engine once it holds OUTPUT
-        partial(_calibrate, src, rec, calib_data, calib_samples, calib_seq_len)
+        partial(calibrate_for, src, plan, calib_data, calib_samples, calib_seq_len)
         if calib_data is not None
         else None
     )
@@ -267,17 +277,6 @@ def verify(artifact: Path) -> None:
         click.echo(f"{artifact}: {len(problems)} problem(s)")
         sys.exit(1)
     click.echo(f"{artifact}: OK ({count_files(artifact_files(artifact, load_manifest(artifact)))})")
-
-
-def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
-    """AWQ calibration of ``src`` on ``text`` (streaming, one layer at a time)."""
-    from hetquant.calib.calibrate import AwqOptions, calibrate
-    from hetquant.calib.data import load_tokenizer, token_blocks
-
-    tokenizer, eos = load_tokenizer(src.root)
-    tokens = token_blocks([text], tokenizer, eos, samples, seq_len)
-    log.info("calibrating on %d x %d tokens of %s", samples, seq_len, text)
-    return calibrate(src, tokens, AwqOptions(group_size=rec.option("group_size")), log=log.info)
 
 
 def _register_runtime() -> None:

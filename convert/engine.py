@@ -135,7 +135,9 @@ class _Run:
         progress: Callable[[int], None] | None,
         calibration: Any,
     ) -> ConvertResult:
-        record = calibration_record(calibration) if self.plan.recipe.calibrates else None
+        rec = self.plan.recipe
+        recorded = rec.calibrates and (calibration is not None or rec.records_rtn)
+        record = calibration_record(calibration) if recorded else None
         digest = self.plan.digest(self.source.fingerprint + json.dumps(record, sort_keys=True))
         guard = SourceGuard.record(self.source)
         finished = _finished_manifest(self.out, self.source, digest, overwrite, self.work.digest())
