@@ -28,8 +28,7 @@ from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import int4_cpu, int4_cpu_group
 
 TINY = REPO / "examples" / "tiny-deepseek-v3"
-TEXT = TINY / "calib.txt"
-CALIB = ("--calib-data", TEXT, "--calib-samples", "4", "--calib-seq-len", "64")
+CALIB = ("--calib-samples", "4", "--calib-seq-len", "64")
 ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 DEQUANTIZE = {None: int4_cpu.dequantize_expert, 32: int4_cpu_group.dequantize_expert}
 
@@ -42,6 +41,16 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Calibration text: CPython's pydoc topics (as tests/calib uses)."""
+    import pydoc_data.topics as topics
+
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text("\n\n".join(topics.topics[k] for k in sorted(topics.topics)))
+    return path
 
 
 def _tensors(art: Path, file: str) -> dict[str, torch.Tensor]:
@@ -58,13 +67,13 @@ def _root(art: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def hybrids(tmp_path_factory: pytest.TempPathFactory, text: Path) -> dict[str, Path]:
     """The tiny model as ascend-hybrid round-to-nearest and calibrated (``--workers 2``: the
     calibration is saved and read back by the workers), through the command line."""
     from support import run_cli
 
     base = tmp_path_factory.mktemp("hybrid-cal")
-    runs = {"rtn": (), "awq": (*CALIB, "--workers", "2")}
+    runs = {"rtn": (), "awq": ("--calib-data", text, *CALIB, "--workers", "2")}
     for name, opts in runs.items():
         res = run_cli("convert", TINY, base / name, "--recipe", "ascend-hybrid", *opts)
         assert res.exit_code == 0, res.stderr
@@ -128,7 +137,7 @@ def test_routing_is_kept(hybrids) -> None:
 
 @pytest.mark.parametrize("group", [None, 32])
 def test_artifact_experts_are_the_calibrated_weights_quantized(
-    group: int | None, tmp_path: Path
+    group: int | None, tmp_path: Path, text: Path
 ) -> None:
     """The converter writes ``Q(result.apply(W))`` for every expert linear, bit for bit, in the
     layout the option picks; clips are per row (one column) or per group."""
@@ -141,7 +150,7 @@ def test_artifact_experts_are_the_calibrated_weights_quantized(
     want_fmt = "int4_cpu" if group is None else "int4_cpu_group"
     assert {q.fmt.name for q in targets.values()} == {"w8a8_dynamic", want_fmt}
     assert searched == {n for n, q in targets.items() if q.fmt.name == want_fmt}
-    cal = calibrate_for(src, plan, TEXT, 2, 64, device="cpu")
+    cal = calibrate_for(src, plan, text, 2, 64, device="cpu")
     convert(src, tmp_path / "out", rec, max_shard_size=1 << 40, calibration=cal)
     q = quantizer_for(want_fmt, {} if group is None else {"group_size": group})
     shrinks = 0
@@ -206,15 +215,16 @@ def test_option_values_the_format_cannot_take(
     ("opts", "needles"),
     [
         (("--cpu-group-size", "64"), ("ct_pack_quantized", "--cpu-group-size", "drop it")),
-        (CALIB, ("repacked losslessly", "--calib-data")),
+        (("--calib-data", "TEXT", *CALIB), ("repacked losslessly", "--calib-data")),
     ],
     ids=["group-size", "calib-data"],
 )
 def test_lossless_k2_thinking_experts_are_not_requantized(
-    cli, tmp_path: Path, opts: tuple, needles: tuple
+    cli, tmp_path: Path, text: Path, opts: tuple, needles: tuple
 ) -> None:
     src = make_kimi_k2(tmp_path / "src", "thinking")
     before = tree_hashes(src)
+    opts = tuple(text if o == "TEXT" else o for o in opts)
     res = cli("convert", src, tmp_path / "out", "--recipe", "ascend-hybrid", *opts)
     assert_refused(res, src, tmp_path / "out", before, *needles)
     assert not (tmp_path / "out").exists()
