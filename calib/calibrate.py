@@ -13,9 +13,9 @@ Lifecycle (``calibrate``): embed the calibration tokens [N, T]; then for each de
    weight and transformed input (``awq.search_clip``; AutoAWQ skips q_a / q_b / q);
 5. run the layer again with the transformed, fake-quantized weights (each linear's target
    format, quantize → dequantize of the final weight: the artifact's exact values) and pass ITS
-   output to layer L + 1 (``propagate=
-   "quantized"``, llm-compressor's default: later layers calibrate on the inputs they will see;
-   AutoAWQ passes the float output, ``propagate="float"``); free layer L.
+   output to layer L + 1 (``propagate="quantized"``, llm-compressor's default: later layers
+   calibrate on the inputs they will see; AutoAWQ passes the float output,
+   ``propagate="float"``); free layer L.
 
 Peak memory is one layer's BF16 tensors + the hidden states and captured inputs + one float32
 weight at a time; per-layer peaks (RSS via ``/proc/self/status`` VmHWM, reset per layer, and the

@@ -7,6 +7,7 @@ import torch
 
 from hetquant.calib import awq
 from hetquant.calib.quantizer import quantizer_for
+from hetquant.formats import HetquantError
 from hetquant.formats.awq_w4a16 import AwqW4A16
 from hetquant.runtime.forward.model import rms_norm
 
@@ -142,3 +143,36 @@ def test_gram_and_direct_paths_agree():
     direct = awq._sq_out(x, err, None, torch.float32)
     gram = awq._sq_out(x, err, awq._gram(x, torch.float32), torch.float32)
     assert gram == pytest.approx(direct, rel=1e-4)
+
+
+def test_float_linears_in_a_mapping_add_no_error():
+    """A linear kept in float (quantizer None) is folded with the others but scored as exact:
+    the search equals the one over the quantized linears alone, and needs one of those."""
+    x = torch.randn(300, 256, generator=_gen(14))
+    x[:, ::32] *= 30
+    w1, w2 = torch.randn(64, 256, generator=_gen(15)), torch.randn(32, 256, generator=_gen(16))
+    q = quantizer_for("int4_cpu", {})
+    mixed = awq.search_scale([w1, w2], x, [q, None])
+    alone = awq.search_scale([w1], x, [q])
+    assert mixed.losses == alone.losses and torch.equal(mixed.scales, alone.scales)
+    with pytest.raises(HetquantError, match="no quantized weight"):
+        awq.search_scale([w1, w2], x, [None, None])
+
+
+def test_per_channel_clip_is_per_row():
+    """For a per-channel format the clip group is the whole row: one shrink step per row, and
+    the chosen clip never scores worse than none on the row's output error."""
+    w = torch.randn(64, 256, generator=_gen(17))
+    w[:, 5] *= 8
+    x = torch.randn(100, 256, generator=_gen(18))
+    q = quantizer_for("int4_cpu", {})
+    shrink = awq.search_clip(w, x, q)
+    assert shrink.shape == (64, 1) and bool(shrink.any())
+    bounds = awq.clip_bounds(w, shrink, 256, awq.clip_factors(20, 0.5))
+    clipped = awq.apply_clip(w, bounds, 256)
+
+    def row_err(wc):
+        return (x @ (q(wc) - w).T).pow(2).mean(0)  # [N]
+
+    assert bool((row_err(clipped) <= row_err(w) * (1 + 1e-6)).all())
+    assert float(row_err(clipped).sum()) < float(row_err(w).sum())
