@@ -153,8 +153,8 @@ def test_folds_are_the_identity_on_the_float_model():
 def test_gram_and_direct_paths_agree():
     x = torch.randn(600, 128, generator=_gen(12))
     err = torch.randn(16, 128, generator=_gen(13)) * 1e-2
-    direct = awq._sq_out(x, err, None, torch.float32)
-    gram = awq._sq_out(x, err, awq._gram(x, torch.float32), torch.float32)
+    direct = float(awq._sq_out(x, err, None, torch.float32))
+    gram = float(awq._sq_out(x, err, awq._gram(x, torch.float32), torch.float32))
     assert gram == pytest.approx(direct, rel=1e-4)
 
 
@@ -189,3 +189,30 @@ def test_per_channel_clip_is_per_row():
 
     assert bool((row_err(clipped) <= row_err(w) * (1 + 1e-6)).all())
     assert float(row_err(clipped).sum()) < float(row_err(w).sum())
+
+
+@pytest.mark.parametrize("fmt", ["awq_w4a16", "int4_cpu"])
+def test_search_clip_row_batches_do_not_change_the_choice(fmt):
+    """Rows are searched independently: batching them (256 on the CPU, whole weights on an
+    accelerator: ``clip_rows_per_batch``) picks the same shrink steps up to float ties, for a
+    group-wise and a per-channel quantizer."""
+    w = torch.randn(600, 256, generator=_gen(14))
+    w[:, 7] *= 6
+    x = torch.randn(120, 256, generator=_gen(15))
+    q = _awq(128) if fmt == "awq_w4a16" else quantizer_for(fmt, {})
+    small = awq.search_clip(w, x, q, rows_per_batch=256)  # 3 batches, the last partial
+    whole = awq.search_clip(w, x, q, rows_per_batch=600)
+    assert bool(small.any())
+    assert torch.equal(small, whole)
+
+
+def test_clip_rows_per_batch():
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert awq.clip_rows_per_batch(cpu, 7168, 56, 512) == 256  # AutoAWQ's, the CPU's bytes
+    rows = awq.clip_rows_per_batch(meta, 7168, 56, 512)  # an accelerator: by working set
+    assert (
+        rows * 4 * (56 * 512 + 4 * 7168)
+        <= awq.CLIP_BATCH_BYTES
+        < (rows + 1) * 4 * (56 * 512 + 4 * 7168)
+    )
+    assert awq.clip_rows_per_batch(meta, 1 << 20, 8192, 1 << 16) == 256  # at least 256
