@@ -7,7 +7,8 @@ parameters, or an expert-layer format through its ``linear_format()`` — is cal
 
 - ``q(w)``: float32 [N, K], ``F.dequantize(F.quantize(w))`` bit for bit. A format may add a
   faster path that gives the same floats to ``FAST_PATHS`` (no packing: ``awq_w4a16``
-  :func:`awq.fake_quantize`, ``ct_pack_quantized`` :func:`awq.fake_quantize_symmetric`);
+  :func:`awq.fake_quantize`, ``ct_pack_quantized`` :func:`awq.fake_quantize_symmetric`,
+  ``w4a8_dynamic`` without its pair packing);
   ``tests/calib/test_quantizer.py`` checks each against the round trip.
 - ``q.group(k)``: the input columns that share one scale: the format's ``group_size`` parameter
   where it has one, else the whole row of ``k`` (per-channel formats: ``int4_cpu``,
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError, WeightFormat, get_format
+from hetquant.formats import w4a8_npu as w4a8
 from hetquant.formats.dtypes import torch_dtype
 
 from . import awq
@@ -40,7 +42,17 @@ FAST_PATHS: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "ct_pack_quantized": lambda fmt, w: awq.fake_quantize_symmetric(
         w, fmt.group_size, torch_dtype(fmt.scale_dtype)
     ),
+    "w4a8_dynamic": lambda fmt, w: _w4a8_round_trip(w),
 }
+
+
+def _w4a8_round_trip(w: torch.Tensor) -> torch.Tensor:
+    """``W4A8Dynamic.dequantize(….quantize(w))`` without packing or ``scale_bias`` (derived
+    data): float32 [N, K]; ``s = max(rowmax|w| / 7, FLT_EPSILON)``, ``q = clamp(round(w / s),
+    -8, 7)``, then ``q · s`` (``formats/w4a8_npu.py``; offset 0)."""
+    w = w.to(torch.float32)
+    s = (w.abs().amax(dim=1, keepdim=True) / w4a8.QMAX).clamp(min=w4a8.SCALE_FLOOR)  # (N, 1)
+    return torch.round(w / s).clamp(w4a8.QMIN, w4a8.QMAX) * s  # (N, K)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,10 @@ CALIBRATED = [
     ("ct_pack_quantized", {"group_size": 128}),
     ("ct_pack_quantized", {"group_size": 32, "scale_dtype": "F16"}),
     ("ct_pack_quantized", {"group_size": 32, "scale_dtype": "F32"}),
+    ("ct_pack_quantized", {"group_size": 32, "shape_dtype": "I32"}),  # ascend-w4a16's
     ("w8a8_dynamic", {}),
+    ("w4a8_dynamic", {}),  # ascend-w4a8's: gate/up
+    ("w4a8_dynamic", {"bias_chunks": 16}),  # down
     ("int4_cpu", {}),
     ("int4_cpu_group", {"group_size": 32}),
     ("int4_cpu_group", {"group_size": 64}),

@@ -120,8 +120,13 @@ def test_only_the_experts_mapping_changes_the_root(hybrids) -> None:
 
 
 def test_routing_is_kept(hybrids) -> None:
+    assert_routing_kept(_root(hybrids["awq"]))
+
+
+def assert_routing_kept(art: dict[str, torch.Tensor]) -> None:
+    """The calibrated root's norm and router give the source's logits within the routing bound
+    (module docstring), and the router is compensated (changed)."""
     src = SourceCheckpoint.open(TINY)
-    art = _root(hybrids["awq"])
     eps = src.config.rms_norm_eps
     h = torch.randn(512, src.config.hidden_size, generator=torch.Generator().manual_seed(0))
     h = h.double()
