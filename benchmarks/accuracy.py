@@ -15,7 +15,7 @@ the hybrid with every quantized linear searched (its W8A8 attention, dense and s
 ``w8a8_dynamic``'s int8 weights as the quantizer), where the recipe searches the experts only.
 
     python benchmarks/accuracy.py [--device cpu] [--calib-device cuda] [--eval-samples 16]
-                                  [--calib-samples 64] [--rows LABEL ...]
+                                  [--calib-samples 64] [--rows LABEL ... [--merge]]
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ ROWS = [("bf16", "bf16", {}), ("ascend-hybrid RTN", "ascend-hybrid", {}),
         ("awq-w4a16 RTN", "awq-w4a16", {}), ("awq-w4a16 AWQ", "awq-w4a16", CAL),
         ("fp4 (nvfp4 layout)", "fp4", {"fp4_layout": "nvfp4"}),
         ("ct-w4a16 RTN", "ct-w4a16", {}), ("ct-w4a16 AWQ", "ct-w4a16", CAL),
-        ("ascend-w4a8 RTN", "ascend-w4a8", {}), ("ascend-w4a16 RTN", "ascend-w4a16", {})]  # fmt: skip
+        ("ascend-w4a8 RTN", "ascend-w4a8", {}), ("ascend-w4a8 AWQ", "ascend-w4a8", CAL),
+        ("ascend-w4a16 RTN", "ascend-w4a16", {}), ("ascend-w4a16 AWQ", "ascend-w4a16", CAL)]  # fmt: skip
 _NOT_OPTIONS = ("calibrate", "search")
 # hidden 384 is not a multiple of the Ascend FP4 tile group (N % 256): the tiled layout refuses
 # this model's down_proj; the canonical layout holds the same values (tiling is a lossless reorder).
@@ -68,7 +69,14 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--rows", nargs="*", help="labels of the rows to run (default: all)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --rows: replace those rows in results/accuracy.json (same settings required)",
+    )
     args = ap.parse_args()
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "calib_device": args.calib_device or args.device, "torch": torch.__version__,
+            "eval_tokens": [args.eval_samples, args.seq_len], "calib_tokens": [args.calib_samples, args.seq_len]}  # fmt: skip
     src = SourceCheckpoint.open(MODEL)
     tok, eos = load_tokenizer(MODEL)
     eval_tokens = token_blocks([TEXTS / "heldout.txt"], tok, eos, args.eval_samples, args.seq_len)
@@ -98,6 +106,8 @@ def main() -> None:
             r["dppl_pct"] = 100 * (r["ppl"] - r["ref_ppl"]) / r["ref_ppl"]
             rows.append({"artifact": label, **r, "seconds": round(time.perf_counter() - t, 1)})
             print(json.dumps(rows[-1]), flush=True)
+            if args.rows and args.merge:  # each row kept as soon as it is measured
+                _write(*_merged(rows[-1:], meta))
     print(
         f"\nheld-out: {args.eval_samples} x {args.seq_len} tokens; FP8 reference ppl {rows[0]['ref_ppl']:.3f}"
     )
@@ -106,12 +116,27 @@ def main() -> None:
         print(
             f"{r['artifact']:<38} {r['ppl']:>8.3f} {r['dppl_pct']:>+8.2f} {r['kl']:>9.5f} {r['top1']:>7.4f}"
         )
-    meta = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "calib_device": args.calib_device or args.device, "torch": torch.__version__,
-            "eval_tokens": [args.eval_samples, args.seq_len], "calib_tokens": [args.calib_samples, args.seq_len]}  # fmt: skip
-    if args.rows:  # a subset: printed, results/accuracy.json left as the last full run
-        return
+    if not args.rows:  # a subset: printed (and with --merge kept row by row), else the file
+        _write(rows, meta)
+
+
+def _write(rows: list[dict], meta: dict) -> None:
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+
+def _merged(rows: list[dict], meta: dict) -> tuple[list[dict], dict]:
+    """``rows`` put into results/accuracy.json in place of the rows of the same label, in
+    ``ROWS`` order; refused unless the file was made with the same settings (device, torch,
+    token counts). The meta says which rows were rerun when (``rerun``)."""
+    doc = json.loads(RESULTS.read_text())
+    same = ("device", "calib_device", "torch", "eval_tokens", "calib_tokens")
+    if any(doc["meta"].get(k) != meta[k] for k in same):
+        raise SystemExit(f"--merge: {RESULTS} was made with other settings: {doc['meta']}")
+    by_label = {r["artifact"]: r for r in doc["rows"]} | {r["artifact"]: r for r in rows}
+    order = [label for label, _, _ in ROWS if label in by_label]
+    rerun = {**doc["meta"].get("rerun", {}), **{r["artifact"]: meta["date"] for r in rows}}
+    return [by_label[label] for label in order], {**doc["meta"], "rerun": rerun}
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from test_hybrid_calibration import (
     _one_thread,  # noqa: F401  (fixture)
     _root,
     assert_routing_kept,
+    rtn_and_calibrated,
     text,  # noqa: F401  (fixture)
 )
 
@@ -34,16 +35,8 @@ RECIPES = {"ascend-w4a8": "w4a8_dynamic", "ascend-w4a16": "ct_pack_quantized"}
 
 @pytest.fixture(scope="module", params=sorted(RECIPES))
 def arts(request, tmp_path_factory: pytest.TempPathFactory, text: Path) -> dict[str, Path]:  # noqa: F811
-    """One recipe's tiny model round-to-nearest and calibrated (``--workers 2``: the calibration
-    is saved and read back by the workers), through the command line."""
-    from support import run_cli
-
-    base = tmp_path_factory.mktemp(request.param)
-    runs = {"rtn": (), "awq": ("--calib-data", text, *CALIB, "--workers", "2")}
-    for name, opts in runs.items():
-        res = run_cli("convert", TINY, base / name, "--recipe", request.param, *opts)
-        assert res.exit_code == 0, res.stderr
-    return {name: base / name for name in runs}
+    """One recipe's tiny model round-to-nearest and calibrated, through the command line."""
+    return rtn_and_calibrated(tmp_path_factory.mktemp(request.param), request.param, text)
 
 
 def test_manifest_records_the_calibration_and_verify_passes(cli, arts) -> None:

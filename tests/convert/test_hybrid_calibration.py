@@ -68,14 +68,17 @@ def _root(art: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory: pytest.TempPathFactory, text: Path) -> dict[str, Path]:
-    """The tiny model as ascend-hybrid round-to-nearest and calibrated (``--workers 2``: the
+    return rtn_and_calibrated(tmp_path_factory.mktemp("hybrid-cal"), "ascend-hybrid", text)
+
+
+def rtn_and_calibrated(base: Path, recipe: str, text: Path) -> dict[str, Path]:
+    """The tiny model as ``recipe`` round-to-nearest and calibrated (``--workers 2``: the
     calibration is saved and read back by the workers), through the command line."""
     from support import run_cli
 
-    base = tmp_path_factory.mktemp("hybrid-cal")
     runs = {"rtn": (), "awq": ("--calib-data", text, *CALIB, "--workers", "2")}
     for name, opts in runs.items():
-        res = run_cli("convert", TINY, base / name, "--recipe", "ascend-hybrid", *opts)
+        res = run_cli("convert", TINY, base / name, "--recipe", recipe, *opts)
         assert res.exit_code == 0, res.stderr
     return {name: base / name for name in runs}
 
