@@ -20,7 +20,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "dry_run_671b.json"
-RECIPES = [("bf16", []), ("ascend-hybrid", []), ("ascend-w8a8", []), ("awq-w4a16", []),
+RECIPES = [("bf16", []), ("ascend-hybrid", []), ("ascend-hybrid", ["--cpu-group-size", "64"]),
+           ("ascend-hybrid", ["--cpu-group-size", "32"]), ("ascend-w8a8", []), ("awq-w4a16", []),
            ("awq-w4a16", ["--group-size", "64"]), ("fp4", []), ("fp4", ["--fp4-layout", "nvfp4"])]  # fmt: skip
 LINE = re.compile(r"^\s+(\S+)\s+([\d,]+) bytes")
 TOTAL = re.compile(r"^total\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)$")

@@ -1,7 +1,9 @@
 """hetquant.calib: calibration data, AWQ search, streaming calibration, accuracy evaluation.
 
 - ``data``: text → token blocks [N, L] with the checkpoint's tokenizer (deterministic rule).
-- ``awq``: the AWQ math as pure functions (scale and clip search, folds, the RTN quantizer).
+- ``awq``: the AWQ math as pure functions (scale and clip search, folds, AutoAWQ's RTN).
+- ``quantizer``: ``Q`` of the objective, per linear: its target format's quantize → dequantize
+  (the seam a new format plugs into with nothing but its ``quantize`` / ``dequantize``).
 - ``calibrate``: ``calibrate(source, tokens) -> CalibrationResult``, one decoder layer at a time
   (``layer``: one layer's capture, scale and clip search; ``transforms``: the options, the
   per-tensor transforms and the saved result).
@@ -24,6 +26,7 @@ from .eval import (
     forward_from_calibration,
     reference_forward_from_source,
 )
+from .quantizer import Quantizer, quantizer_for
 
 __all__ = [
     "CALIB_SAMPLES",
@@ -32,6 +35,7 @@ __all__ = [
     "EVAL_SEQ_LEN",
     "AwqOptions",
     "CalibrationResult",
+    "Quantizer",
     "Transform",
     "calibrate",
     "evaluate",
@@ -39,6 +43,7 @@ __all__ = [
     "forward_from_calibration",
     "is_quantized_linear",
     "load_tokenizer",
+    "quantizer_for",
     "reference_forward_from_source",
     "token_blocks",
 ]

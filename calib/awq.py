@@ -8,18 +8,29 @@ output rows can absorb a factor — share a per-channel scale ``s`` [K]:
     s* = argmin_s  Σ_i ‖ Q(W_i · diag(s)) · diag(s)⁻¹ · X_iᵀ  −  W_i · X_iᵀ ‖²_F  /  Σ_i T_i · N_i
 
 ``X_i`` [T_i, K] is what linear i sees on the calibration data (one shared X, or each routed
-expert its own routed tokens), ``Q`` is the artifact's quantizer, round-to-nearest per group of
-``g`` input channels: AutoAWQ GEMM W4A16, asymmetric (``formats/awq_w4a16.py``;
-:func:`fake_quantize`), or compressed-tensors pack-quantized W4A16, symmetric
-(``formats/ct_pack_quantized.py``; :func:`fake_quantize_symmetric`) — each the format's
-quantize→dequantize, bit-identical (tests), registered by format name in ``FAKE_QUANTIZERS``. ``diag(s)⁻¹`` is then folded into the
-producer of X (:func:`fold_into_norm`, :func:`fold_into_linear`) and ``diag(s)`` into the
-weights (:func:`scale_columns`), so the float model is unchanged and only Q sees ``W·diag(s)``.
+expert its own routed tokens). ``Q_i`` is linear i's quantizer in the artifact: its TARGET
+format's quantize → dequantize (``quantizer.py``: ``Quantizer(fmt)``, from the format and the
+parameters the recipe assigns it). ``awq-w4a16``: AutoAWQ GEMM W4A16, asymmetric round-to-nearest
+per group of ``g`` input channels (:func:`fake_quantize`, its unpacked fast path); ``ct-w4a16``:
+compressed-tensors pack-quantized W4A16, symmetric (:func:`fake_quantize_symmetric`); the hybrid's
+routed experts: ``int4_cpu`` (symmetric, one scale per row) or ``int4_cpu_group`` (one per ``g``);
+its W8A8 linears: ``w8a8_dynamic``'s int8 weights. A linear in a mapping that the artifact keeps
+in float (``None``) adds no error. ``diag(s)⁻¹`` is then folded into the producer of X
+(:func:`fold_into_norm`, :func:`fold_into_linear`) and ``diag(s)`` into the weights
+(:func:`scale_columns`), so the float model is unchanged and only Q sees ``W·diag(s)``.
+
+The seam (``FakeQuant``): ``q(w)`` float32 [N, K] and ``q.group(K)``, the input columns that
+share one scale (the whole row for per-channel formats). A new format is calibrated with no
+code here or in ``quantizer.py``: a registered format with ``quantize`` / ``dequantize``
+(and, if it is group-wise, a ``group_size`` parameter) is its own ``Q``; a faster path giving
+the same floats may be added to ``quantizer.FAST_PATHS``. An expert-layer format names its
+per-linear twin (``ExpertLayerFormat.linear_format``).
 
 Candidates (AutoAWQ ``_compute_best_scale``, ``duo_scaling=True``), for α = k / grid, k < grid::
 
     x̄ = mean_t |X[t, :]|                                   # [K] activation magnitude
     w̄ = mean_rows(|W| / max|W| of its group), all W_i       # [K] relative weight magnitude
+                                                            # (groups: Q_i.group; float W_i left out)
     s_α = clamp(x̄^α / (w̄^(1-α) + 1e-4), min=1e-4);  s_α /= sqrt(max s_α · min s_α)
 
 (``duo_scaling=False``: ``s_α = x̄^α``). Two additions: the identity ``s = 1`` is always a
@@ -30,7 +41,8 @@ rounded to a power of two
 divided by 2^k and a weight times 2^k hold the same digits — so the transformed float model,
 router included, computes bit-identical outputs. Candidates that coincide are evaluated once.
 
-Clip (AutoAWQ ``_compute_best_clip``): per output row n and input group j, the bound
+Clip (AutoAWQ ``_compute_best_clip``): per output row n and input group j (of ``Q.group``
+columns: the whole row for a per-channel format), the bound
 ``max_val = max|W[n, group j]| · (1 - i / grid)`` for shrink steps ``i < max_shrink · grid``
 that minimises ``mean_t (Σ_{c ∈ j} X[t, c] · (Q(clamp(W, ±max_val)) − W)[n, c])²`` over at most
 ``n_tokens`` evenly strided tokens. The result is stored as the shrink step ``i`` (uint8) and
@@ -39,8 +51,9 @@ turned back into bounds by :func:`clip_bounds`, the one function both search and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -50,7 +63,7 @@ from hetquant.formats.awq_w4a16 import QMAX, RANGE_EPS
 
 __all__ = [
     "CLIP_BATCH_BYTES",
-    "FAKE_QUANTIZERS",
+    "FakeQuant",
     "ScaleSearch",
     "activation_mean",
     "apply_clip",
@@ -77,6 +90,14 @@ _CHUNK = 8192  # token rows per matmul chunk
 # -- the quantizer ---------------------------------------------------------------------------
 
 
+class FakeQuant(Protocol):
+    """``Q`` of the objective (module docstring; ``quantizer.Quantizer`` implements it)."""
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor: ...  # [N, K] → float32 [N, K]
+
+    def group(self, k: int) -> int: ...  # input columns per scale, of k
+
+
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """float32 view of ``w`` [N, K] as (N, K/g, g); K must be divisible by g."""
     if w.ndim != 2 or w.shape[1] % group_size:
@@ -87,15 +108,17 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.to(torch.float32).reshape(n, k // group_size, group_size)
 
 
-def _round_up_f16(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Positive ``x`` rounded up to the next FP16 (or BF16) value, as the formats store scales.
+def _round_up(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Positive ``x`` rounded up to the next value of float ``dtype`` (FP16 as ``awq_w4a16``
+    stores scales; BF16 / F32 as ``ct_pack_quantized`` may).
 
-    Bit arithmetic instead of ``nextafter``, so it runs on every device: for a positive 16-bit
-    float the next one up has the bit pattern + 1.
+    Bit arithmetic instead of ``nextafter``, so it runs on every device: for a positive float
+    the next one up has the bit pattern + 1.
     """
+    bits = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
     y = x.to(dtype)
     low = y.to(x.dtype) < x
-    up = (y.view(torch.int16) + 1).view(dtype)
+    up = (y.view(bits) + 1).view(dtype)
     return torch.where(low, up, y)
 
 
@@ -109,7 +132,7 @@ def rtn_params(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Te
     lo, hi = torch.aminmax(_grouped(w, group_size), dim=-1)  # (N, K/g) each
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)  # range widened to contain 0
     span = (hi.double() - lo.double()).clamp(min=RANGE_EPS)  # exact in float64
-    s16 = _round_up_f16(span / QMAX)  # (N, K/g)
+    s16 = _round_up(span / QMAX)  # (N, K/g)
     z = (-torch.round(lo / s16.float())).clamp(0, QMAX)  # (N, K/g)
     return s16, z
 
@@ -128,24 +151,19 @@ def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return (q * s).reshape(w.shape)  # (N, K)
 
 
-def fake_quantize_symmetric(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``CtPackQuantized(g).dequantize(CtPackQuantized(g).quantize(w))`` (BF16 scales, the
-    format's default) without packing: float32 [N, K]. ``s`` = ``absmax / 7.5`` rounded up to
-    BF16 (floored at FLT_EPSILON), ``q = clamp(round(w / s), -8, 7)``, then ``q · s``."""
+def fake_quantize_symmetric(
+    w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``CtPackQuantized(g, scale_dtype).dequantize(….quantize(w))`` without packing: float32
+    [N, K] (``ct_pack_quantized``'s fast path in ``quantizer.FAST_PATHS``). ``s`` = ``absmax /
+    7.5`` rounded up to ``scale_dtype`` (floored at FLT_EPSILON), ``q = clamp(round(w / s), -8,
+    7)``, then ``q · s``."""
     wg = _grouped(w, group_size)  # (N, K/g, g)
     absmax = wg.abs().amax(dim=-1)  # (N, K/g)
-    s = _round_up_f16((absmax.double() / ct.HALF_RANGE).clamp(min=ct.SCALE_EPS), torch.bfloat16)
+    s = _round_up((absmax.double() / ct.HALF_RANGE).clamp(min=ct.SCALE_EPS), scale_dtype)
     sf = s.float()[..., None]  # (N, K/g, 1)
     q = torch.clamp(torch.round(wg / sf), ct.QMIN, ct.QMAX)  # (N, K/g, g)
     return (q * sf).reshape(w.shape)  # (N, K)
-
-
-FakeQuantize = Callable[[torch.Tensor, int], torch.Tensor]
-# format name → its quantize→dequantize (w [N, K], group size) → float32 [N, K]
-FAKE_QUANTIZERS: dict[str, FakeQuantize] = {
-    "awq_w4a16": fake_quantize,
-    "ct_pack_quantized": fake_quantize_symmetric,
-}
 
 
 # -- statistics ------------------------------------------------------------------------------
@@ -165,11 +183,12 @@ def activation_mean(x: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     return total / max(rows, 1)
 
 
-def weight_mean(weights: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
+def weight_mean(weights: Sequence[torch.Tensor], groups: Sequence[int]) -> torch.Tensor:
     """AutoAWQ's ``w_mean`` [K]: ``|W| / (max|W| of its group + 1e-6)`` averaged over the rows of
-    all ``weights`` (each [N_i, K]) stacked, accumulated one weight at a time."""
+    all ``weights`` (each [N_i, K], its groups of ``groups[i]`` columns) stacked, accumulated one
+    weight at a time."""
     total, rows = None, 0
-    for w in weights:
+    for w, group_size in zip(weights, groups, strict=True):
         wg = _grouped(w, group_size).abs()  # (N, K/g, g)
         rel = wg / (wg.amax(dim=-1, keepdim=True) + WMEAN_EPS)
         part = rel.reshape(w.shape).sum(0)  # [K]
@@ -234,41 +253,47 @@ class ScaleSearch:
 def search_scale(
     weights: Sequence[torch.Tensor],
     x: torch.Tensor | Sequence[torch.Tensor],
-    group_size: int,
+    quantizers: Sequence[FakeQuant | None],
     grid: int = 20,
     *,
     x_mean: torch.Tensor | None = None,
     duo_scaling: bool = True,
     pow2: bool = False,
     matmul_dtype: torch.dtype = torch.float32,
-    fake: FakeQuantize = fake_quantize,
 ) -> ScaleSearch:
     """The AWQ scale shared by ``weights`` (each [N_i, K]); see the module docstring.
 
-    ``x``: the input [T, K] all weights read, or one input [T_i, K] per weight (T_i may be 0: a
-    routed expert that saw no token adds nothing to the objective); a Sequence may make its
-    items on demand, so that only one expert's rows exist at a time. ``x_mean``: the activation
-    statistic (default: :func:`activation_mean` of ``x``). The output error of each candidate is
+    ``quantizers``: each weight's ``Q`` (None: kept in float, adds no error; at least one must
+    be given). ``x``: the input [T, K] all weights read, or one input [T_i, K] per weight (T_i
+    may be 0: a routed expert that saw no token adds nothing to the objective); a Sequence may
+    make its items on demand, so that only one expert's rows exist at a time. ``x_mean``: the
+    activation statistic (default: :func:`activation_mean` of ``x``). The output error of each candidate is
     computed as ``X · (Q(W·diag(s))·diag(s)⁻¹ − W)ᵀ`` (equal to the objective's difference, with
     no cancellation), through the Gram matrix ``XᵀX`` when T_i > K. Matmuls run in
     ``matmul_dtype`` (bfloat16 is enough to rank candidates on an accelerator); the error
-    matrices and sums are float32. Ties keep the earlier candidate (identity first). ``fake``:
-    the artifact's quantizer (``FAKE_QUANTIZERS``).
+    matrices and sums are float32. Ties keep the earlier candidate (identity first).
     """
-    ws = list(weights)
+    ws, qs = list(weights), list(quantizers)
     xs = [x] * len(ws) if isinstance(x, torch.Tensor) else x  # may be a lazy Sequence
-    if not ws or len(xs) != len(ws):
-        raise HetquantError(f"awq.search_scale: {len(ws)} weights but {len(xs)} inputs")
+    if not ws or len(xs) != len(ws) or len(qs) != len(ws):
+        raise HetquantError(
+            f"awq.search_scale: {len(ws)} weights, {len(xs)} inputs, {len(qs)} quantizers"
+        )
+    quant = [(w, q) for w, q in zip(ws, qs, strict=True) if q is not None]
+    if not quant:
+        raise HetquantError("awq.search_scale: no quantized weight to balance")
     if x_mean is None:
         x_mean = activation_mean(xs[0] if isinstance(x, torch.Tensor) else xs)
-    cands = scale_candidates(
-        x_mean, weight_mean(ws, group_size), grid, duo_scaling=duo_scaling, pow2=pow2
-    )
-    dev = ws[0].device
+    w_mean = weight_mean([w for w, _ in quant], [q.group(w.shape[1]) for w, q in quant])
+    cands = scale_candidates(x_mean, w_mean, grid, duo_scaling=duo_scaling, pow2=pow2)
+    dev = quant[0][0].device
     sq = [torch.zeros((), dtype=torch.float64, device=dev) for _ in cands]  # no sync per step
     count = 0
     grams: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(x) → (x kept alive, xᵀx)
-    for w, xi in zip(ws, xs, strict=True):
+    for i, (w, q) in enumerate(zip(ws, qs, strict=True)):
+        if q is None:
+            continue
+        xi = xs[i]
         t = xi.reshape(-1, w.shape[1])
         if t.shape[0] == 0:
             continue
@@ -280,7 +305,7 @@ def search_scale(
                 grams[id(xi)] = (xi, _gram(t, matmul_dtype))
             gram = grams[id(xi)][1]
         for c, (_, s) in enumerate(cands):
-            err = fake(w32 * s, group_size) / s - w32  # (N, K)
+            err = q(w32 * s) / s - w32  # (N, K)
             sq[c] += _sq_out(t, err, gram, matmul_dtype)
     losses = [float(v) / max(count, 1) for v in torch.stack(sq).cpu()]
     best = min(range(len(cands)), key=lambda c: (losses[c], c))
@@ -339,24 +364,25 @@ def apply_clip(w: torch.Tensor, bounds: torch.Tensor, group_size: int) -> torch.
 def search_clip(
     w: torch.Tensor,
     x: torch.Tensor,
-    group_size: int,
+    q: FakeQuant,
     *,
     grid: int = 20,
     max_shrink: float = 0.5,
     n_tokens: int = 512,
     rows_per_batch: int | None = None,
-    fake: FakeQuantize = fake_quantize,
 ) -> torch.Tensor:
-    """Best shrink step per (row, group) for ``w`` [N, K] on inputs ``x`` [T, K]: uint8 [N, K/g].
+    """Best shrink step per (row, group) for ``w`` [N, K] quantized by ``q`` (groups of
+    ``g = q.group(K)`` columns) on inputs ``x`` [T, K]: uint8 [N, K/g].
 
     See the module docstring. Tokens are taken every ``max(1, T // n_tokens)``-th (AutoAWQ).
-    With no token every step is 0 (no clipping). Ties keep the smaller shrink. ``fake``: the
-    artifact's quantizer (``FAKE_QUANTIZERS``). ``rows_per_batch``: rows searched together
-    (default :func:`clip_rows_per_batch`: AutoAWQ's 256 on the CPU, as many as fit a working set
-    of ``CLIP_BATCH_BYTES`` on an accelerator, where launching ~15 kernels per 256 rows and step
-    dominated: 0.15 s of a DeepSeek down_proj's 0.16 s on an H100).
+    With no token every step is 0 (no clipping). Ties keep the smaller shrink.
+    ``rows_per_batch``: rows searched together (default :func:`clip_rows_per_batch`: AutoAWQ's
+    256 on the CPU, as many as fit a working set of ``CLIP_BATCH_BYTES`` on an accelerator,
+    where launching ~15 kernels per 256 rows and step dominated: 0.15 s of a DeepSeek
+    down_proj's 0.16 s on an H100).
     """
     n, k = w.shape
+    group_size = q.group(k)
     groups = k // group_size
     best = torch.zeros(n, groups, dtype=torch.uint8, device=w.device)
     t = x.reshape(-1, k)
@@ -375,7 +401,7 @@ def search_clip(
         for i in range(factors.numel()):
             b = (amax * factors[i])[..., None]  # (n', G, 1)
             clipped = torch.maximum(torch.minimum(wg, b), -b).reshape(wr.shape)
-            d = (fake(clipped, group_size) - wr).reshape(wg.shape)  # (n', G, g)
+            d = (q(clipped) - wr).reshape(wg.shape)  # (n', G, g)
             out = torch.bmm(xg, d.permute(1, 2, 0))  # (G, T', n'): per-group partial outputs
             err = out.pow(2).mean(dim=1).T  # (n', G)
             better = err < best_err

@@ -12,10 +12,11 @@ Lifecycle (``calibrate``): embed the calibration tokens [N, T]; then for each de
    weights and float inputs of step 2 (as AutoAWQ: search every group, then apply);
 4. fold them (``Transform``), then search the clip of every quantized linear on its transformed
    weight and transformed input (``awq.search_clip``; AutoAWQ skips q_a / q_b / q);
-5. run the layer again with the transformed, fake-quantized weights (AwqW4A16 RTN of the final
-   weight, the artifact's exact values) and pass ITS output to layer L + 1 (``propagate=
-   "quantized"``, llm-compressor's default: later layers calibrate on the inputs they will see;
-   AutoAWQ passes the float output, ``propagate="float"``); free layer L.
+5. run the layer again with the transformed, fake-quantized weights (each linear's target
+   format, quantize → dequantize of the final weight: the artifact's exact values) and pass ITS
+   output to layer L + 1 (``propagate="quantized"``, llm-compressor's default: later layers
+   calibrate on the inputs they will see; AutoAWQ passes the float output,
+   ``propagate="float"``); free layer L.
 
 Peak memory is one layer's BF16 tensors + the hidden states and captured inputs + one float32
 weight at a time; per-layer peaks (RSS via ``/proc/self/status`` VmHWM, reset per layer, and the
@@ -28,6 +29,11 @@ saved result are in ``transforms``.
 
 ``method="rtn"`` runs the same pipeline with identity scales and no clip: the round-to-nearest
 baseline the recipe produces without calibration data.
+
+Targets: ``targets`` maps each quantized linear to its format's quantizer (``quantizer.py``; a
+converter takes them from the recipe's plan), ``searched`` names those whose scales and clips
+are searched (``layer``'s docstring). Without ``targets``: awq-w4a16's, every linear of the
+decoder layers in ``AwqW4A16(options.group_size)``, all searched.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +50,7 @@ from .data import tokens_digest
 from .forward import check_tokens, default_device, layer_names, source_tensor_fn
 from .layer import _Context, _LayerCalibration, _QuantizedWeights, _RowsOf
 from .loading import LayerLoader
+from .quantizer import Quantizer, quantizer_for
 from .transforms import (
     _DTYPES,
     RESULT_FORMAT,
@@ -81,21 +88,23 @@ def calibrate(
     tokens: torch.Tensor,
     options: AwqOptions | None = None,
     *,
+    targets: Mapping[str, Quantizer] | None = None,
+    searched: Collection[str] | None = None,
     device: str | torch.device | None = None,
     weights_fn: Callable[[str], torch.Tensor] | None = None,
     names: list[str] | None = None,
-    quantized: Collection[str] | None = None,
     log: Callable[[str], None] | None = None,
     load: str | None = None,
 ) -> CalibrationResult:
     """Calibrate ``source`` on ``tokens`` [N, T] (see module docstring).
 
+    ``targets``: linear weight name → its quantizer (default: awq-w4a16's); names outside the
+    decoder layers (MTP) are left to the converter's round-to-nearest. ``searched``: the targets
+    whose AWQ scales and clips are searched (default: all).
+
     ``source``: anything with ``.config`` (a ``formats.families.ModelConfig``) and ``.tensors``
     (names), and — unless ``weights_fn(name) -> tensor`` is given — ``.dequantized(name)`` (BF16
-    weights). ``names`` overrides the tensor names. ``quantized``: the linear weights the
-    artifact quantizes (default: every decoder-layer linear, ``is_quantized_linear``; the MTP
-    layers are never calibrated); only their errors score a search and only they are clipped,
-    while every linear reading a balanced input takes its scale. Options left to the family (``clip_skip``)
+    weights). ``names`` overrides the tensor names. Options left to the family (``clip_skip``)
     are filled in from it. Deterministic: same inputs, same device type → same
     transforms (bit-identical on the CPU). ``load``: how layers reach the device
     (``loading.LayerLoader``: ``stored`` bytes dequantized there, or ``dequantized`` on the CPU
@@ -111,8 +120,13 @@ def calibrate(
     dev = torch.device(device) if device is not None else default_device()
     tokens = check_tokens(tokens, cfg.vocab_size)
     roles = fam.expected_tensors(cfg)
-    chosen = names if quantized is None else sorted(set(names) & set(quantized), key=names.index)
-    quantized = tuple(n for n in chosen if n in roles and is_quantized_linear(roles[n]))
+    if targets is None:
+        awq_q = quantizer_for("awq_w4a16", {"group_size": opts.group_size})
+        targets = {n: awq_q for n in names if n in roles and is_quantized_linear(roles[n])}
+    reached = {n for n in names if n in roles and roles[n].layer is not None and not roles[n].mtp}
+    quantized = tuple(n for n in names if n in targets and n in reached)
+    search = set(quantized) if searched is None else set(searched) & set(quantized)
+    kept = {n: targets[n] for n in quantized}
     ctx = _Context(cfg, opts, dev, opts.compute_dtype(dev), tokens.shape[1])
     if load is None and weights_fn is not None:
         load = "dequantized"  # the caller's tensors
@@ -128,7 +142,7 @@ def calibrate(
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
             state = loader.load(layer)  # and layer + 1's bytes read ahead meanwhile
-            h, tf, st = _LayerCalibration(ctx, layer, state, set(quantized)).run(h)
+            h, tf, st = _LayerCalibration(ctx, layer, state, kept, search).run(h)
             transforms.update({n: t.to("cpu") for n, t in tf.items()})
             del state
             st["seconds"] = round(time.perf_counter() - t0, 3)
@@ -155,7 +169,7 @@ def calibrate(
         else None,
         "layers": layer_stats,
     }
-    return CalibrationResult(opts, transforms, quantized, stats, fn)
+    return CalibrationResult(opts, transforms, quantized, stats, fn, kept)
 
 
 # -- memory ------------------------------------------------------------------------------------

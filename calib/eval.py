@@ -19,8 +19,8 @@ Forwards provided here (all stream one decoder layer's tensors at a time, ``forw
   not applied; for weight-only formats — awq_w4a16, int4, nvfp4 weights — nothing is missing
   except the kernels' own accumulation order);
 - ``forward_from_calibration(source, result)``: what a converter writes from a
-  ``CalibrationResult`` (``AwqW4A16.quantize`` of each transformed linear, dequantized; folded
-  norms and routers in their source dtype), without writing it.
+  ``CalibrationResult`` (each transformed linear quantized in its target format and dequantized;
+  folded norms and routers in their source dtype), without writing it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hetquant.formats import HetquantError, get_format
+from hetquant.formats import HetquantError
 from hetquant.formats.families import parse_config
 
 from .calibrate import CalibrationResult
@@ -131,12 +131,12 @@ def forward_from_calibration(
 ) -> StreamedForward:
     """The artifact a converter writes from ``result``, without writing it (module docstring)."""
     fn = weights_fn or result.weights_fn or source_tensor_fn(source)
-    fmt = get_format("awq_w4a16", group_size=result.options.group_size)
     quantized = set(result.quantized)
 
     def get(name: str) -> torch.Tensor:
         w = fn(name)
         if name in quantized:
+            fmt = result.quantizer(name).fmt
             return fmt.dequantize(fmt.quantize(result.apply(name, w)))
         if name in result.transforms:
             return result.apply(name, w).to(w.dtype)

@@ -5,11 +5,15 @@ how a mapping runs; ``deepseek_v3.py`` lists DeepSeek-V3's): ``_attention`` runs
 ``balances`` and the clips of its ``clips`` linears, ``_mlps`` the ``mlp_input`` balance and then,
 for every gated MLP of the role table, its up → down balance and the clips of its three linears.
 A prev op absorbs ``diag(s)⁻¹`` (a norm its elements, a linear its rows), the linears ``diag(s)``.
-Only the linears the artifact quantizes (``quantized``) score a search (its objective sums their
-errors; a balance with none is skipped) and are clipped; every linear that reads a searched input
-takes its scale, so the float model stays the same (ct-w4a16: the experts' balance also scales
-the shared expert's gate and up, which stay BF16). The quantizer is the artifact's
-(``AwqOptions.quantizer``, ``awq.FAKE_QUANTIZERS``).
+
+What is searched: every quantized linear has its target's quantizer (``targets``: ``Q`` in the
+objectives and in the quantized forward of step 5); the *searched* ones get the searches — a
+balance runs when one of its linears is searched, and every linear that reads its input takes
+the scale, so the float model stays the same (the others are scored with their own ``Q``, a
+float one adding no error), a clip only for a searched linear. ``awq-w4a16`` searches every
+linear; ``ct-w4a16`` its routed experts (the experts' balance also scales the shared expert's
+gate and up, which stay at source precision); ``ascend-hybrid`` its routed experts, the shared
+expert's W8A8 error in the objective (``convert/recipes/quantized.py``).
 
 - Router compensation: the router reads the same normed hidden state as the experts. Folding s
   into the norm would change its logits (AutoAWQ's bug, fixed in llm-compressor PR #2451), so its
@@ -32,18 +36,18 @@ the shared expert's gate and up, which stay BF16). The quantizer is the artifact
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from hetquant.formats import HetquantError
 from hetquant.formats.families import Balance
 
 from . import awq
 from .forward import Capture, LayerRunner, LayerWeights
+from .quantizer import Quantizer
 from .transforms import AwqOptions, Transform, apply_transform
 
 __all__: list[str] = []  # internal to ``calibrate`` (_Context, _LayerCalibration)
@@ -58,33 +62,33 @@ class _Context:
     seq_len: int
     runner: LayerRunner = field(init=False)
     factors: torch.Tensor = field(init=False)
-    fake: awq.FakeQuantize = field(init=False)  # the artifact's quantize→dequantize
 
     def __post_init__(self) -> None:
         self.runner = LayerRunner(self.cfg, self.seq_len, self.device, self.dtype)
         self.factors = awq.clip_factors(self.opts.clip_grid, self.opts.clip_max_shrink)
-        self.fake = awq.FAKE_QUANTIZERS[self.opts.quantizer]
 
 
 class _LayerCalibration:
     """Steps 2-5 of ``calibrate``'s module docstring for one layer."""
 
     def __init__(
-        self, ctx: _Context, layer: int, state: dict[str, torch.Tensor], quantized: set[str]
+        self,
+        ctx: _Context,
+        layer: int,
+        state: dict[str, torch.Tensor],
+        targets: Mapping[str, Quantizer],
+        searched: Set[str],
     ) -> None:
         self.ctx, self.opts, self.layer, self.state = ctx, ctx.opts, layer, state
         self.fam = ctx.cfg.family
         self.p = self.fam.layer_prefix.format(layer=layer)
         self.has = {r.name for r in self.fam.layer_roles(ctx.cfg, layer)}  # roles of this layer
-        self.quantized = {n for n in state if n in quantized}
+        self.q = {n: targets[n] for n in state if n in targets}  # this layer's quantized linears
+        self.searched = {n for n in self.q if n in searched}
         self.tf: dict[str, Transform] = {}
         self.searches: dict[str, dict[str, Any]] = {}
-        bad = [n for n in self.quantized if state[n].shape[1] % self.opts.group_size]
-        if bad:
-            raise HetquantError(
-                f"{bad[0]}: in features {state[bad[0]].shape[1]} not divisible by group size "
-                f"{self.opts.group_size}"
-            )
+        for n, q in self.q.items():
+            q.check(n, tuple(state[n].shape))
 
     # orchestration -------------------------------------------------------------------------
     def run(self, h: torch.Tensor) -> tuple[torch.Tensor, dict[str, Transform], dict[str, Any]]:
@@ -129,7 +133,7 @@ class _LayerCalibration:
             if on and (b.when is None or b.when(self.ctx.cfg)):
                 self._mapping(b, cap)
         for role in mappings.clips:
-            if role in self.has:
+            if role in self.has and f"{self._m(role)}.weight" in self.searched:
                 self._clip(self._m(role), cap.input(self._m(role)))
 
     def _mlps(self, cap: Capture) -> None:
@@ -142,11 +146,17 @@ class _LayerCalibration:
             roles = (mlp.gate, mlp.up, mlp.down)
             if mlp.expert != "routed":
                 mods = [self._m(r) for r in roles]
-                self._mlp_unit(_parent(mods[0]), mods, cap.input(mods[0]), cap.input(mods[2]))
+                if self._searches(mods):
+                    self._mlp_unit(_parent(mods[0]), mods, cap.input(mods[0]), cap.input(mods[2]))
                 continue
             for e in range(self.ctx.cfg.num_experts):
                 mods = [self._m(r, e) for r in roles]
-                self._mlp_unit(_parent(mods[0]), mods, self._expert_x(e), None)
+                if self._searches(mods):
+                    self._mlp_unit(_parent(mods[0]), mods, self._expert_x(e), None)
+
+    def _searches(self, modules: Sequence[str]) -> bool:
+        """Whether any of ``modules`` is searched (module docstring)."""
+        return any(f"{m}.weight" in self.searched for m in modules)
 
     def _mapping(self, b: Balance, cap: Capture) -> None:
         """One balance of the family (``formats/families/mappings.py`` says how it runs)."""
@@ -159,11 +169,8 @@ class _LayerCalibration:
         for e in range(self.ctx.cfg.num_experts) if routed else ():
             mods += [self._m(r, e) for r in routed]  # the objective: each expert on its tokens
             rows += [self.routed[e]] * len(routed)
-        scaled = list(mods)  # every linear reading the input takes s; the quantized ones score it
-        keep = [i for i, m in enumerate(mods) if self._quantized(m)]
-        if not keep:
+        if not self._searches(mods):
             return
-        mods, rows = [mods[i] for i in keep], [rows[i] for i in keep]
         if routed:
             x: torch.Tensor | Sequence[torch.Tensor] = _RowsOf(self.moe_x, rows)
             x_mean = awq.activation_mean(self.moe_x)
@@ -172,19 +179,17 @@ class _LayerCalibration:
         fold_rows = None if b.rows is None else b.rows(self.ctx.cfg).to(self.ctx.device)
         compensate = self._m(b.compensate) if b.compensate in self.has else None
         self._balance(b.label, self._m(b.prev), mods, x, x_mean=x_mean, rows=fold_rows,
-                      compensate=compensate, scaled=scaled)  # fmt: skip
+                      compensate=compensate)  # fmt: skip
 
     def _mlp_unit(
         self, prefix: str, mods: Sequence[str], x: torch.Tensor, x_down: torch.Tensor | None
     ) -> None:
         """up → down balance of one MLP (``mods``: gate, up, down), then its three clips."""
         gate, up, down = mods
-        if not any(map(self._quantized, mods)):
-            return
         if x_down is None:  # a routed expert: its down input from the float weights
             w = LayerWeights(self.state, family=self.fam)
             x_down = F.silu(w.linear(gate, x)) * w.linear(up, x)
-        if self._quantized(down):
+        if self._searches([down]):
             self._balance(f"down:{prefix.removeprefix(self.p)}", up, [down], x_down)
         for m in (gate, up):
             self._clip(m, x)
@@ -201,16 +206,15 @@ class _LayerCalibration:
         x_mean: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         compensate: str | None = None,
-        scaled: Sequence[str] | None = None,
     ) -> None:
-        """Search the scale of ``modules`` and fold it (``prev``: a norm, or a linear's rows);
-        ``scaled``: every linear that reads the input and takes the scale (default: ``modules``,
-        the quantized ones, whose error the search scores)."""
+        """Search the scale of ``modules`` and fold it (``prev``: a norm, or a linear's rows):
+        every one takes it, the quantized ones' errors score it."""
         o = self.opts
         ws = [self.state[f"{m}.weight"] for m in modules]
+        qs = [self.q.get(f"{m}.weight") for m in modules]  # None: kept in float
         found = awq.search_scale(
-            ws, x, o.group_size, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling,
-            pow2=o.pow2_scales, matmul_dtype=self.ctx.dtype, fake=self.ctx.fake,
+            ws, x, qs, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling,
+            pow2=o.pow2_scales, matmul_dtype=self.ctx.dtype,
         )  # fmt: skip
         s = found.scales
         self.searches[label] = {
@@ -218,7 +222,7 @@ class _LayerCalibration:
             "loss": found.loss,
             "identity_loss": found.identity_loss,
         }
-        for m in modules if scaled is None else scaled:
+        for m in modules:
             self._tf(f"{m}.weight").col_mul = s
         if compensate is not None:
             self._tf(f"{compensate}.weight").col_mul = s
@@ -232,24 +236,21 @@ class _LayerCalibration:
 
     def _clip(self, module: str, x: torch.Tensor) -> None:
         o, name = self.opts, f"{module}.weight"
-        if not o.clip or module.rsplit(".", 1)[-1] in o.clip_skip or name not in self.quantized:
+        if not o.clip or module.rsplit(".", 1)[-1] in o.clip_skip or name not in self.searched:
             return
         t = self.tf.get(name)
-        w = apply_transform(self.state[name], t, o.group_size, self.ctx.factors)
+        w = apply_transform(self.state[name], t, self.ctx.factors)
         if t is not None and t.col_mul is not None:
             x = x / t.col_mul.to(x.dtype)
         shrink = awq.search_clip(
-            w, x, o.group_size, grid=o.clip_grid, max_shrink=o.clip_max_shrink,
-            n_tokens=o.clip_tokens, fake=self.ctx.fake,
+            w, x, self.q[name], grid=o.clip_grid, max_shrink=o.clip_max_shrink,
+            n_tokens=o.clip_tokens,
         )  # fmt: skip
         if bool(shrink.any()):
             self._tf(name).shrink = shrink
 
     def _tf(self, name: str) -> Transform:
         return self.tf.setdefault(name, Transform())
-
-    def _quantized(self, module: str) -> bool:
-        return f"{module}.weight" in self.quantized
 
 
 def _parent(module: str) -> str:
@@ -288,9 +289,8 @@ class _QuantizedWeights(LayerWeights):
         w = super().get(name)
         lc = self.lc
         t = lc.tf.get(name)
-        if name in lc.quantized:
-            w2 = apply_transform(w, t, lc.opts.group_size, lc.ctx.factors)
-            return lc.ctx.fake(w2, lc.opts.group_size)
+        if name in lc.q:
+            return lc.q[name](apply_transform(w, t, lc.ctx.factors))
         if t is None:
             return w
-        return apply_transform(w, t, lc.opts.group_size, lc.ctx.factors).to(w.dtype)
+        return apply_transform(w, t, lc.ctx.factors).to(w.dtype)

@@ -3,10 +3,11 @@
 - ``AwqOptions``: calibration options (``calibrate`` and ``layer`` document the decisions).
 - ``Transform`` / ``apply_transform``: what calibration does to one source tensor — column
   scales, row (norm element) divisors, per-(row, group) clip shrinks.
-- ``is_quantized_linear``: the linears calibration may quantize, by tensor role (awq-w4a16's
-  set; a recipe that quantizes fewer passes its own to ``calibrate``).
-- ``CalibrationResult``: the transforms of a whole checkpoint plus statistics; ``save`` writes
-  ``calibration.json`` + one ``layer_XXX.safetensors`` per layer, ``load`` opens them lazily.
+- ``is_quantized_linear``: the awq-w4a16 recipe's quantized set, by tensor role (the default
+  targets of ``calibrate``).
+- ``CalibrationResult``: the transforms of a whole checkpoint, each calibrated linear's target
+  (``quantizer.Quantizer``) plus statistics; ``save`` writes ``calibration.json`` + one
+  ``layer_XXX.safetensors`` per layer, ``load`` opens them lazily.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.families import TensorRole
 
 from . import awq
+from .quantizer import Quantizer, quantizer_for
 
 __all__ = [
     "RESULT_FORMAT",
@@ -47,9 +49,9 @@ class AwqOptions:
     of ``calibrate`` and ``layer``)."""
 
     method: str = "awq"  # "awq" | "rtn" (identity scales, no clip: the baseline)
+    # awq_w4a16's group when ``calibrate`` picks its default targets (other targets carry their
+    # own format and group); also the default ``min_expert_tokens``
     group_size: int = 128
-    # the artifact's format, whose quantizer the searches use (``awq.FAKE_QUANTIZERS``)
-    quantizer: str = "awq_w4a16"
     grid: int = 20  # scale-search grid: α = k / grid, k < grid
     duo_scaling: bool = True
     pow2_scales: bool = False  # True: scales rounded to powers of two, every fold bit-exact
@@ -74,11 +76,6 @@ class AwqOptions:
             raise HetquantError(f"propagate {self.propagate!r}; use 'quantized' or 'float'")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise HetquantError(f"dtype {self.dtype!r}; use one of {sorted(_DTYPES)}")
-        if self.quantizer not in awq.FAKE_QUANTIZERS:
-            known = ", ".join(sorted(awq.FAKE_QUANTIZERS))
-            raise HetquantError(
-                f"AWQ cannot calibrate for format {self.quantizer!r}; it can for {known}"
-            )
 
     @property
     def expert_threshold(self) -> int:
@@ -90,12 +87,8 @@ class AwqOptions:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
 
     def to_dict(self) -> dict[str, Any]:
-        """The options as JSON; ``quantizer`` only when not the default, so that results and
-        manifests made before it existed read (and hash) the same."""
         d = asdict(self)
         d["clip_skip"] = None if self.clip_skip is None else list(self.clip_skip)
-        if self.quantizer == AwqOptions.quantizer:
-            del d["quantizer"]
         return d
 
     @classmethod
@@ -110,8 +103,9 @@ class Transform:
 
     ``W' = clamp(fold_rows(W · diag(col_mul), row_div), ±bounds(shrink))`` — columns times
     ``col_mul`` [K], rows (norm: elements) divided by ``row_div`` [N], then, for a quantized
-    linear, each (row, group) clamped to ``max|W'_group| · (1 - shrink / clip_grid)``. Every
-    part is optional. The quantized artifact stores ``AwqW4A16.quantize(W')``.
+    linear, each (row, group) clamped to ``max|W'_group| · (1 - shrink / clip_grid)``; ``shrink``
+    [N, K/g] has one column per group of its target format (one for a per-channel format). Every
+    part is optional. The quantized artifact stores ``quantize(W')`` in the target format.
     """
 
     col_mul: torch.Tensor | None = None
@@ -128,9 +122,10 @@ class Transform:
 
 
 def apply_transform(
-    w: torch.Tensor, t: Transform | None, group_size: int, factors: torch.Tensor, row0: int = 0
+    w: torch.Tensor, t: Transform | None, factors: torch.Tensor, row0: int = 0
 ) -> torch.Tensor:
-    """``t`` applied to ``w`` (or to rows ``row0 : row0 + len(w)`` of the full tensor): float32."""
+    """``t`` applied to ``w`` (or to rows ``row0 : row0 + len(w)`` of the full tensor): float32.
+    Clip groups are ``K / shrink.shape[1]`` columns wide."""
     out = w.to(torch.float32)
     if t is None:
         return out
@@ -142,7 +137,8 @@ def apply_transform(
         out = awq.fold_into_norm(out, div) if out.ndim == 1 else awq.fold_into_linear(out, div)
     if t.shrink is not None:
         shrink = t.shrink[rows].to(out.device)
-        out = awq.apply_clip(out, awq.clip_bounds(out, shrink, group_size, factors), group_size)
+        group = out.shape[-1] // shrink.shape[-1]
+        out = awq.apply_clip(out, awq.clip_bounds(out, shrink, group, factors), group)
     return out
 
 
@@ -158,7 +154,8 @@ class CalibrationResult:
     """Per source tensor, what calibration changed (see ``Transform``), plus statistics.
 
     - ``quantized``: the linear weight names that were calibrated; store each as
-      ``AwqW4A16(group_size).quantize(result.apply(name, w))``.
+      ``fmt.quantize(result.apply(name, w))`` in its target format (``quantizer(name).fmt``;
+      ``targets`` None: ``AwqW4A16(options.group_size)`` for every one).
     - ``changed``: every tensor whose values change: those linears, the folded norms and the
       compensated routers. Non-linear ones are written in their source dtype
       (``result.apply(name, w).to(w.dtype)``; exact with power-of-two scales).
@@ -173,6 +170,7 @@ class CalibrationResult:
     quantized: tuple[str, ...]
     stats: dict[str, Any] = field(default_factory=dict)
     weights_fn: Callable[[str], torch.Tensor] | None = None
+    targets: Mapping[str, Quantizer] | None = None
 
     @property
     def changed(self) -> tuple[str, ...]:
@@ -185,10 +183,19 @@ class CalibrationResult:
     def __contains__(self, name: object) -> bool:
         return name in self.transforms or name in self.quantized
 
+    def quantizer(self, name: str) -> Quantizer:
+        """The target of calibrated linear ``name`` (its format and parameters)."""
+        if self.targets is None:
+            return quantizer_for("awq_w4a16", {"group_size": self.options.group_size})
+        try:
+            return self.targets[name]
+        except KeyError:
+            raise HetquantError(f"{name}: not a calibrated linear") from None
+
     def apply(self, name: str, w: torch.Tensor, row0: int = 0) -> torch.Tensor:
         """Transformed ``w`` (source tensor ``name``, or its rows from ``row0``), float32."""
         t = self.transforms.get(name)
-        return apply_transform(w, t, self.options.group_size, self.clip_factors, row0)
+        return apply_transform(w, t, self.clip_factors, row0)
 
     def weight(self, name: str) -> torch.Tensor:
         """The transformed tensor ``name``, read through ``weights_fn``: float32."""
@@ -198,8 +205,10 @@ class CalibrationResult:
 
     def quant_params(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(scales FP16, zeros) [N, K/g] for ``AwqW4A16.quantize(weight(name), scales=,
-        zeros=)`` — the round-to-nearest parameters of the transformed weight."""
-        return awq.rtn_params(self.weight(name), self.options.group_size)
+        zeros=)`` — the round-to-nearest parameters of the transformed weight (an awq_w4a16
+        target's)."""
+        w = self.weight(name)
+        return awq.rtn_params(w, self.quantizer(name).group(w.shape[1]))
 
     def save(self, path: str | Path) -> Path:
         """Write ``calibration.json`` + one ``layer_XXX.safetensors`` per layer to ``path``."""
@@ -223,6 +232,7 @@ class CalibrationResult:
             "version": RESULT_VERSION,
             "options": self.options.to_dict(),
             "quantized": list(self.quantized),
+            "targets": {n: self.quantizer(n).spec() for n in self.quantized},
             "tensors": where,
             "stats": self.stats,
         }
@@ -243,12 +253,19 @@ class CalibrationResult:
             raise HetquantError(f"{root}: no {RESULT_JSON}; not a (complete) calibration") from None
         if doc.get("format") != RESULT_FORMAT or doc.get("version") != RESULT_VERSION:
             raise HetquantError(f"{root / RESULT_JSON}: not a {RESULT_FORMAT} v{RESULT_VERSION}")
+        options = dict(doc["options"])
+        targets = doc.get("targets")  # absent in results saved before targets were recorded
+        legacy = options.pop("quantizer", None)  # those named one format for every linear
+        if targets is None and legacy is not None:
+            params = {"group_size": options["group_size"]}
+            targets = {n: (legacy, params) for n in doc["quantized"]}
         return cls(
-            AwqOptions.from_dict(doc["options"]),
+            AwqOptions.from_dict(options),
             _StoredTransforms(root, doc["tensors"]),
             tuple(doc["quantized"]),
             doc["stats"],
             weights_fn,
+            None if targets is None else {n: quantizer_for(*spec) for n, spec in targets.items()},
         )
 
 

@@ -101,6 +101,12 @@ def main(verbose: bool) -> None:
     help="Group size (awq-w4a16: 128 or 64; ascend-w4a16, ct-w4a16: 32 or 128).",
 )
 @click.option(
+    "--cpu-group-size",
+    type=int,
+    help="ascend-hybrid: CPU experts group-wise, a BF16 scale per 32, 64 or 128 inputs "
+    "(default: per-channel).",
+)
+@click.option(
     "--fp4-layout",
     type=click.Choice(["ascend", "nvfp4"]),
     help="fp4: Ascend 8x8 tiled layout (default) or canonical ModelOpt NVFP4.",
@@ -146,6 +152,7 @@ def convert(
     calib_data: Path | None,
     mtp: str | None,
     group_size: int | None,
+    cpu_group_size: int | None,
     fp4_layout: str | None,
     requantize: bool | None,
     calib_samples: int,
@@ -156,6 +163,7 @@ def convert(
     token: str | None,
 ) -> None:
     """Convert SOURCE (a checkpoint directory or a Hub repo id org/name[@revision]) into OUTPUT."""
+    from .calibration import calibrate_for, calibration_targets
     from .engine import convert as run_convert
     from .engine import plan_for
     from .hub import parse_repo_spec, resolve_source
@@ -167,8 +175,8 @@ def convert(
     from .verify import artifact_files, count_files
 
     workers = _cap_workers(workers)
-    given = {"mtp": mtp, "group_size": group_size, "fp4_layout": fp4_layout,
-             "requantize": requantize or None}  # fmt: skip
+    given = {"mtp": mtp, "group_size": group_size, "cpu_group_size": cpu_group_size,
+             "fp4_layout": fp4_layout, "requantize": requantize or None}  # fmt: skip
     options = {k: v for k, v in given.items() if v is not None}
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     root, revision = resolve_source(source, download_dir, token)
@@ -177,15 +185,17 @@ def convert(
     size = parse_size(max_shard_size)
     if calib_data is not None and not rec.calibrates:
         raise HetquantError(f"recipe {rec.name} does not calibrate; drop --calib-data")
+    plan = plan_for(src, rec, size)  # headers only; refuses what the recipe cannot write
+    if calib_data is not None:
+        calibration_targets(plan)  # refuses what cannot be calibrated, before any work
     if dry_run:  # the plan from the headers alone: nothing calibrated, nothing written
-        plan = plan_for(src, rec, size)
         _print_plan(plan, src, workers)
         if calib_data is not None:
             click.echo(f"calibration: AWQ on {calib_samples} x {calib_seq_len} tokens of {calib_data}, before the jobs")  # fmt: skip
         click.echo(format_precision(precision_table(plan)))
         return
     calibrate = (  # run by the engine once it holds OUTPUT
-        partial(_calibrate, src, rec, calib_data, calib_samples, calib_seq_len)
+        partial(calibrate_for, src, plan, calib_data, calib_samples, calib_seq_len)
         if calib_data is not None
         else None
     )
@@ -307,22 +317,6 @@ def export(artifact: Path, output: Path, to: str, numa: int, overwrite: bool) ->
         click.echo(f"{output}: already complete ({n}; same artifact, target and options)")
     else:
         click.echo(f"wrote {output} ({n}): {layers} layer(s) as {to}, {numa} NUMA slice(s)")
-
-
-def _calibrate(src, rec, text: Path, samples: int, seq_len: int):
-    """AWQ calibration of ``src`` on ``text`` (streaming, one layer at a time), for the format
-    and the weights the recipe quantizes (``engine.calibration_targets``)."""
-    from hetquant.calib.calibrate import AwqOptions, calibrate
-    from hetquant.calib.data import load_tokenizer, token_blocks
-
-    from .engine import calibration_targets
-
-    fmt, group, quantized = calibration_targets(src, rec)
-    tokenizer, eos = load_tokenizer(src.root)
-    tokens = token_blocks([text], tokenizer, eos, samples, seq_len)
-    log.info("calibrating %s on %d x %d tokens of %s", fmt, samples, seq_len, text)
-    opts = AwqOptions(group_size=group, quantizer=fmt)
-    return calibrate(src, tokens, opts, quantized=quantized, log=log.info)
 
 
 def _register_runtime() -> None:

@@ -46,7 +46,6 @@ from .workdir import JOURNAL, WorkDir
 __all__ = [
     "ConvertResult",
     "calibration_record",
-    "calibration_targets",
     "check_paths",
     "convert",
     "finished_manifest",
@@ -121,32 +120,22 @@ _SIGBUS_MESSAGE = (
 )
 
 
-def calibration_targets(src: Any, rec: Recipe) -> tuple[str, int, list[str]]:
-    """(format, group size, weight names) of what ``rec`` writes in the one format AWQ can
-    calibrate for (``calib.awq.FAKE_QUANTIZERS``)."""
-    from hetquant.calib.awq import FAKE_QUANTIZERS
-
-    targets = {n: rec.refine(rec.assign(t.role, t.fmt_name), t.fmt_params)
-               for n, t in src.tensors.items()}  # fmt: skip
-    fmts = sorted({t.fmt for t in targets.values()} & FAKE_QUANTIZERS.keys())
-    if len(fmts) != 1:
-        raise HetquantError(
-            f"recipe {rec.name} writes {fmts or 'no format'} that AWQ calibrates; it calibrates "
-            f"exactly one of {sorted(FAKE_QUANTIZERS)}"
-        )
-    quantized = [n for n, t in targets.items() if t.fmt == fmts[0]]
-    return fmts[0], dict(targets[quantized[0]].params)["group_size"], quantized
-
-
 def calibration_record(calibration: Any) -> dict[str, Any]:
-    """What the manifest says about calibration: deterministic fields only (no timings)."""
+    """What the manifest says about calibration: deterministic fields only (no timings).
+    ``options.quantizer``: the target format(s) of the calibrated linears (one name, or a list),
+    left out when it is awq_w4a16 alone — the key that ct-w4a16's calibrated manifests (and their
+    golden bytes) have carried since before the quantizer seam, and awq-w4a16's never did."""
     if calibration is None:
         return {"method": "rtn"}
     stats = calibration.stats
+    options = calibration.options.to_dict()
+    formats = sorted({calibration.quantizer(n).fmt.name for n in calibration.quantized})
+    if formats != ["awq_w4a16"]:  # awq-w4a16's: unsaid, as in manifests made before others
+        options["quantizer"] = formats[0] if len(formats) == 1 else formats
     return {
         "method": calibration.options.method,
         "tokens": stats["tokens"],
-        "options": calibration.options.to_dict(),
+        "options": options,
         "fallback_experts": stats.get("fallback_experts", {}),
         "mtp": "rtn",  # the MTP layer has no forward to calibrate through
     }
@@ -170,7 +159,9 @@ class _Run:
         progress: Callable[[int], None] | None,
         calibration: Any,
     ) -> ConvertResult:
-        record = calibration_record(calibration) if self.plan.recipe.calibrates else None
+        rec = self.plan.recipe
+        recorded = rec.calibrates and (calibration is not None or rec.records_rtn)
+        record = calibration_record(calibration) if recorded else None
         digest = self.plan.digest(self.source.fingerprint + json.dumps(record, sort_keys=True))
         guard = SourceGuard.record(self.source)
         finished = finished_manifest(

@@ -81,6 +81,13 @@ class JobRunner:
     def _calibrated(self, name: str) -> bool:
         return self.calibration is not None and name in self.calibration
 
+    def _rows(self, name: str):
+        """(first row, rows) of source weight ``name``, block by block, calibrated if it is."""
+        for row0, rows in self.source.rows(name):
+            if self._calibrated(name):
+                rows = self.calibration.apply(name, rows, row0)
+            yield row0, rows
+
     def _linear(self, job: Job) -> None:
         fmt = get_format(job.target.fmt, **dict(job.target.params))
         src = self.source.tensors[job.source]
@@ -95,10 +102,7 @@ class JobRunner:
         shape = src.shape
         plan = fmt.streaming(shape)  # type: ignore[arg-type]
         if plan is None:
-            w = self.source.dequantized(job.source)
-            if self._calibrated(job.source):
-                w = self.calibration.apply(job.source, w)
-            stored = fmt.quantize(w)
+            stored = fmt.quantize(self._whole(job.source))
             for piece in job.outputs:
                 self._write(piece, stored[piece.key])
             return
@@ -111,9 +115,7 @@ class JobRunner:
             if k not in direct
         }
         opts = {"weight_amax": self._absmax(job)} if plan.needs_amax else {}
-        for row0, rows in self.source.rows(job.source):
-            if self._calibrated(job.source):
-                rows = self.calibration.apply(job.source, rows, row0)
+        for row0, rows in self._rows(job.source):
             stored = plan.chunk_format.quantize(rows, **opts)
             for key, part in stored.items():
                 axis = plan.axes[key]
@@ -153,10 +155,10 @@ class JobRunner:
         if repack is not None:
             self._repack(job, repack)
             return
-        if hasattr(fmt, "quantize_rows") and not any(map(self._calibrated, job.sources)):
+        if hasattr(fmt, "quantize_rows"):
             self._experts_streaming(job, fmt.quantize_rows)
             return
-        gate, up, down = (self.source.dequantized(name) for name in job.sources)
+        gate, up, down = (self._whole(name) for name in job.sources)
         stored = fmt.quantize_expert(gate, up, down)
         for piece in job.outputs:
             self._write(piece, stored[piece.key])
@@ -178,6 +180,11 @@ class JobRunner:
                 )
             self._write(piece, got)
 
+    def _whole(self, name: str) -> torch.Tensor:
+        """Source weight ``name`` dequantized, calibrated if it is."""
+        w = self.source.dequantized(name)
+        return self.calibration.apply(name, w) if self._calibrated(name) else w
+
     def _experts_streaming(self, job: Job, quantize_rows: Any) -> None:
         """Per-row expert formats one block row at a time, gate and up rows interleaved."""
         gate, up, down = job.sources
@@ -185,20 +192,24 @@ class JobRunner:
         if shapes[0] != shapes[1] or shapes[2] != shapes[0][::-1]:
             raise HetquantError(f"{down}: expert shapes {shapes}, expected [I, H], [I, H], [H, I]")
         pieces = {p.key: p for p in job.outputs}
-        rows = self.source.rows
-        for (r, g), (_, u) in zip(rows(gate), rows(up), strict=True):
+        for (r, g), (_, u) in zip(self._rows(gate), self._rows(up), strict=True):
             gu = torch.stack([g, u], dim=1).reshape(2 * g.shape[0], g.shape[1])  # interleaved
             packed, scale = quantize_rows(gu)
             self._write(pieces["gate_up_packed"], packed, 2 * r * packed.shape[1])
-            self._write(pieces["gate_up_scale"], scale, 2 * r * scale.element_size())
-        for r, d in rows(down):
+            self._write(pieces["gate_up_scale"], scale, 2 * r * _row_bytes(scale))
+        for r, d in self._rows(down):
             packed, scale = quantize_rows(d)
             self._write(pieces["down_packed"], packed, r * packed.shape[1])
-            self._write(pieces["down_scale"], scale, r * scale.element_size())
+            self._write(pieces["down_scale"], scale, r * _row_bytes(scale))
 
     def _write(self, piece: OutPiece, data: torch.Tensor, rel: int = 0) -> None:
         """Write ``data`` into ``piece`` at ``rel`` bytes past the piece's start."""
         self._out.write(piece.tensor, piece.offset + rel, data)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes per row (dim 0) of ``t``: a per-row scale [R] or a group-wise one [R, K/g]."""
+    return t.nbytes // t.shape[0]
 
 
 def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
@@ -216,6 +227,6 @@ def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
 
 
 def _streams(job: Job, shape: tuple[int, int]) -> bool:
-    if job.kind == "experts":  # (only AWQ recipes calibrate, and they store no stacked experts)
+    if job.kind == "experts":  # stream their rows, calibrated or not
         return hasattr(get_expert_format(job.target.fmt), "quantize_rows")
     return get_format(job.target.fmt, **dict(job.target.params)).streaming(shape) is not None

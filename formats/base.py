@@ -431,6 +431,14 @@ class ExpertLayerFormat(ABC):
     ) -> dict[str, torch.Tensor]:
         """One expert's weights (gate/up [I, H], down [H, I]) → its slice of every stacked tensor."""
 
+    def linear_format(self) -> WeightFormat:
+        """The per-linear format whose ``dequantize(quantize(W))`` is what this layout stores for
+        each of an expert's gate, up and down (what calibration fake-quantizes them with).
+
+        Raises NotImplementedError where the layout quantizes its linears jointly.
+        """
+        raise NotImplementedError(f"expert-layer format {self.name!r} has no per-linear format")
+
 
 EXPERT_FORMATS: dict[str, ExpertLayerFormat] = {}
 

@@ -419,6 +419,13 @@ class Int4CpuExperts(ExpertLayerFormat):
     ) -> dict[str, torch.Tensor]:
         return subpool_slice(layer, subpool, num_subpools)
 
+    def linear_format(self) -> Int4Cpu:
+        """``int4_cpu``: each stacked row is quantized on its own, as ``int4_cpu`` does a
+        linear's rows (the weight-MSE ``clip_search`` variant has no per-linear twin)."""
+        if self.clip_search:
+            raise NotImplementedError("int4_cpu_experts(clip_search=True) has no per-linear format")
+        return Int4Cpu()
+
     def quantize_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [R, K] of gate_up (interleaved) or down → (packed U8 [R, K/2], scale F32 [R]);
         rows are independent, so a converter may stream an expert one block row at a time."""

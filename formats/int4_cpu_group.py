@@ -327,6 +327,17 @@ class Int4CpuGroupExperts(ExpertLayerFormat):
             "down_scale": d_scale,
         }
 
+    def linear_format(self) -> Int4CpuGroup:
+        """``int4_cpu_group`` of the same group: rows are quantized on their own."""
+        return Int4CpuGroup(self.group_size)
+
+    def quantize_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [R, K] of gate_up (interleaved) or down → (packed U8 [R, K/2], scale BF16
+        [R, K/g]); rows are independent, so a converter may stream an expert by block rows."""
+        if rows.ndim != 2:
+            raise HetquantError(f"{self.name}: expected 2-D rows, got {list(rows.shape)}")
+        return quantize_rows(rows, self.group_size)  # refuses NaN/Inf
+
     def from_stored(
         self, metas: Mapping[str, TensorMeta]
     ) -> tuple[Int4CpuGroupExperts, tuple[int, int, int]]:

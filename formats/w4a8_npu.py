@@ -68,6 +68,7 @@ __all__ = [
     "BIAS_CHUNKS",
     "QMAX",
     "QMIN",
+    "SCALE_FLOOR",
     "W4A8Dynamic",
     "check_scale_bias",
     "pack_out_pairs",

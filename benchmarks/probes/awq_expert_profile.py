@@ -18,10 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from hetquant.calib import awq
+from hetquant.calib.quantizer import quantizer_for
 
 
 def unit(w_gate, w_up, w_down, x, g, *, clip: bool = True) -> dict[str, float]:
     dev = x.device
+    q = quantizer_for("awq_w4a16", {"group_size": g})  # the awq-w4a16 recipe's Q
     times: dict[str, float] = {}
 
     def timed(name, fn):
@@ -32,13 +34,15 @@ def unit(w_gate, w_up, w_down, x, g, *, clip: bool = True) -> dict[str, float]:
         times[name] = time.perf_counter() - t0
         return out
 
-    timed("scale gate/up", lambda: awq.search_scale([w_gate, w_up], x, g, matmul_dtype=x.dtype))
+    timed(
+        "scale gate/up", lambda: awq.search_scale([w_gate, w_up], x, [q, q], matmul_dtype=x.dtype)
+    )
     h = (F.silu(x @ w_gate.T) * (x @ w_up.T)).to(x.dtype)  # [T, I]
-    timed("scale down", lambda: awq.search_scale([w_down], h, g, matmul_dtype=x.dtype))
+    timed("scale down", lambda: awq.search_scale([w_down], h, [q], matmul_dtype=x.dtype))
     if clip:
-        timed("clip gate", lambda: awq.search_clip(w_gate, x, g))
-        timed("clip up", lambda: awq.search_clip(w_up, x, g))
-        timed("clip down", lambda: awq.search_clip(w_down, h, g))
+        timed("clip gate", lambda: awq.search_clip(w_gate, x, q))
+        timed("clip up", lambda: awq.search_clip(w_up, x, q))
+        timed("clip down", lambda: awq.search_clip(w_down, h, q))
     return times
 
 

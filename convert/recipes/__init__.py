@@ -53,7 +53,10 @@ class Recipe:
     options: dict[str, Any] = field(default_factory=dict)
     # option → allowed values, the default first
     choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    calibrates: bool = False  # takes --calib-data (AWQ); the manifest then says rtn or awq
+    calibrates: bool = False  # takes --calib-data (AWQ); the manifest then says how
+    # without --calib-data the manifest says {"method": "rtn"} (awq-w4a16's contract); False:
+    # it has no calibration entry, as the recipe's artifacts had before it calibrated
+    records_rtn: bool = True
 
     def __post_init__(self) -> None:
         for key, value in self.options.items():
@@ -62,9 +65,8 @@ class Recipe:
                 takes = ", ".join(self.choices) or "none"
                 raise HetquantError(f"recipe {self.name} has no option {key!r}; it takes: {takes}")
             if value not in allowed:
-                raise HetquantError(
-                    f"recipe {self.name}: {key}={value!r} is not one of {list(allowed)}"
-                )
+                shown = ", ".join("unset" if v is None else repr(v) for v in allowed)
+                raise HetquantError(f"recipe {self.name}: {key}={value!r} is not one of {shown}")
 
     def option(self, key: str) -> Any:
         """The value of option ``key``: given, or the default (first choice)."""
@@ -72,6 +74,12 @@ class Recipe:
 
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         raise NotImplementedError
+
+    def calibration(self, role: TensorRole) -> str | None:
+        """What ``--calib-data`` does to a tensor of ``role``: ``"search"`` (a quantized linear
+        whose AWQ scale and clip are searched), ``"quantized"`` (quantized, its quantizer in the
+        objectives, not searched), None (not quantized). Here: None (no calibration)."""
+        return None
 
     def refine(
         self, target: Target, source_params: tuple[tuple[str, Any], ...], source_fmt: str = ""

@@ -25,8 +25,15 @@ pack-quantized, group 32, symmetric, BF16 scales):
   BF16 scales only within FP16's range — and no tool writes it at group 32; hetquant does not
   write it.) Re-quantizing is refused unless ``--requantize``, the policy of every recipe.
 
-RTN only: these recipes do not take ``--calib-data`` yet (the formats' ``quantize`` /
-``dequantize`` are pure, for calibration to use as its quantizer).
+Calibration (``--calib-data``), as the hybrid's: the routed experts are AWQ-searched with their
+own format as the quantizer (``calib/quantizer.py``: ``w4a8_dynamic`` per row, clips per row;
+``ct_pack_quantized`` per group of the recipe's ``group_size``), column scales folded into the
+norm (router compensated) and into up_proj for down_proj, as awq-w4a16 does; the W8A8 linears
+are not searched but scored with ``w8a8_dynamic``'s weights and scaled where a searched mapping
+shares their input (the shared experts); the MTP layer stays round-to-nearest. Without
+``--calib-data`` the manifest has no calibration entry, as before these recipes calibrated. A
+K2 Thinking source's INT4 experts, kept as they are by ``ascend-w4a16``, refuse calibration
+(``convert/calibration.py``).
 """
 
 from __future__ import annotations
@@ -38,22 +45,26 @@ __all__: list[str] = []
 
 _W8A8 = {"attention": "w8a8_dynamic", "absorbed": KEEP, "dense": "w8a8_dynamic",
          "shared": "w8a8_dynamic", **_KEEPS}  # fmt: skip
+# --calib-data searches the routed experts (module docstring); RTN manifests as before
+_CALIBRATED = {"calibrates": True, "records_rtn": False, "search": frozenset({"routed"})}
 
 register_recipe(
     RuleRecipe(
         "ascend-w4a8",
-        "vllm-ascend W4A8_DYNAMIC: routed experts int4 per-channel (msModelSlim 1.0.0 packed layout) with int8 activations, the rest as ascend-w8a8",
+        "vllm-ascend W4A8_DYNAMIC: routed experts int4 per-channel (msModelSlim 1.0.0 packed layout) with int8 activations, the rest as ascend-w8a8; AWQ-calibrated experts with --calib-data",
         rules={**_W8A8, "routed": "w4a8_dynamic", "mtp_routed": "w8a8_dynamic"},
         choices=_MTP,
+        **_CALIBRATED,
     )
 )
 register_recipe(
     RuleRecipe(
         "ascend-w4a16",
-        "vllm-ascend W4A16 MoE: routed experts int4 weight-only (pack-quantized, group 32 or 128; an INT4 group-32 source kept as is), the rest as ascend-w8a8",
+        "vllm-ascend W4A16 MoE: routed experts int4 weight-only (pack-quantized, group 32 or 128; an INT4 group-32 source kept as is), the rest as ascend-w8a8; AWQ-calibrated experts with --calib-data",
         rules={**_W8A8, "routed": "ct_pack_quantized"},
         choices={**_MTP, "group_size": (32, 128)},
         # vllm-ascend's W4A16 MoE scheme declares weight_shape int32 (methods/w4a16.py:237-238)
         fixed={"ct_pack_quantized": (("shape_dtype", "I32"),)},
+        **_CALIBRATED,
     )
 )

@@ -10,6 +10,16 @@ quantized source weights are dequantized to BF16 (exactly), others copied. The M
 ordinary tensors follow the same rules as any MoE layer (``--mtp keep``, the default) or are left
 out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 
+``int4_cpu*``: the source's lossless CPU repack when it has one (Kimi K2 Thinking's INT4 group-32
+experts), else ``int4_cpu_experts`` (per-channel) or, with ``cpu_group_size`` (``--cpu-group-size
+32|64|128``), ``int4_cpu_group_experts`` (BF16 scale per group: 4.5 / 4.25 / 4.125 bits per
+weight against ~4.0).
+
+Calibration (``--calib-data``, recipes with ``calibrates``): every linear a rule quantizes is
+calibrated with its target format as the quantizer; the role classes in ``search`` (None: all)
+get their AWQ scales and clips searched, the others are folded where a searched mapping shares
+their input and scored with their own quantizer (``calib/layer.py``).
+
 | recipe | attention | absorbed | dense, shared | routed | router, embeddings, norms, MTP extras |
 |---|---|---|---|---|---|
 | ascend-hybrid | w8a8_dynamic | KEEP | w8a8_dynamic | int4_cpu* in ``cpu_experts/`` | KEEP |
@@ -42,6 +52,7 @@ from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError, get_format
 from hetquant.formats.expert_repack import EXPERT_REPACKS, repack_target
 from hetquant.formats.families import TensorRole
 from hetquant.formats.families.roles import MTP
+from hetquant.formats.int4_cpu_group import GROUP_SIZES as CPU_GROUP_SIZES
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
 from . import DROP, Recipe, Target, keep, register_recipe
@@ -79,6 +90,7 @@ class RuleRecipe(Recipe):
 
     rules: dict[str, str] = field(default_factory=dict)
     fixed: dict[str, tuple[tuple[str, Any], ...]] = field(default_factory=dict)  # format → params
+    search: frozenset[str] | None = None  # role classes --calib-data searches (None: all)
 
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         if role.mtp and self.option("mtp") == "drop":
@@ -89,11 +101,39 @@ class RuleRecipe(Recipe):
         fmt = self.rules[cls]
         if fmt == KEEP:
             return keep(source_fmt)
-        if fmt == "int4_cpu*":  # the source's lossless CPU repack if it has one, else per-channel
-            fmt = repack_target(source_fmt) or "int4_cpu_experts"
+        params: tuple[tuple[str, Any], ...] = ()
+        if fmt == "int4_cpu*":
+            fmt, params = self._cpu_format(role, source_fmt)
         target = self._target(fmt, role)
+        if params:
+            target = dataclasses.replace(target, params=params)
         self._check_requantize(role, source_fmt, target)
         return target
+
+    def calibration(self, role: TensorRole) -> str | None:
+        """``search`` / ``quantized`` / None for a tensor of ``role`` (``Recipe.calibration``)."""
+        cls = role_class(role)
+        if not self.calibrates or role.role.kind != "linear" or self.rules.get(cls) == KEEP:
+            return None
+        return "search" if self.search is None or cls in self.search else "quantized"
+
+    def _cpu_option(self) -> int | None:
+        return self.option("cpu_group_size") if "cpu_group_size" in self.choices else None
+
+    def _cpu_format(self, role: TensorRole, source_fmt: str) -> tuple[str, tuple]:
+        """``int4_cpu*`` resolved to (format, params) (module docstring)."""
+        repack, group = repack_target(source_fmt), self._cpu_option()
+        if repack is None:
+            if group is None:
+                return "int4_cpu_experts", ()
+            return "int4_cpu_group_experts", (("group_size", group),)
+        if group is not None:
+            raise HetquantError(
+                f"{role.role.name} (layer {role.layer}): the source stores the routed experts in "
+                f"{source_fmt} (INT4 with its own groups), repacked losslessly into {repack} as "
+                "they are; --cpu-group-size would re-quantize them: drop it"
+            )
+        return repack, ()  # the source's group: ``refine``
 
     def refine(
         self, target: Target, source_params: tuple[tuple[str, Any], ...], source_fmt: str = ""
@@ -190,7 +230,7 @@ _KEEPS = {"kept": KEEP, "router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_ex
 register_recipe(
     RuleRecipe(
         "ascend-hybrid",
-        "2×910B4 + Kunpeng: NPU W8A8_DYNAMIC (MLA, dense, shared) + routed experts in CPU INT4 per-channel (group-wise, repacked losslessly, from an INT4 group-quantized source)",
+        "2×910B4 + Kunpeng: NPU W8A8_DYNAMIC (MLA, dense, shared) + routed experts in CPU INT4 per-channel (--cpu-group-size: group-wise; repacked losslessly from an INT4 group-quantized source); AWQ-calibrated experts with --calib-data",
         rules={
             "attention": "w8a8_dynamic",
             "absorbed": KEEP,
@@ -199,7 +239,10 @@ register_recipe(
             "routed": "int4_cpu*",
             **_KEEPS,
         },
-        choices=_MTP,
+        choices={**_MTP, "cpu_group_size": (None, *CPU_GROUP_SIZES)},
+        calibrates=True,
+        records_rtn=False,
+        search=frozenset({"routed"}),
     )
 )
 register_recipe(

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from hetquant.calib import awq
+from hetquant.calib.quantizer import quantizer_for
+from hetquant.formats import HetquantError
 from hetquant.formats.awq_w4a16 import AwqW4A16
 from hetquant.formats.ct_pack_quantized import CtPackQuantized
 from hetquant.runtime.forward.model import rms_norm
@@ -15,15 +17,20 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _awq(group: int):
+    return quantizer_for("awq_w4a16", {"group_size": group})
+
+
 @pytest.mark.parametrize("group", [128, 32])
 @pytest.mark.parametrize("case", ["normal", "tiny", "huge", "one_signed", "zeros"])
 def test_fake_quantize_symmetric_is_the_ct_formats_round_trip(group, case):
     w = torch.randn(48, 256, generator=_gen(group + 1))
     w = {"normal": w, "tiny": w * 1e-30, "huge": w * 1e3, "one_signed": w.abs() + 0.5,
          "zeros": w * (torch.arange(256) >= 128)}[case]  # fmt: skip
-    fmt = CtPackQuantized(group)
-    assert torch.equal(awq.fake_quantize_symmetric(w, group), fmt.dequantize(fmt.quantize(w)))
-    assert awq.FAKE_QUANTIZERS["ct_pack_quantized"] is awq.fake_quantize_symmetric
+    for dtype, name in ((torch.bfloat16, "BF16"), (torch.float16, "F16"), (torch.float32, "F32")):
+        fmt = CtPackQuantized(group, scale_dtype=name)
+        got = awq.fake_quantize_symmetric(w, group, dtype)
+        assert torch.equal(got, fmt.dequantize(fmt.quantize(w)))
 
 
 @pytest.mark.parametrize("group", [128, 64])
@@ -75,7 +82,7 @@ def test_search_scale_protects_outlier_channels():
     x[:, ::32] *= 30  # salient input channels
     w1 = torch.randn(64, 256, generator=_gen(3))
     w2 = torch.randn(32, 256, generator=_gen(4))
-    found = awq.search_scale([w1, w2], x, 128)
+    found = awq.search_scale([w1, w2], x, [_awq(128)] * 2)
     assert found.ratio is not None
     assert found.loss < 0.8 * found.identity_loss
     assert found.losses[0] == (None, found.identity_loss)
@@ -91,7 +98,7 @@ def test_search_scale_per_weight_inputs_and_empty():
     x = torch.randn(40, 256, generator=_gen(5))  # T < K: the direct path
     x[:, :8] *= 10
     w1, w2 = torch.randn(16, 256, generator=_gen(6)), torch.randn(16, 256, generator=_gen(7))
-    found = awq.search_scale([w1, w2], [x, x[:0]], 128, x_mean=awq.activation_mean(x))
+    found = awq.search_scale([w1, w2], [x, x[:0]], [_awq(128)] * 2, x_mean=awq.activation_mean(x))
     # the expert that saw no token adds nothing: the loss is w1's alone
     assert found.loss == pytest.approx(_objective([w1], [x], found.scales, 128), rel=1e-4)
     assert found.loss <= found.identity_loss
@@ -100,7 +107,7 @@ def test_search_scale_per_weight_inputs_and_empty():
 def test_identity_wins_on_isotropic_data():
     x = torch.randn(200, 128, generator=_gen(8))
     w = torch.randn(32, 128, generator=_gen(9))
-    found = awq.search_scale([w], x, 128)
+    found = awq.search_scale([w], x, [_awq(128)])
     assert found.loss <= found.identity_loss  # never worse than round-to-nearest
 
 
@@ -108,7 +115,7 @@ def test_search_clip_never_worse_per_group():
     w = torch.randn(64, 256, generator=_gen(10))
     w[:, 5] *= 8  # a weight outlier per row: clipping it pays
     x = torch.randn(100, 256, generator=_gen(11))
-    shrink = awq.search_clip(w, x, 128)
+    shrink = awq.search_clip(w, x, _awq(128))
     assert shrink.dtype == torch.uint8 and shrink.shape == (64, 2)
     assert int(shrink.max()) < 10 and bool(shrink.any())
     factors = awq.clip_factors(20, 0.5)
@@ -120,7 +127,7 @@ def test_search_clip_never_worse_per_group():
 
     assert bool((group_err(clipped) <= group_err(w) + 1e-6).all())
     assert float(group_err(clipped).sum()) < 0.95 * float(group_err(w).sum())
-    assert not awq.search_clip(w, x[:0], 128).any()  # no tokens: no clip
+    assert not awq.search_clip(w, x[:0], _awq(128)).any()  # no tokens: no clip
 
 
 def test_folds_are_the_identity_on_the_float_model():
@@ -151,14 +158,50 @@ def test_gram_and_direct_paths_agree():
     assert gram == pytest.approx(direct, rel=1e-4)
 
 
-def test_search_clip_row_batches_do_not_change_the_choice():
+def test_float_linears_in_a_mapping_add_no_error():
+    """A linear kept in float (quantizer None) is folded with the others but scored as exact:
+    the search equals the one over the quantized linears alone, and needs one of those."""
+    x = torch.randn(300, 256, generator=_gen(14))
+    x[:, ::32] *= 30
+    w1, w2 = torch.randn(64, 256, generator=_gen(15)), torch.randn(32, 256, generator=_gen(16))
+    q = quantizer_for("int4_cpu", {})
+    mixed = awq.search_scale([w1, w2], x, [q, None])
+    alone = awq.search_scale([w1], x, [q])
+    assert mixed.losses == alone.losses and torch.equal(mixed.scales, alone.scales)
+    with pytest.raises(HetquantError, match="no quantized weight"):
+        awq.search_scale([w1, w2], x, [None, None])
+
+
+def test_per_channel_clip_is_per_row():
+    """For a per-channel format the clip group is the whole row: one shrink step per row, and
+    the chosen clip never scores worse than none on the row's output error."""
+    w = torch.randn(64, 256, generator=_gen(17))
+    w[:, 5] *= 8
+    x = torch.randn(100, 256, generator=_gen(18))
+    q = quantizer_for("int4_cpu", {})
+    shrink = awq.search_clip(w, x, q)
+    assert shrink.shape == (64, 1) and bool(shrink.any())
+    bounds = awq.clip_bounds(w, shrink, 256, awq.clip_factors(20, 0.5))
+    clipped = awq.apply_clip(w, bounds, 256)
+
+    def row_err(wc):
+        return (x @ (q(wc) - w).T).pow(2).mean(0)  # [N]
+
+    assert bool((row_err(clipped) <= row_err(w) * (1 + 1e-6)).all())
+    assert float(row_err(clipped).sum()) < float(row_err(w).sum())
+
+
+@pytest.mark.parametrize("fmt", ["awq_w4a16", "int4_cpu"])
+def test_search_clip_row_batches_do_not_change_the_choice(fmt):
     """Rows are searched independently: batching them (256 on the CPU, whole weights on an
-    accelerator: ``clip_rows_per_batch``) picks the same shrink steps up to float ties."""
+    accelerator: ``clip_rows_per_batch``) picks the same shrink steps up to float ties, for a
+    group-wise and a per-channel quantizer."""
     w = torch.randn(600, 256, generator=_gen(14))
     w[:, 7] *= 6
     x = torch.randn(120, 256, generator=_gen(15))
-    small = awq.search_clip(w, x, 128, rows_per_batch=256)  # 3 batches, the last partial
-    whole = awq.search_clip(w, x, 128, rows_per_batch=600)
+    q = _awq(128) if fmt == "awq_w4a16" else quantizer_for(fmt, {})
+    small = awq.search_clip(w, x, q, rows_per_batch=256)  # 3 batches, the last partial
+    whole = awq.search_clip(w, x, q, rows_per_batch=600)
     assert bool(small.any())
     assert torch.equal(small, whole)
 

@@ -95,7 +95,7 @@ def test_mappings_and_exact_folds(kind: str, sources) -> None:  # type: ignore[n
     fam, moe_folds = src.config.family, 0
     for layer, names, h in runs:
         ws = {n: state[n] for n in names}
-        folded = {n: apply_transform(ws[n], result.transforms.get(n), 64, None) for n in names}
+        folded = {n: apply_transform(ws[n], result.transforms.get(n), None) for n in names}
         cap, cap_f = Capture(), Capture()
         out = runner.run(layer, h, LayerWeights(ws, cap, family=fam))
         out_f = runner.run(layer, h, LayerWeights(folded, cap_f, family=fam))

@@ -39,6 +39,14 @@ CASES: dict[str, list[str]] = {
     "ascend-w4a8": ["--recipe", "ascend-w4a8"],
     "ascend-w4a16": ["--recipe", "ascend-w4a16"],
     "ascend-w4a16-g128": ["--recipe", "ascend-w4a16", "--group-size", "128"],
+    "ascend-w4a8-calibrated": [
+        "--recipe", "ascend-w4a8", "--calib-data", "examples/tiny-tools/calib.txt",
+        "--calib-samples", "4", "--calib-seq-len", "64",
+    ],
+    "ascend-w4a16-calibrated": [
+        "--recipe", "ascend-w4a16", "--calib-data", "examples/tiny-tools/calib.txt",
+        "--calib-samples", "4", "--calib-seq-len", "64",
+    ],
     "ct-w4a16": ["--recipe", "ct-w4a16"],
     "ct-w4a16-calibrated": [
         "--recipe", "ct-w4a16", "--calib-data", "examples/tiny-tools/calib.txt",

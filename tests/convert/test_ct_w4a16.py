@@ -241,7 +241,7 @@ def test_read_back_as_a_source(arts: dict[str, Path], tmp_path: Path) -> None:
 def test_group_size_it_cannot_take(cli, tmp_path: Path, group: str) -> None:
     res = cli("convert", TINY, tmp_path / "o", "--recipe", "ct-w4a16", "--group-size", group)
     assert res.exit_code == 2 and res.stderr.count("\n") == 1
-    assert f"group_size={group}" in res.stderr and "[32, 128]" in res.stderr
+    assert f"group_size={group}" in res.stderr and "one of 32, 128" in res.stderr
     assert not (tmp_path / "o").exists()
 
 
