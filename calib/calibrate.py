@@ -44,8 +44,11 @@ from typing import Any
 
 import torch
 
+from hetquant.formats import HetquantError
+
 from .data import tokens_digest
 from .forward import check_tokens, default_device, layer_names, source_tensor_fn
+from .gptq import GRIDS
 from .layer import _Context, _LayerCalibration, _QuantizedWeights, _RowsOf
 from .quantizer import Quantizer, quantizer_for
 from .transforms import (
@@ -121,6 +124,8 @@ def calibrate(
     quantized = tuple(n for n in names if n in targets and n in reached)
     search = set(quantized) if searched is None else set(searched) & set(quantized)
     kept = {n: targets[n] for n in quantized}
+    if opts.gptq:
+        _check_gptq(kept, search)
     ctx = _Context(cfg, opts, dev, opts.compute_dtype(dev), tokens.shape[1])
     start = time.perf_counter()
     transforms: dict[str, Transform] = {}
@@ -160,6 +165,17 @@ def calibrate(
         "layers": layer_stats,
     }
     return CalibrationResult(opts, transforms, quantized, stats, fn, kept)
+
+
+def _check_gptq(targets: Mapping[str, Quantizer], searched: Collection[str]) -> None:
+    """Refuse GPTQ for a searched linear whose format has no ``gptq.GRIDS`` grid."""
+    for name in sorted(searched):
+        fmt = targets[name].fmt.name
+        if fmt not in GRIDS:
+            raise HetquantError(
+                f"{name}: gptq=True, but its target format {fmt} has no symmetric q·s grid "
+                f"(GPTQ supports {sorted(GRIDS)}); calibrate without GPTQ"
+            )
 
 
 # -- memory ------------------------------------------------------------------------------------

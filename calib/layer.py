@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from hetquant.formats.families import Balance
 
-from . import awq
+from . import awq, gptq
 from .forward import Capture, LayerRunner, LayerWeights
 from .quantizer import Quantizer
 from .transforms import AwqOptions, Transform, apply_transform
@@ -191,6 +191,9 @@ class _LayerCalibration:
         for m in (gate, up):
             self._clip(m, x)
         self._clip(down, x_down)
+        if self.opts.gptq:
+            for m, xm in ((gate, x), (up, x), (down, x_down)):
+                self._gptq(m, xm)
 
     # the two searches --------------------------------------------------------------------------
     def _balance(
@@ -244,6 +247,23 @@ class _LayerCalibration:
         )  # fmt: skip
         if bool(shrink.any()):
             self._tf(name).shrink = shrink
+
+    def _gptq(self, module: str, x: torch.Tensor) -> None:
+        """GPTQ codes of a searched linear on its AWQ-scaled weight and input, on the grid of its
+        clipped weight (``gptq.py``)."""
+        o, name = self.opts, f"{module}.weight"
+        if name not in self.searched:
+            return
+        t, w = self._tf(name), self.state[name]
+        scaled = apply_transform(w, Transform(t.col_mul, t.row_div), self.ctx.factors)
+        clipped = apply_transform(w, t, self.ctx.factors)
+        if t.col_mul is not None:
+            x = x / t.col_mul.to(x.dtype)
+        h = gptq.hessian(x, w.shape[1])
+        found = gptq.gptq(
+            name, scaled, clipped, h, self.q[name], damp=o.gptq_damp, act_order=o.gptq_act_order
+        )
+        t.codes, t.qscale = found.codes, found.scale
 
     def _tf(self, name: str) -> Transform:
         return self.tf.setdefault(name, Transform())
