@@ -168,14 +168,15 @@ def calibrate(
 
 
 def _check_gptq(targets: Mapping[str, Quantizer], searched: Collection[str]) -> None:
-    """Refuse GPTQ for a searched linear whose format has no ``gptq.GRIDS`` grid."""
-    for name in sorted(searched):
-        fmt = targets[name].fmt.name
-        if fmt not in GRIDS:
-            raise HetquantError(
-                f"{name}: gptq=True, but its target format {fmt} has no symmetric q·s grid "
-                f"(GPTQ supports {sorted(GRIDS)}); calibrate without GPTQ"
-            )
+    """Refuse GPTQ when no searched linear's format has a ``gptq.GRIDS`` grid (it would do
+    nothing); the searched linears without one keep AWQ's round-to-nearest."""
+    fmts = {targets[n].fmt.name for n in searched}
+    if searched and not fmts & set(GRIDS):
+        first = min(searched)
+        raise HetquantError(
+            f"{first}: gptq=True, but no searched linear's target format ({sorted(fmts)}) has a "
+            f"symmetric q·s grid (GPTQ supports {sorted(GRIDS)}); calibrate without GPTQ"
+        )
 
 
 # -- memory ------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from hetquant.formats.families import Balance
 
-from . import awq, gptq
+from . import awq, gptq, smooth
 from .forward import Capture, LayerRunner, LayerWeights
 from .quantizer import Quantizer
 from .transforms import AwqOptions, Transform, apply_transform
@@ -211,10 +211,15 @@ class _LayerCalibration:
         o = self.opts
         ws = [self.state[f"{m}.weight"] for m in modules]
         qs = [self.q.get(f"{m}.weight") for m in modules]  # None: kept in float
-        found = awq.search_scale(
-            ws, x, qs, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling,
-            pow2=o.pow2_scales, matmul_dtype=self.ctx.dtype,
-        )  # fmt: skip
+        if o.act_aware and any(q is not None and q.fmt.name in smooth.ACT_QUANT for q in qs):
+            found = smooth.act_aware_search(
+                ws, x, qs, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling
+            )
+        else:
+            found = awq.search_scale(
+                ws, x, qs, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling,
+                pow2=o.pow2_scales, matmul_dtype=self.ctx.dtype,
+            )  # fmt: skip
         s = found.scales
         self.searches[label] = {
             "ratio": found.ratio,
@@ -252,7 +257,7 @@ class _LayerCalibration:
         """GPTQ codes of a searched linear on its AWQ-scaled weight and input, on the grid of its
         clipped weight (``gptq.py``)."""
         o, name = self.opts, f"{module}.weight"
-        if name not in self.searched:
+        if name not in self.searched or self.q[name].fmt.name not in gptq.GRIDS:
             return
         t, w = self._tf(name), self.state[name]
         scaled = apply_transform(w, Transform(t.col_mul, t.row_div), self.ctx.factors)

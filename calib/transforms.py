@@ -70,10 +70,13 @@ class AwqOptions:
     propagate: str = "quantized"  # "quantized" | "float"
     dtype: str | None = None  # compute dtype; None: float32 on cpu, bfloat16 on accelerators
     # GPTQ error feedback (``gptq.py``) for the searched MLP linears' codes, after AWQ's scale
-    # and clip; their formats must be in ``gptq.GRIDS`` (the CPU experts' INT4)
+    # and clip, where the format has a ``gptq.GRIDS`` grid (the CPU experts' INT4)
     gptq: bool = False
     gptq_damp: float = 0.01  # dampening: this fraction of mean diag(H) added to the diagonal
     gptq_act_order: bool = True
+    # balances holding a W8A8 linear scored with its per-token activation quantization
+    # (``smooth.py``), SmoothQuant's candidates added
+    act_aware: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("awq", "rtn"):

@@ -106,7 +106,7 @@ def test_refusals() -> None:
 
 
 def test_calibrate_refuses_gptq_for_formats_without_a_grid(tiny_source, calib_tokens) -> None:
-    """awq-w4a16's default targets (asymmetric, zero points) have no q·s grid: refused naming
-    the first tensor and the format, before any layer is calibrated."""
-    with pytest.raises(HetquantError, match=r"model\.layers\.0\..*awq_w4a16 has no symmetric"):
+    """awq-w4a16's default targets (asymmetric, zero points) have no q·s grid: GPTQ would do
+    nothing; refused naming the first tensor and the format before any layer is calibrated."""
+    with pytest.raises(HetquantError, match=r"model\.layers\.0\..*\['awq_w4a16'\]\) has a"):
         calibrate(tiny_source, calib_tokens[:1], AwqOptions(gptq=True), device="cpu")
