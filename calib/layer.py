@@ -192,8 +192,8 @@ class _LayerCalibration:
             self._clip(m, x)
         self._clip(down, x_down)
         if self.opts.gptq:
-            for m, xm in ((gate, x), (up, x), (down, x_down)):
-                self._gptq(m, xm)
+            self._gptq([gate, up], x)  # one input, one Hessian: rows are independent
+            self._gptq([down], x_down)
 
     # the two searches --------------------------------------------------------------------------
     def _balance(
@@ -253,25 +253,42 @@ class _LayerCalibration:
         if bool(shrink.any()):
             self._tf(name).shrink = shrink
 
-    def _gptq(self, module: str, x: torch.Tensor) -> None:
-        """GPTQ codes of a searched linear on its AWQ-scaled weight and input, on the grid of its
-        clipped weight (``gptq.py``)."""
-        o, name = self.opts, f"{module}.weight"
-        if name not in self.searched or self.q[name].fmt.name not in gptq.GRIDS:
+    def _gptq(self, modules: Sequence[str], x: torch.Tensor) -> None:
+        """GPTQ codes of the searched ``modules`` that read one input ``x`` with the same column
+        scale (an MLP's gate and up: one Hessian, rows stacked), on their AWQ-scaled weights and
+        the grids of their clipped weights (``gptq.py``)."""
+        o, f = self.opts, self.ctx.factors
+        names = [f"{m}.weight" for m in modules]
+        names = [n for n in names if n in self.searched and self.q[n].fmt.name in gptq.GRIDS]
+        if not names:
             return
-        t, w = self._tf(name), self.state[name]
-        scaled = apply_transform(w, Transform(t.col_mul, t.row_div), self.ctx.factors)
-        clipped = apply_transform(w, t, self.ctx.factors)
-        if t.col_mul is not None:
-            x = x / t.col_mul.to(x.dtype)
-        h = gptq.hessian(x, w.shape[1])
+        tfs = [self._tf(n) for n in names]
+        col_mul = tfs[0].col_mul
+        if any(not _same(t.col_mul, col_mul) for t in tfs[1:]):
+            for n in names:  # different inputs after the fold: one at a time
+                self._gptq([n.removesuffix(".weight")], x)
+            return
+        ws = [self.state[n] for n in names]
+        scaled = [apply_transform(w, Transform(t.col_mul, t.row_div), f) for w, t in zip(ws, tfs, strict=True)]  # fmt: skip
+        clipped = [apply_transform(w, t, f) for w, t in zip(ws, tfs, strict=True)]
+        if col_mul is not None:
+            x = x / col_mul.to(x.dtype)
         found = gptq.gptq(
-            name, scaled, clipped, h, self.q[name], damp=o.gptq_damp, act_order=o.gptq_act_order
-        )
-        t.codes, t.qscale = found.codes, found.scale
+            names[0], torch.cat(scaled), torch.cat(clipped), gptq.hessian(x, ws[0].shape[1]),
+            self.q[names[0]], damp=o.gptq_damp, act_order=o.gptq_act_order,
+        )  # fmt: skip
+        row0 = 0
+        for t, w in zip(tfs, ws, strict=True):
+            rows = slice(row0, row0 + w.shape[0])
+            t.codes, t.qscale = found.codes[rows].clone(), found.scale[rows].clone()
+            row0 += w.shape[0]
 
     def _tf(self, name: str) -> Transform:
         return self.tf.setdefault(name, Transform())
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _parent(module: str) -> str:

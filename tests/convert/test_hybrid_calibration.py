@@ -11,6 +11,7 @@ relatively, plus float32 roundings of the folds (2⁻²⁴ each): ``|Δlogit_n| 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,14 @@ from support import REPO, make_kimi_k2, read_json, tree_hashes
 from test_bad_input import assert_refused
 
 from hetquant.calib.quantizer import quantizer_for
+from hetquant.calib.transforms import apply_transform
 from hetquant.convert.calibration import calibrate_for, calibration_targets
 from hetquant.convert.engine import convert
 from hetquant.convert.plan import plan_for
 from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import int4_cpu, int4_cpu_group
+from hetquant.formats.bits import unpack_nibbles_u8
 
 TINY = REPO / "examples" / "tiny-deepseek-v3"
 CALIB = ("--calib-samples", "4", "--calib-seq-len", "64")
@@ -170,6 +173,40 @@ def test_artifact_experts_are_the_calibrated_weights_quantized(
     assert shrinks > 0
 
 
+@pytest.mark.parametrize("group", [None, 32])
+def test_gptq_codes_are_the_artifacts(group: int | None, tmp_path: Path, text: Path) -> None:
+    """``calib_gptq``: every expert linear's GPTQ codes and scales are what the converter
+    stores, bit for bit (its round-to-nearest of ``codes · scale``), and they differ from
+    round-to-nearest of the AWQ-calibrated weight."""
+    src = SourceCheckpoint.open(TINY)
+    rec = get_recipe("ascend-hybrid").with_options({"calib_gptq": True})
+    if group is not None:
+        rec = rec.with_options({"cpu_group_size": group})
+    plan = plan_for(src, rec, 1 << 40)
+    cal = calibrate_for(src, plan, text, 2, 64, device="cpu")
+    assert cal.options.gptq
+    convert(src, tmp_path / "out", rec, max_shard_size=1 << 40, calibration=cal)
+    moved = 0
+    for layer in (1, 2):
+        stacked = _tensors(tmp_path / "out", f"cpu_experts/layer_{layer:03d}.safetensors")
+        stacked = {k.rpartition(".")[2]: v for k, v in stacked.items()}
+        codes = {"gate_up": unpack_nibbles_u8(stacked["gate_up_packed"]).to(torch.int16) - 8,
+                 "down": unpack_nibbles_u8(stacked["down_packed"]).to(torch.int16) - 8}  # fmt: skip
+        for e in range(src.config.num_experts):
+            for part, key, rows in (("gate", "gate_up", slice(0, None, 2)),
+                                    ("up", "gate_up", slice(1, None, 2)), ("down", "down", slice(None))):  # fmt: skip
+                name = f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
+                t = cal.transforms[name]
+                assert torch.equal(codes[key][e][rows], t.codes.to(torch.int16)), name
+                scale = stacked[f"{key}_scale"][e][rows].float().reshape(t.qscale.shape)
+                assert torch.equal(scale, t.qscale), name
+                awq_only = dataclasses.replace(t, codes=None, qscale=None)
+                w = src.dequantized(name)
+                moved += int(not torch.equal(cal.apply(name, w), cal.quantizer(name)(
+                    apply_transform(w, awq_only, cal.clip_factors))))  # fmt: skip
+    assert moved > 0
+
+
 def test_group_wise_rtn_converts_verifies_and_runs(cli, tmp_path: Path) -> None:
     out = tmp_path / "g64"
     res = cli("convert", TINY, out, "--recipe", "ascend-hybrid", "--cpu-group-size", "64")
@@ -200,6 +237,8 @@ def test_group_wise_rtn_converts_verifies_and_runs(cli, tmp_path: Path) -> None:
         ("ascend-hybrid", ("--cpu-group-size", "48"), ("cpu_group_size=48", "32, 64, 128")),
         ("ascend-hybrid", ("--cpu-group-size", "0"), ("cpu_group_size=0",)),
         ("awq-w4a16", ("--cpu-group-size", "32"), ("no option 'cpu_group_size'",)),
+        ("awq-w4a16", ("--calib-gptq",), ("no option 'calib_gptq'",)),
+        ("ascend-hybrid", ("--calib-gptq",), ("--calib-gptq", "--calib-data")),
     ],
 )
 def test_option_values_the_format_cannot_take(
