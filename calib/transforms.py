@@ -74,6 +74,9 @@ class AwqOptions:
     gptq: bool = False
     gptq_damp: float = 0.01  # dampening: this fraction of mean diag(H) added to the diagonal
     gptq_act_order: bool = True
+    # down's Hessian from the GPTQ-quantized gate and up (the paper's sequential order), not
+    # from the float ones
+    gptq_sequential: bool = False
     # balances holding a W8A8 linear scored with its per-token activation quantization
     # (``smooth.py``), SmoothQuant's candidates added
     act_aware: bool = False

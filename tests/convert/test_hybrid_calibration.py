@@ -20,6 +20,8 @@ from safetensors import safe_open
 from support import REPO, make_kimi_k2, read_json, tree_hashes
 from test_bad_input import assert_refused
 
+from hetquant.calib import AwqOptions, calibrate
+from hetquant.calib.data import load_tokenizer, token_blocks
 from hetquant.calib.quantizer import quantizer_for
 from hetquant.calib.transforms import apply_transform
 from hetquant.convert.calibration import calibrate_for, calibration_targets
@@ -204,6 +206,34 @@ def test_gptq_codes_are_the_artifacts(group: int | None, tmp_path: Path, text: P
                 w = src.dequantized(name)
                 moved += int(not torch.equal(cal.apply(name, w), cal.quantizer(name)(
                     apply_transform(w, awq_only, cal.clip_factors))))  # fmt: skip
+    assert moved > 0
+
+
+def test_gptq_sequential_moves_only_down(text: Path) -> None:
+    """``AwqOptions.gptq_sequential``: down's Hessian from the GPTQ-quantized gate and up. In the
+    first MoE layer (later ones see its changed output) gate and up keep their codes and every
+    grid stays (AWQ's scale and clip), down's codes move for some expert; ``gptq`` checks the
+    converter's round trip of ``codes · scale`` and raises otherwise."""
+    src = SourceCheckpoint.open(TINY)
+    targets, searched = calibration_targets(plan_for(src, get_recipe("ascend-hybrid"), 1 << 40))
+    tokenizer, eos = load_tokenizer(src.root)
+    tokens = token_blocks([text], tokenizer, eos, 2, 64)
+    cals = [
+        calibrate(src, tokens, AwqOptions(gptq=True, gptq_sequential=seq), targets=targets,
+                  searched=searched, device="cpu")
+        for seq in (False, True)
+    ]  # fmt: skip
+    first = min(int(n.split(".")[2]) for n, t in cals[0].transforms.items() if t.codes is not None)
+    moved = 0
+    for name, t in cals[0].transforms.items():
+        if t.codes is None or not name.startswith(f"model.layers.{first}."):
+            continue
+        u = cals[1].transforms[name]
+        assert torch.equal(u.qscale, t.qscale), name  # the grid: AWQ's scale and clip
+        if name.endswith("down_proj.weight"):
+            moved += int(not torch.equal(u.codes, t.codes))
+        else:
+            assert torch.equal(u.codes, t.codes), name
     assert moved > 0
 
 
