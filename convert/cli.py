@@ -118,7 +118,7 @@ def main(verbose: bool) -> None:
     is_flag=True,
     default=None,
     help="ascend-hybrid --calib-data: GPTQ error feedback for the CPU experts' INT4 codes, after "
-    "their AWQ scales and clips.",
+    "their AWQ scales and clips (gate and up, then down on their quantized output).",
 )
 @click.option(
     "--calib-samples",

@@ -6,7 +6,9 @@
   W8A8 linears calibrated (e.g. ``act_aware=True``: the W8A8-aware search of ``calib/smooth.py``);
 - ``awq KEY=VALUE ...``: the hybrid calibrated on 40 × 512 tokens of ``calib.txt`` with
   ``AwqOptions`` overrides (e.g. ``clip_grid=50``: clip steps of 0.02 instead of 0.05;
-  ``gptq=True``: GPTQ codes for the experts), ``cpu=G`` for ``--cpu-group-size G``,
+  ``gptq=True``: GPTQ codes for the experts, ``gptq_sequential=True``: down's Hessian from the
+  GPTQ-quantized gate and up, ``act_aware=True`` with ``search=all``: the W8A8 linears' balances
+  scored with their per-token activation quantization), ``cpu=G`` for ``--cpu-group-size G``,
   ``search=all`` to search every quantized linear (the recipe: the routed experts).
 
 benchmarks/README.md "Accuracy of the CPU experts" quotes what these printed.
@@ -15,6 +17,7 @@ benchmarks/README.md "Accuracy of the CPU experts" quotes what these printed.
     python benchmarks/probes/hybrid_calibration.py awq clip_grid=50
     python benchmarks/probes/hybrid_calibration.py awq gptq=True
     python benchmarks/probes/hybrid_calibration.py floor search=all act_aware=True
+    python benchmarks/probes/hybrid_calibration.py awq gptq=True act_aware=True search=all
 """
 
 from __future__ import annotations
