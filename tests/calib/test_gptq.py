@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from calib_consts import weight_zoo
 
 from hetquant.calib import AwqOptions, calibrate
 from hetquant.calib.gptq import GRIDS, gptq, hessian
@@ -28,18 +29,6 @@ def _problem(seed: int, n: int = 96, k: int = 256, t: int = 2048):
     return torch.randn(n, k, generator=g), x
 
 
-def _weights(seed: int, shape: tuple[int, int]) -> list[torch.Tensor]:
-    """Normal, with outlier columns, with an all-zero and a one-signed row, tiny."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(*shape, generator=g)
-    spiky = w.clone()
-    spiky[:, 3] *= 40
-    odd = w.clone()
-    odd[0] = 0
-    odd[1] = odd[1].abs() + 0.25
-    return [w, spiky, odd, w * 1e-6]
-
-
 def _out_err(x: torch.Tensor, wq: torch.Tensor, w: torch.Tensor) -> float:
     return float((x.double() @ (wq - w).double().T).pow(2).mean())
 
@@ -57,7 +46,7 @@ def test_gptq_lowers_the_output_error_of_correlated_inputs(fmt: str, params: dic
 def test_uncorrelated_inputs_give_round_to_nearest(fmt: str, params: dict) -> None:
     """H ∝ I: no error is fed back (U is diagonal), every code is round-to-nearest's."""
     q = quantizer_for(fmt, params)
-    for w in _weights(2, (64, 256)):
+    for w in weight_zoo(2, (64, 256)):
         h = torch.eye(256) * 3.0
         assert torch.equal(gptq("w", w, w, h, q).weight(), q(w))
 
@@ -71,7 +60,7 @@ def test_codes_are_stored_exactly_by_the_formats_rounding(fmt: str, params: dict
     _, x = _problem(3, k=256)
     x[:, 7] = 0  # a dead input channel
     h = hessian(x, 256)
-    for w in _weights(4, (64, 256)):
+    for w in weight_zoo(4, (64, 256)):
         for shrink in (0, 3):
             g = q.group(256)
             factors = torch.tensor([1.0, 0.95, 0.9, 0.85])
