@@ -10,6 +10,9 @@ quantization included, the CPU expert pool's INT4 GEMV for the hybrid's experts)
 ΔPPL against the FP8 reference, mean KL(reference ‖ artifact) of next-token distributions, top-1
 agreement.
 
+``ascend-hybrid AWQ + GPTQ`` is ``--calib-data`` with ``--calib-gptq`` (GPTQ codes for the CPU
+experts after their AWQ scale and clip, ``calib/gptq.py``).
+
 One row is an investigation, not a recipe: ``ascend-hybrid AWQ, W8A8 searched too`` calibrates
 the hybrid with every quantized linear searched (its W8A8 attention, dense and shared MLPs with
 ``w8a8_dynamic``'s int8 weights as the quantizer), where the recipe searches the experts only.
@@ -45,6 +48,7 @@ RESULTS = REPO / "benchmarks" / "results" / "accuracy.json"
 CAL, ALL = {"calibrate": True}, {"calibrate": True, "search": None}
 ROWS = [("bf16", "bf16", {}), ("ascend-hybrid RTN", "ascend-hybrid", {}),
         ("ascend-hybrid AWQ", "ascend-hybrid", CAL),
+        ("ascend-hybrid AWQ + GPTQ", "ascend-hybrid", {"calib_gptq": True, **CAL}),
         ("ascend-hybrid AWQ, W8A8 searched too", "ascend-hybrid", ALL),
         ("hybrid g64 RTN", "ascend-hybrid", {"cpu_group_size": 64}),
         ("hybrid g64 AWQ", "ascend-hybrid", {"cpu_group_size": 64, **CAL}),

@@ -46,8 +46,11 @@ from typing import Any
 
 import torch
 
+from hetquant.formats import HetquantError
+
 from .data import tokens_digest
 from .forward import check_tokens, default_device, layer_names, source_tensor_fn
+from .gptq import GRIDS
 from .layer import _Context, _LayerCalibration, _QuantizedWeights, _RowsOf
 from .loading import LayerLoader
 from .quantizer import Quantizer, quantizer_for
@@ -127,6 +130,8 @@ def calibrate(
     quantized = tuple(n for n in names if n in targets and n in reached)
     search = set(quantized) if searched is None else set(searched) & set(quantized)
     kept = {n: targets[n] for n in quantized}
+    if opts.gptq:
+        _check_gptq(kept, search)
     ctx = _Context(cfg, opts, dev, opts.compute_dtype(dev), tokens.shape[1])
     if load is None and weights_fn is not None:
         load = "dequantized"  # the caller's tensors
@@ -170,6 +175,18 @@ def calibrate(
         "layers": layer_stats,
     }
     return CalibrationResult(opts, transforms, quantized, stats, fn, kept)
+
+
+def _check_gptq(targets: Mapping[str, Quantizer], searched: Collection[str]) -> None:
+    """Refuse GPTQ when no searched linear's format has a ``gptq.GRIDS`` grid (it would do
+    nothing); the searched linears without one keep AWQ's round-to-nearest."""
+    fmts = {targets[n].fmt.name for n in searched}
+    if searched and not fmts & set(GRIDS):
+        first = min(searched)
+        raise HetquantError(
+            f"{first}: gptq=True, but no searched linear's target format ({sorted(fmts)}) has a "
+            f"symmetric q·s grid (GPTQ supports {sorted(GRIDS)}); calibrate without GPTQ"
+        )
 
 
 # -- memory ------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from hetquant.formats.families import Balance
 
-from . import awq
+from . import awq, gptq, smooth
 from .forward import Capture, LayerRunner, LayerWeights
 from .quantizer import Quantizer
 from .transforms import AwqOptions, Transform, apply_transform
@@ -194,6 +194,12 @@ class _LayerCalibration:
         for m in (gate, up):
             self._clip(m, x)
         self._clip(down, x_down)
+        if self.opts.gptq:
+            self._gptq([gate, up], x)  # one input, one Hessian: rows are independent
+            if self.opts.gptq_sequential:  # down's Hessian on what the quantized gate/up give
+                self._gptq([down], self._quantized_act(gate, up, x), scaled=True)
+            else:
+                self._gptq([down], x_down)
 
     # the two searches --------------------------------------------------------------------------
     def _balance(
@@ -212,10 +218,15 @@ class _LayerCalibration:
         o = self.opts
         ws = [self.state[f"{m}.weight"] for m in modules]
         qs = [self.q.get(f"{m}.weight") for m in modules]  # None: kept in float
-        found = awq.search_scale(
-            ws, x, qs, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling,
-            pow2=o.pow2_scales, matmul_dtype=self.ctx.dtype,
-        )  # fmt: skip
+        if o.act_aware and any(q is not None and q.fmt.name in smooth.ACT_QUANT for q in qs):
+            found = smooth.act_aware_search(
+                ws, x, qs, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling
+            )
+        else:
+            found = awq.search_scale(
+                ws, x, qs, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling,
+                pow2=o.pow2_scales, matmul_dtype=self.ctx.dtype,
+            )  # fmt: skip
         s = found.scales
         self.searches[label] = {
             "ratio": found.ratio,
@@ -249,8 +260,53 @@ class _LayerCalibration:
         if bool(shrink.any()):
             self._tf(name).shrink = shrink
 
+    def _quantized_act(self, gate: str, up: str, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x·Q(G')ᵀ) ⊙ (x·Q(U')ᵀ)`` with the transformed, quantized gate and up (``x``
+        divided by their column scale): down's input in its own scaled space (up's rows
+        absorbed down's ``diag(s)⁻¹``)."""
+        w = _QuantizedWeights(self)
+        g, u = (w.get(f"{m}.weight") for m in (gate, up))
+        col_mul = self.tf[f"{gate}.weight"].col_mul if f"{gate}.weight" in self.tf else None
+        xs = x.to(torch.float32) if col_mul is None else x.to(torch.float32) / col_mul
+        return F.silu(xs @ g.to(torch.float32).T) * (xs @ u.to(torch.float32).T)
+
+    def _gptq(self, modules: Sequence[str], x: torch.Tensor, *, scaled: bool = False) -> None:
+        """GPTQ codes of the searched ``modules`` that read one input ``x`` with the same column
+        scale (an MLP's gate and up: one Hessian, rows stacked), on their AWQ-scaled weights and
+        the grids of their clipped weights (``gptq.py``). ``scaled``: ``x`` is already divided
+        by that scale."""
+        o, f = self.opts, self.ctx.factors
+        names = [f"{m}.weight" for m in modules]
+        names = [n for n in names if n in self.searched and self.q[n].fmt.name in gptq.GRIDS]
+        if not names:
+            return
+        tfs = [self._tf(n) for n in names]
+        col_mul = tfs[0].col_mul
+        if any(not _same(t.col_mul, col_mul) for t in tfs[1:]):
+            for n in names:  # different inputs after the fold: one at a time
+                self._gptq([n.removesuffix(".weight")], x, scaled=scaled)
+            return
+        ws = [self.state[n] for n in names]
+        w_scaled = [apply_transform(w, Transform(t.col_mul, t.row_div), f) for w, t in zip(ws, tfs, strict=True)]  # fmt: skip
+        clipped = [apply_transform(w, t, f) for w, t in zip(ws, tfs, strict=True)]
+        if col_mul is not None and not scaled:
+            x = x / col_mul.to(x.dtype)
+        found = gptq.gptq(
+            names[0], torch.cat(w_scaled), torch.cat(clipped), gptq.hessian(x, ws[0].shape[1]),
+            self.q[names[0]], damp=o.gptq_damp, act_order=o.gptq_act_order,
+        )  # fmt: skip
+        row0 = 0
+        for t, w in zip(tfs, ws, strict=True):
+            rows = slice(row0, row0 + w.shape[0])
+            t.codes, t.qscale = found.codes[rows].clone(), found.scale[rows].clone()
+            row0 += w.shape[0]
+
     def _tf(self, name: str) -> Transform:
         return self.tf.setdefault(name, Transform())
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _parent(module: str) -> str:

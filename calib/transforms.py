@@ -30,6 +30,7 @@ __all__ = [
     "RESULT_FORMAT",
     "RESULT_JSON",
     "RESULT_VERSION",
+    "TRANSFORM_PARTS",
     "AwqOptions",
     "CalibrationResult",
     "Transform",
@@ -68,6 +69,18 @@ class AwqOptions:
     min_expert_tokens: int | None = None  # None: group_size
     propagate: str = "quantized"  # "quantized" | "float"
     dtype: str | None = None  # compute dtype; None: float32 on cpu, bfloat16 on accelerators
+    # GPTQ error feedback (``gptq.py``) for the searched MLP linears' codes, after AWQ's scale
+    # and clip, where the format has a ``gptq.GRIDS`` grid (the CPU experts' INT4)
+    gptq: bool = False
+    gptq_damp: float = 0.01  # dampening: this fraction of mean diag(H) added to the diagonal
+    gptq_act_order: bool = True
+    # down's Hessian from the GPTQ-quantized gate and up (the paper's sequential order), not
+    # from the float ones: KL 0.01176 against 0.01206 on the trained tiny model
+    # (benchmarks/README.md "Accuracy of the CPU experts")
+    gptq_sequential: bool = True
+    # balances holding a W8A8 linear scored with its per-token activation quantization
+    # (``smooth.py``), SmoothQuant's candidates added
+    act_aware: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("awq", "rtn"):
@@ -76,6 +89,8 @@ class AwqOptions:
             raise HetquantError(f"propagate {self.propagate!r}; use 'quantized' or 'float'")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise HetquantError(f"dtype {self.dtype!r}; use one of {sorted(_DTYPES)}")
+        if not 0 < self.gptq_damp < 1:
+            raise HetquantError(f"gptq_damp {self.gptq_damp!r}; use a fraction in (0, 1)")
 
     @property
     def expert_threshold(self) -> int:
@@ -106,19 +121,30 @@ class Transform:
     linear, each (row, group) clamped to ``max|W'_group| · (1 - shrink / clip_grid)``; ``shrink``
     [N, K/g] has one column per group of its target format (one for a per-channel format). Every
     part is optional. The quantized artifact stores ``quantize(W')`` in the target format.
+
+    With GPTQ (``gptq.py``) the linear also has ``codes`` int8 [N, K] and ``qscale`` float32
+    [N, G]: then ``W' = codes · qscale`` (each scale over K/G columns), which the target format's
+    round-to-nearest stores as exactly these codes and scales; the other parts stay as the
+    record of what AWQ chose.
     """
 
     col_mul: torch.Tensor | None = None
     row_div: torch.Tensor | None = None
     shrink: torch.Tensor | None = None  # uint8 [N, K/g]
+    codes: torch.Tensor | None = None  # int8 [N, K]
+    qscale: torch.Tensor | None = None  # float32 [N, G]
 
     def to(self, device: str | torch.device) -> Transform:
-        move = lambda v: None if v is None else v.to(device)  # noqa: E731
-        return Transform(move(self.col_mul), move(self.row_div), move(self.shrink))
+        return Transform(**{k: v.to(device) for k, v in self._parts().items()})
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        items = {"col_mul": self.col_mul, "row_div": self.row_div, "shrink": self.shrink}
-        return {k: v.cpu().clone() for k, v in items.items() if v is not None}  # unshared
+        return {k: v.cpu().clone() for k, v in self._parts().items()}  # unshared
+
+    def _parts(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k) for k in TRANSFORM_PARTS if getattr(self, k) is not None}
+
+
+TRANSFORM_PARTS = ("col_mul", "row_div", "shrink", "codes", "qscale")
 
 
 def apply_transform(
@@ -130,6 +156,10 @@ def apply_transform(
     if t is None:
         return out
     rows = slice(row0, row0 + out.shape[0])
+    if t.codes is not None and t.qscale is not None:
+        codes, qscale = t.codes[rows].to(out.device), t.qscale[rows].to(out.device)
+        group = codes.shape[-1] // qscale.shape[-1]
+        return codes.to(torch.float32) * qscale.to(torch.float32).repeat_interleave(group, -1)
     if t.col_mul is not None:
         out = awq.scale_columns(out, t.col_mul.to(out.device))
     if t.row_div is not None:
@@ -284,7 +314,7 @@ class _StoredTransforms(Mapping[str, Transform]):
             f = safe_open(str(self.root / file), framework="pt")
             self._open[file] = (f, set(f.keys()))
         f, keys = self._open[file]
-        got = {k: f.get_tensor(f"{name}:{k}") for k in ("col_mul", "row_div", "shrink")
+        got = {k: f.get_tensor(f"{name}:{k}") for k in TRANSFORM_PARTS
                if f"{name}:{k}" in keys}  # fmt: skip
         return Transform(**got)
 

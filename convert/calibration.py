@@ -21,9 +21,10 @@ from hetquant.formats.linear_repack import LINEAR_REPACKS
 from .plan import Plan, SourceItem
 from .recipes import COPY, Target
 
-__all__ = ["calibrate_for", "calibration_targets"]
+__all__ = ["CALIB_OPTIONS", "calibrate_for", "calibration_targets"]
 
 log = logging.getLogger("hetquant")
+CALIB_OPTIONS = {"group_size": "group_size", "calib_gptq": "gptq"}  # recipe option → AwqOptions
 
 
 def calibration_targets(plan: Plan) -> tuple[dict[str, Any], set[str]]:
@@ -77,7 +78,7 @@ def calibrate_for(
     tokenizer, eos = load_tokenizer(src.root)
     tokens = token_blocks([text], tokenizer, eos, samples, seq_len)
     log.info("calibrating on %d x %d tokens of %s", samples, seq_len, text)
-    opts = {k: recipe.option(k) for k in ("group_size",) if k in recipe.choices}
+    opts = {field: recipe.option(k) for k, field in CALIB_OPTIONS.items() if k in recipe.choices}
     return calibrate(
         src, tokens, AwqOptions(**opts), targets=targets, searched=searched, device=device,
         log=log.info,

@@ -119,6 +119,13 @@ def main(verbose: bool) -> None:
     "(loses accuracy twice; refused otherwise).",
 )
 @click.option(
+    "--calib-gptq",
+    is_flag=True,
+    default=None,
+    help="ascend-hybrid --calib-data: GPTQ error feedback for the CPU experts' INT4 codes, after "
+    "their AWQ scales and clips (gate and up, then down on their quantized output).",
+)
+@click.option(
     "--calib-samples",
     default=128,
     show_default=True,
@@ -155,6 +162,7 @@ def convert(
     cpu_group_size: int | None,
     fp4_layout: str | None,
     requantize: bool | None,
+    calib_gptq: bool | None,
     calib_samples: int,
     calib_seq_len: int,
     dry_run: bool,
@@ -176,7 +184,8 @@ def convert(
 
     workers = _cap_workers(workers)
     given = {"mtp": mtp, "group_size": group_size, "cpu_group_size": cpu_group_size,
-             "fp4_layout": fp4_layout, "requantize": requantize or None}  # fmt: skip
+             "fp4_layout": fp4_layout, "requantize": requantize or None,
+             "calib_gptq": calib_gptq or None}  # fmt: skip
     options = {k: v for k, v in given.items() if v is not None}
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     root, revision = resolve_source(source, download_dir, token)
@@ -185,6 +194,8 @@ def convert(
     size = parse_size(max_shard_size)
     if calib_data is not None and not rec.calibrates:
         raise HetquantError(f"recipe {rec.name} does not calibrate; drop --calib-data")
+    if calib_gptq and calib_data is None:
+        raise HetquantError("--calib-gptq refines a calibration: give --calib-data TEXT too")
     plan = plan_for(src, rec, size)  # headers only; refuses what the recipe cannot write
     if calib_data is not None:
         calibration_targets(plan)  # refuses what cannot be calibrated, before any work

@@ -128,7 +128,7 @@ def calibration_record(calibration: Any) -> dict[str, Any]:
     if calibration is None:
         return {"method": "rtn"}
     stats = calibration.stats
-    options = calibration.options.to_dict()
+    options = _applied(calibration.options.to_dict())
     formats = sorted({calibration.quantizer(n).fmt.name for n in calibration.quantized})
     if formats != ["awq_w4a16"]:  # awq-w4a16's: unsaid, as in manifests made before others
         options["quantizer"] = formats[0] if len(formats) == 1 else formats
@@ -139,6 +139,20 @@ def calibration_record(calibration: Any) -> dict[str, Any]:
         "fallback_experts": stats.get("fallback_experts", {}),
         "mtp": "rtn",  # the MTP layer has no forward to calibrate through
     }
+
+
+_OFF_UNLESS = {"gptq": ("gptq", "gptq_damp", "gptq_act_order", "gptq_sequential"),
+               "act_aware": ("act_aware",)}  # fmt: skip
+
+
+def _applied(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without the settings of a step that did not run (GPTQ, the W8A8-aware
+    search when off): a manifest says what was done, and those made before the steps existed
+    keep their bytes."""
+    for switch, keys in _OFF_UNLESS.items():
+        if not options.get(switch):
+            options = {k: v for k, v in options.items() if k not in keys}
+    return options
 
 
 @dataclass

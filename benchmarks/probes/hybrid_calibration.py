@@ -2,15 +2,22 @@
 ``benchmarks/accuracy.py`` scores its rows (held-out 16 × 512 tokens, the runtime's ops, CPU).
 
 - ``floor``: the hybrid with its routed experts kept in BF16 (W8A8 everything else): what the
-  W8A8 part alone costs, the KL no expert calibration can go below;
+  W8A8 part alone costs, the KL no expert calibration can go below; with ``search=all`` its
+  W8A8 linears calibrated (e.g. ``act_aware=True``: the W8A8-aware search of ``calib/smooth.py``);
 - ``awq KEY=VALUE ...``: the hybrid calibrated on 40 × 512 tokens of ``calib.txt`` with
-  ``AwqOptions`` overrides (e.g. ``clip_grid=50``: clip steps of 0.02 instead of 0.05),
-  ``cpu=G`` for ``--cpu-group-size G``.
+  ``AwqOptions`` overrides (e.g. ``clip_grid=50``: clip steps of 0.02 instead of 0.05;
+  ``gptq=True``: GPTQ codes for the experts, ``gptq_sequential=True``: down's Hessian from the
+  GPTQ-quantized gate and up, ``act_aware=True`` with ``search=all``: the W8A8 linears' balances
+  scored with their per-token activation quantization), ``cpu=G`` for ``--cpu-group-size G``,
+  ``search=all`` to search every quantized linear (the recipe: the routed experts).
 
 benchmarks/README.md "Accuracy of the CPU experts" quotes what these printed.
 
     python benchmarks/probes/hybrid_calibration.py floor
     python benchmarks/probes/hybrid_calibration.py awq clip_grid=50
+    python benchmarks/probes/hybrid_calibration.py awq gptq=True
+    python benchmarks/probes/hybrid_calibration.py floor search=all act_aware=True
+    python benchmarks/probes/hybrid_calibration.py awq gptq=True act_aware=True search=all
 """
 
 from __future__ import annotations
@@ -41,19 +48,21 @@ TEXTS = REPO / "examples" / "tiny-tools"
 def main() -> None:
     mode, *args = sys.argv[1:]
     kv = dict(a.split("=", 1) for a in args)
-    over = {k: ast.literal_eval(v) for k, v in kv.items() if k != "cpu"}
+    over = {k: ast.literal_eval(v) for k, v in kv.items() if k not in ("cpu", "search")}
     src = SourceCheckpoint.open(MODEL)
     tok, eos = load_tokenizer(MODEL)
     held = token_blocks([TEXTS / "heldout.txt"], tok, eos, 16, 512)
     rec = get_recipe("ascend-hybrid")
     if "cpu" in kv:
         rec = rec.with_options({"cpu_group_size": int(kv["cpu"])})
+    if kv.get("search") == "all":
+        rec = dataclasses.replace(rec, search=None)
     cal = None
     if mode == "floor":
         rec = dataclasses.replace(
             rec, name="hybrid-bf16-experts", rules={**rec.rules, "routed": KEEP}
         )
-    else:
+    if mode == "awq" or "search" in kv:
         targets, searched = calibration_targets(plan_for(src, rec, 1 << 40))
         tokens = token_blocks([TEXTS / "calib.txt"], tok, eos, 40, 512)
         opts = AwqOptions(**over)

@@ -239,7 +239,7 @@ register_recipe(
             "routed": "int4_cpu*",
             **_KEEPS,
         },
-        choices={**_MTP, "cpu_group_size": (None, *CPU_GROUP_SIZES)},
+        choices={**_MTP, "cpu_group_size": (None, *CPU_GROUP_SIZES), "calib_gptq": (False, True)},
         calibrates=True,
         records_rtn=False,
         search=frozenset({"routed"}),

@@ -25,3 +25,15 @@ def single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def weight_zoo(seed: int, shape: tuple[int, int]) -> list[torch.Tensor]:
+    """A normal weight, one with outliers, one with all-zero and one-signed rows, a tiny one."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g)
+    spiky = w.clone()
+    spiky[:, 3] *= 40
+    odd = w.clone()
+    odd[0] = 0
+    odd[1] = odd[1].abs() + 0.25
+    return [w, spiky, odd, w * 1e-6]

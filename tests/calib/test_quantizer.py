@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from calib_consts import weight_zoo
 
 from hetquant.calib.quantizer import FAST_PATHS, Quantizer, quantizer_for
 from hetquant.formats import EXPERT_FORMATS, HetquantError, get_format, int4_cpu, int4_cpu_group
@@ -35,24 +36,12 @@ LAYOUTS = {
 }
 
 
-def _weights(seed: int, shape: tuple[int, int]) -> list[torch.Tensor]:
-    """A normal weight, one with outliers, one with all-zero and one-signed rows, a tiny one."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(*shape, generator=g)
-    spiky = w.clone()
-    spiky[:, 3] *= 40
-    odd = w.clone()
-    odd[0] = 0
-    odd[1] = odd[1].abs() + 0.25
-    return [w, spiky, odd, w * 1e-6]
-
-
 @pytest.mark.parametrize(("fmt", "params"), CALIBRATED, ids=lambda v: str(v))
 def test_fake_quantize_is_the_formats_round_trip(fmt: str, params: dict) -> None:
     q = quantizer_for(fmt, params)
     real = get_format(fmt, **params)
     assert q.fmt == real
-    for w in _weights(1, (64, 256)):
+    for w in weight_zoo(1, (64, 256)):
         for x in (w, w.to(torch.bfloat16)):  # the source dtype or calibration's float32
             got = q(x)
             assert got.dtype == torch.float32
@@ -76,7 +65,7 @@ def test_expert_layout_is_its_linear_formats_round_trip(name: str, params: dict)
     stack, dequantize = LAYOUTS[name]
     experts = []
     for e, (gate, down) in enumerate(
-        zip(_weights(2, (128, 256)), _weights(3, (256, 128)), strict=True)
+        zip(weight_zoo(2, (128, 256)), weight_zoo(3, (256, 128)), strict=True)
     ):
         up = torch.randn(128, 256, generator=torch.Generator().manual_seed(10 + e))
         experts.append((gate, up, down))

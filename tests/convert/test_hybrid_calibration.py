@@ -11,6 +11,7 @@ relatively, plus float32 roundings of the folds (2⁻²⁴ each): ``|Δlogit_n| 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,17 @@ from safetensors import safe_open
 from support import REPO, make_kimi_k2, read_json, tree_hashes
 from test_bad_input import assert_refused
 
+from hetquant.calib import AwqOptions, calibrate
+from hetquant.calib.data import load_tokenizer, token_blocks
 from hetquant.calib.quantizer import quantizer_for
+from hetquant.calib.transforms import apply_transform
 from hetquant.convert.calibration import calibrate_for, calibration_targets
 from hetquant.convert.engine import convert
 from hetquant.convert.plan import plan_for
 from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import int4_cpu, int4_cpu_group
+from hetquant.formats.bits import unpack_nibbles_u8
 
 TINY = REPO / "examples" / "tiny-deepseek-v3"
 CALIB = ("--calib-samples", "4", "--calib-seq-len", "64")
@@ -178,6 +183,68 @@ def test_artifact_experts_are_the_calibrated_weights_quantized(
     assert shrinks > 0
 
 
+@pytest.mark.parametrize("group", [None, 32])
+def test_gptq_codes_are_the_artifacts(group: int | None, tmp_path: Path, text: Path) -> None:
+    """``calib_gptq``: every expert linear's GPTQ codes and scales are what the converter
+    stores, bit for bit (its round-to-nearest of ``codes · scale``), and they differ from
+    round-to-nearest of the AWQ-calibrated weight."""
+    src = SourceCheckpoint.open(TINY)
+    rec = get_recipe("ascend-hybrid").with_options({"calib_gptq": True})
+    if group is not None:
+        rec = rec.with_options({"cpu_group_size": group})
+    plan = plan_for(src, rec, 1 << 40)
+    cal = calibrate_for(src, plan, text, 2, 64, device="cpu")
+    assert cal.options.gptq
+    convert(src, tmp_path / "out", rec, max_shard_size=1 << 40, calibration=cal)
+    moved = 0
+    for layer in (1, 2):
+        stacked = _tensors(tmp_path / "out", f"cpu_experts/layer_{layer:03d}.safetensors")
+        stacked = {k.rpartition(".")[2]: v for k, v in stacked.items()}
+        codes = {"gate_up": unpack_nibbles_u8(stacked["gate_up_packed"]).to(torch.int16) - 8,
+                 "down": unpack_nibbles_u8(stacked["down_packed"]).to(torch.int16) - 8}  # fmt: skip
+        for e in range(src.config.num_experts):
+            for part, key, rows in (("gate", "gate_up", slice(0, None, 2)),
+                                    ("up", "gate_up", slice(1, None, 2)), ("down", "down", slice(None))):  # fmt: skip
+                name = f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
+                t = cal.transforms[name]
+                assert torch.equal(codes[key][e][rows], t.codes.to(torch.int16)), name
+                scale = stacked[f"{key}_scale"][e][rows].float().reshape(t.qscale.shape)
+                assert torch.equal(scale, t.qscale), name
+                awq_only = dataclasses.replace(t, codes=None, qscale=None)
+                w = src.dequantized(name)
+                moved += int(not torch.equal(cal.apply(name, w), cal.quantizer(name)(
+                    apply_transform(w, awq_only, cal.clip_factors))))  # fmt: skip
+    assert moved > 0
+
+
+def test_gptq_sequential_moves_only_down(text: Path) -> None:
+    """``AwqOptions.gptq_sequential``: down's Hessian from the GPTQ-quantized gate and up. In the
+    first MoE layer (later ones see its changed output) gate and up keep their codes and every
+    grid stays (AWQ's scale and clip), down's codes move for some expert; ``gptq`` checks the
+    converter's round trip of ``codes · scale`` and raises otherwise."""
+    src = SourceCheckpoint.open(TINY)
+    targets, searched = calibration_targets(plan_for(src, get_recipe("ascend-hybrid"), 1 << 40))
+    tokenizer, eos = load_tokenizer(src.root)
+    tokens = token_blocks([text], tokenizer, eos, 2, 64)
+    cals = [
+        calibrate(src, tokens, AwqOptions(gptq=True, gptq_sequential=seq), targets=targets,
+                  searched=searched, device="cpu")
+        for seq in (False, True)
+    ]  # fmt: skip
+    first = min(int(n.split(".")[2]) for n, t in cals[0].transforms.items() if t.codes is not None)
+    moved = 0
+    for name, t in cals[0].transforms.items():
+        if t.codes is None or not name.startswith(f"model.layers.{first}."):
+            continue
+        u = cals[1].transforms[name]
+        assert torch.equal(u.qscale, t.qscale), name  # the grid: AWQ's scale and clip
+        if name.endswith("down_proj.weight"):
+            moved += int(not torch.equal(u.codes, t.codes))
+        else:
+            assert torch.equal(u.codes, t.codes), name
+    assert moved > 0
+
+
 def test_group_wise_rtn_converts_verifies_and_runs(cli, tmp_path: Path) -> None:
     out = tmp_path / "g64"
     res = cli("convert", TINY, out, "--recipe", "ascend-hybrid", "--cpu-group-size", "64")
@@ -208,6 +275,8 @@ def test_group_wise_rtn_converts_verifies_and_runs(cli, tmp_path: Path) -> None:
         ("ascend-hybrid", ("--cpu-group-size", "48"), ("cpu_group_size=48", "32, 64, 128")),
         ("ascend-hybrid", ("--cpu-group-size", "0"), ("cpu_group_size=0",)),
         ("awq-w4a16", ("--cpu-group-size", "32"), ("no option 'cpu_group_size'",)),
+        ("awq-w4a16", ("--calib-gptq",), ("no option 'calib_gptq'",)),
+        ("ascend-hybrid", ("--calib-gptq",), ("--calib-gptq", "--calib-data")),
     ],
 )
 def test_option_values_the_format_cannot_take(
