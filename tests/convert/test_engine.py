@@ -330,3 +330,35 @@ def test_source_is_never_written(
 ) -> None:
     """Last in this file: after every conversion above, the session source hashes as before."""
     assert tree_hashes(tiny_ro) == tiny_ro_hashes
+
+
+class _Calibrated:
+    """What ``calibration_record`` reads of a CalibrationResult."""
+
+    def __init__(self, **options: object) -> None:
+        from hetquant.calib import AwqOptions
+
+        self.options = AwqOptions(**options)
+        self.stats = {"tokens": 64}
+        self.quantized = ["model.layers.1.mlp.experts.0.up_proj.weight"]
+
+    def quantizer(self, name: str) -> object:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(fmt=SimpleNamespace(name="awq_w4a16"))
+
+
+@pytest.mark.parametrize(
+    ("options", "present", "absent"),
+    [({}, set(), {"gptq", "gptq_damp", "gptq_act_order", "gptq_sequential", "act_aware"}),
+     ({"gptq": True}, {"gptq", "gptq_damp", "gptq_act_order", "gptq_sequential"}, {"act_aware"}),
+     ({"act_aware": True}, {"act_aware"}, {"gptq", "gptq_damp"})],
+)  # fmt: skip
+def test_calibration_record_says_what_ran(options: dict, present: set, absent: set) -> None:
+    """The manifest records a step's settings only where it ran: manifests made before GPTQ and
+    the W8A8-aware search existed (and their golden bytes) are unchanged."""
+    from hetquant.convert.engine import calibration_record
+
+    recorded = calibration_record(_Calibrated(**options))["options"]
+    assert present <= recorded.keys() and not absent & recorded.keys()
+    assert recorded["grid"] == 20 and recorded.get("gptq", True)  # the rest as before
