@@ -158,6 +158,9 @@ def _source(work: Path, experts: int, dense: int, jobs: int) -> Path:
         print(f"generating {src} ({jobs} processes) …", flush=True)
         shutil.rmtree(src, ignore_errors=True)
         make_synthetic.write_checkpoint(src, experts, dense_layers=dense, jobs=jobs)
+    # a source just written is dirty page cache; its write-back must not overlap the first
+    # timed run (on the H100 host it made `bf16 w1` 26-30 s instead of 14 s, 2026-11-24)
+    os.sync()
     return src
 
 
