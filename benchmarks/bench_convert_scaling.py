@@ -42,6 +42,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -158,9 +159,11 @@ def _source(work: Path, experts: int, dense: int, jobs: int) -> Path:
         print(f"generating {src} ({jobs} processes) …", flush=True)
         shutil.rmtree(src, ignore_errors=True)
         make_synthetic.write_checkpoint(src, experts, dense_layers=dense, jobs=jobs)
-    # a source just written is dirty page cache; its write-back must not overlap the first
-    # timed run (on the H100 host it made `bf16 w1` 26-30 s instead of 14 s, 2026-11-24)
+    # Nothing one-off may fall into the first timed run (`bf16 w1`: 26-30 s instead of 14 s on a
+    # fresh H100 host, 2026-11-24): the write-back of a source just written, and the build of
+    # the conversion kernels into an empty cache (~9 s at one core; once per machine).
     os.sync()
+    subprocess.run([sys.executable, "-c", BUILD_KERNELS], check=True)
     return src
 
 
@@ -225,6 +228,7 @@ def _measure(
 
 
 CONVERT_ARGS: list[str] = []  # --convert-args
+BUILD_KERNELS = "from hetquant.formats import _quant_native as q; q.available()"
 
 
 def _convert(src: Path, out: Path, recipe: str, workers: int) -> list[str]:
