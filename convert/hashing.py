@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from .containers import Container
+from .manifest import HASH_READ
 from .plan import Job, Plan
 
 __all__ = ["FileHashes", "fill_order", "hash_threads"]
 
-_READ = 8 << 20
 _SLICE = 256 << 20  # bytes hashed between looks at a stop request
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
@@ -187,7 +187,7 @@ class FileHashes:
         try:
             if f.fd is None:
                 f.fd = os.open(f.path, os.O_RDONLY)
-            buf = bytearray(_READ)
+            buf = bytearray(HASH_READ)
             while True:
                 with self._lock:
                     start, end = f.hashed, min(f.ready, f.hashed + _SLICE)
@@ -210,7 +210,7 @@ class FileHashes:
         view, pos = memoryview(buf), start
         assert f.fd is not None
         while pos < end:
-            n = os.preadv(f.fd, [view[: min(_READ, end - pos)]], pos)
+            n = os.preadv(f.fd, [view[: min(HASH_READ, end - pos)]], pos)
             if n <= 0:
                 raise OSError(f"{f.path}: unexpected end of file at byte {pos} of {f.size}")
             f.sha.update(view[:n])
