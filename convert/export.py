@@ -40,7 +40,7 @@ from .engine import check_paths, finished_manifest, only_lock_left, refuse_forei
 from .execute import Stopped, stop_on_signals
 from .exporters import ExpertLayer, Exporter, get_exporter
 from .finalize import move_in
-from .manifest import SCHEMA_VERSION, file_digest, hetquant_version, write_json_atomic
+from .manifest import SCHEMA_VERSION, digest_files, hetquant_version, write_json_atomic
 from .os_errors import os_error
 from .output_lock import OutputLock
 from .plan import OutPiece
@@ -255,6 +255,6 @@ class _Run:
             "source": {"path": str(self.artifact), "fingerprint": self.fingerprint},
             "plan_digest": self.digest,
             "parts": {self.plan.exporter.name: {"files": names}},
-            "files": {n: file_digest(self.work.path / n) for n in names},
+            "files": digest_files({n: self.work.path / n for n in names}),
         }
         write_json_atomic(self.work.path / MANIFEST_NAME, manifest)

@@ -24,7 +24,7 @@ from typing import Any
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME, PARTIAL_DIR
 
 from .aux_files import AuxFiles, aux_files
-from .manifest import build_manifest, file_digest, write_json_atomic
+from .manifest import build_manifest, digest_files, write_json_atomic
 from .plan import Plan
 from .recipes import ROOT
 from .recipes.metadata import artifact_metadata
@@ -104,7 +104,8 @@ def build(
         "dtypes": {i.role.role.name: i.dtype for i in plan.items},
         "formats": {i.role.role.name: i.fmt for i in plan.items},
     }
-    files = {n: digests[n] if n in digests else file_digest(work / n) for n in names}
+    rest = digest_files({n: work / n for n in names if n not in digests})  # docs, aux files
+    files = {n: digests[n] if n in digests else rest[n] for n in names}
     manifest = build_manifest(plan, src_doc, files, parts, digest)
     if calibration is not None:
         manifest["calibration"] = calibration

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .containers import Container
-from .manifest import HASH_READ
+from .manifest import HASH_READ, hash_threads
 from .plan import Job, Plan
 
 __all__ = ["FileHashes", "fill_order", "hash_threads"]
@@ -40,15 +40,6 @@ _SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
 if _SYNC_FILE_RANGE is not None:
     _SYNC_FILE_RANGE.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 _SYNC_FILE_RANGE_WRITE = 2
-
-
-def hash_threads(cores: int | None = None) -> int:
-    """Hashing threads (and files filled at once): the CPU cores this process may use, at least
-    two, at most eight. Not fewer with fewer workers: then cores are idle, and each file's hash
-    is one stream (~1.15 GB/s on the 16-core host) that only more files at once can multiply."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(2, min(8, cores or 1))
 
 
 def _ranges(job: Job, where: dict[str, tuple[Container, int]]) -> list[tuple[str, int, int]]:

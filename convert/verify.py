@@ -19,7 +19,7 @@ from hetquant.formats.families import TensorRole, expected_tensors, load_config,
 from hetquant.formats.filenames import PARTIAL_DIR
 
 from .export import replay_export
-from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, file_digest, module_formats
+from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, digest_files, module_formats
 from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
 from .source import INDEX_NAME, PLAIN
@@ -101,12 +101,13 @@ def verify_artifact(root: Path) -> list[str]:
     if manifest.get("complete") is not True:
         problems.append(f"{MANIFEST_NAME}: not marked complete")
     listed: dict[str, dict[str, Any]] = manifest.get("files", {})
+    present = {name: root / name for name in listed if (root / name).is_file()}
+    digests = digest_files(present)  # several files at once
     for name, want in listed.items():
-        path = root / name
-        if not path.is_file():
+        if name not in digests:
             problems.append(f"{name}: missing")
             continue
-        got = file_digest(path)
+        got = digests[name]
         if got["size"] != want["size"]:
             problems.append(f"{name}: size {got['size']} != {want['size']} in the manifest")
         elif got["sha256"] != want["sha256"]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetquant.convert.hashing import FileHashes, fill_order, hash_threads
+from hetquant.convert.hashing import FileHashes, fill_order
 from hetquant.convert.manifest import file_digest
 from hetquant.convert.plan import make_plan, plan_for
 from hetquant.convert.recipes import get_recipe
@@ -98,11 +98,6 @@ def test_fill_order_waves_then_position_in_file(plan) -> None:
             if w == wave
         ]
         assert rel == sorted(rel)
-
-
-def test_hash_threads() -> None:
-    assert [hash_threads(c) for c in (1, 2, 4, 8, 16, 64)] == [2, 2, 4, 8, 8, 8]
-    assert 2 <= hash_threads() <= 8
 
 
 def test_a_file_of_only_a_header_is_hashed(tmp_path: Path) -> None:
