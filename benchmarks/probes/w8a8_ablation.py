@@ -75,6 +75,12 @@ def plan_of(variant: str) -> Callable[[str], str]:
     return lambda p: mode if class_of(p) == cls else "bf16"
 
 
+def floor_recipe():
+    """ascend-hybrid with its routed experts kept (BF16): ``hybrid_calibration.py floor``."""
+    hyb = get_recipe("ascend-hybrid")
+    return dataclasses.replace(hyb, name="floor", rules={**hyb.rules, "routed": KEEP})
+
+
 def patched(floor, bf16, plan: Callable[[str], str]):
     """``floor``'s model with each W8A8 linear run as ``plan`` says (module docstring)."""
     fw, bw = floor.weights, bf16.weights
@@ -108,11 +114,9 @@ def main() -> None:
     t0 = time.perf_counter()
     ref = reference_forward_from_source(src, device="cpu")(held)
     print(f"reference: {time.perf_counter() - t0:.0f}s", flush=True)
-    hyb = get_recipe("ascend-hybrid")
-    floor_rec = dataclasses.replace(hyb, name="floor", rules={**hyb.rules, "routed": KEEP})
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        convert(src, Path(tmp) / "floor", floor_rec, max_shard_size=1 << 40)
+        convert(src, Path(tmp) / "floor", floor_recipe(), max_shard_size=1 << 40)
         convert(src, Path(tmp) / "bf16", get_recipe("bf16"), max_shard_size=1 << 40)
         for v in variants:
             t0 = time.perf_counter()
