@@ -37,7 +37,7 @@ from hetquant.runtime.kernels.ops import QuantLinear
 from hetquant.runtime.serving.run import local_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from w8a8_ablation import MODEL, TEXTS, floor_recipe  # noqa: E402
+from w8a8_ablation import MODEL, TEXTS, floor_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "w8a8_down_smooth.json"
@@ -46,7 +46,9 @@ W8A8 = get_format("w8a8_dynamic")
 
 
 def w8a8(w: torch.Tensor) -> QuantLinear:
-    return QuantLinear.from_stored("w8a8_dynamic", W8A8.quantize(w.to(torch.float32)), backend="cpu")
+    return QuantLinear.from_stored(
+        "w8a8_dynamic", W8A8.quantize(w.to(torch.float32)), backend="cpu"
+    )
 
 
 def down_input(model, mlp: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -67,7 +69,9 @@ def down_input(model, mlp: str, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat(xs).to(torch.float32)
 
 
-def candidates(x: torch.Tensor, down: torch.Tensor, grid: int = 10) -> list[tuple[str, torch.Tensor]]:
+def candidates(
+    x: torch.Tensor, down: torch.Tensor, grid: int = 10
+) -> list[tuple[str, torch.Tensor]]:
     """(label, s [I]): identity, SmoothQuant's α grid, AWQ's α grid."""
     out = [("identity", torch.ones(x.shape[1]))]
     w_max = down.abs().amax(0)
@@ -125,7 +129,9 @@ def main() -> None:
     mlp = rest[0] if rest else "model.layers.0.mlp"
     if mode == "search":
         doc = search(mlp)
-        RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "search": doc}, indent=2) + "\n")
+        RESULTS.write_text(
+            json.dumps({"date": time.strftime("%Y-%m-%d"), "search": doc}, indent=2) + "\n"
+        )
         print("best:", doc["best"])
 
 

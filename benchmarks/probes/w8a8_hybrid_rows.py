@@ -12,7 +12,9 @@ Variants of one artifact:
   end-to-end search (results/w8a8_down_smooth.json ``best``) folded into layer 0's up_proj rows
   and down_proj columns (a ``Transform`` in the ``CalibrationResult``: a real W8A8 artifact).
 
-    python benchmarks/probes/w8a8_hybrid_rows.py floor | hybrid | experts   [...]
+    python benchmarks/probes/w8a8_hybrid_rows.py floor | hybrid | experts   [...] [cpu=32]
+
+(``cpu=G``: the CPU experts group-wise, ``--cpu-group-size G``.)
 """
 
 from __future__ import annotations
@@ -38,21 +40,23 @@ from hetquant.convert.source import SourceCheckpoint
 from hetquant.runtime.serving.run import local_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from w8a8_ablation import MODEL, TEXTS, floor_recipe  # noqa: E402
-from w8a8_down_smooth import RESULTS as SMOOTH, candidates, down_input  # noqa: E402
+from w8a8_ablation import MODEL, TEXTS, floor_recipe
+from w8a8_down_smooth import RESULTS as SMOOTH
+from w8a8_down_smooth import candidates, down_input
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "w8a8_hybrid_rows.json"
 MLP = "model.layers.0.mlp"
 
 
-def hybrid_recipe():
-    return get_recipe("ascend-hybrid").with_options({"calib_gptq": True})
+def hybrid_recipe(cpu: int | None = None):
+    opts = {"calib_gptq": True} | ({"cpu_group_size": cpu} if cpu else {})
+    return get_recipe("ascend-hybrid").with_options(opts)
 
 
-def experts_recipe():
+def experts_recipe(cpu: int | None = None):
     """The hybrid with every W8A8 linear kept in BF16: only the routed experts quantized."""
-    rec = hybrid_recipe()
+    rec = hybrid_recipe(cpu)
     rules = {**rec.rules, "attention": KEEP, "dense": KEEP, "shared": KEEP}
     return dataclasses.replace(rec, name="experts-only", rules=rules)
 
@@ -92,7 +96,9 @@ def score(model, ref, held) -> dict[str, float]:
 
 
 def main() -> None:
-    modes = sys.argv[1:] or ["floor", "hybrid", "experts"]
+    args = sys.argv[1:]
+    cpu = next((int(a.split("=")[1]) for a in args if a.startswith("cpu=")), None)
+    modes = [a for a in args if "=" not in a] or ["floor", "hybrid", "experts"]
     src = SourceCheckpoint.open(MODEL)
     tok, eos = load_tokenizer(MODEL)
     held = token_blocks([TEXTS / "heldout.txt"], tok, eos, 16, 512)
@@ -111,7 +117,11 @@ def main() -> None:
         label, s = smoothing_scale(src, bf16_dir, cal_tokens)
         for mode in modes:
             t0 = time.perf_counter()
-            rec = {"floor": floor_recipe, "hybrid": hybrid_recipe, "experts": experts_recipe}[mode]()
+            if mode == "floor":
+                rec = floor_recipe()
+            else:
+                rec = {"hybrid": hybrid_recipe, "experts": experts_recipe}[mode](cpu)
+                mode += f" g{cpu}" if cpu else ""
             cal = None
             if mode != "floor":
                 cal = calibrate_for(src, plan_for(src, rec, 1 << 40), TEXTS / "calib.txt", 40, 512,
@@ -119,7 +129,7 @@ def main() -> None:
             art = Path(tmp) / mode
             convert(src, art, rec, max_shard_size=1 << 40, calibration=cal)
             row(mode, "as-is", local_model(art, device="cpu"), t0)
-            if mode == "experts":
+            if mode.startswith("experts"):
                 continue
             t0 = time.perf_counter()
             row(mode, "down0-bf16", down0_bf16(local_model(art, device="cpu"), bf16_dir), t0)
