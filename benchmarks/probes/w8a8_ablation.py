@@ -61,7 +61,8 @@ def class_of(prefix: str) -> str | None:
 def plan_of(variant: str) -> Callable[[str], str]:
     """prefix → how that W8A8 linear runs (``w8a8`` / ``bf16`` / ``w`` / ``a``) in ``variant``;
     ``only:C`` keeps class C W8A8, ``only:C:w`` / ``only:C:a`` its weights / activations only,
-    ``L<l>`` every W8A8 linear of layer l alone."""
+    ``L<l>`` every W8A8 linear of layer l alone, ``except:C`` / ``except:L<l>`` every one but
+    class C / layer l's."""
     if variant == "floor":
         return lambda p: "w8a8"
     if variant == "none":
@@ -70,6 +71,8 @@ def plan_of(variant: str) -> Callable[[str], str]:
         return lambda p: variant[0]
     if variant.startswith("L"):
         return lambda p: "w8a8" if p.split(".")[2] == variant[1:] else "bf16"
+    if variant.startswith("except:"):
+        return lambda p: "bf16" if _named(p, variant.split(":")[1]) else "w8a8"
     _, cls, *how = variant.split(":")
     mode = how[0] if how else "w8a8"
     return lambda p: mode if class_of(p) == cls else "bf16"
@@ -79,6 +82,11 @@ def floor_recipe():
     """ascend-hybrid with its routed experts kept (BF16): ``hybrid_calibration.py floor``."""
     hyb = get_recipe("ascend-hybrid")
     return dataclasses.replace(hyb, name="floor", rules={**hyb.rules, "routed": KEEP})
+
+
+def _named(prefix: str, what: str) -> bool:
+    """Whether module ``prefix`` is of class ``what``, or in layer ``what`` (``L<l>``)."""
+    return class_of(prefix) == what or f"L{prefix.split('.')[2]}" == what
 
 
 def patched(floor, bf16, plan: Callable[[str], str]):
