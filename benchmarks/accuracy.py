@@ -11,7 +11,8 @@ quantization included, the CPU expert pool's INT4 GEMV for the hybrid's experts)
 agreement.
 
 ``ascend-hybrid AWQ + GPTQ`` is ``--calib-data`` with ``--calib-gptq`` (GPTQ codes for the CPU
-experts after their AWQ scale and clip, ``calib/gptq.py``).
+experts after their AWQ scale and clip, ``calib/gptq.py``); ``dense down BF16`` adds
+``--keep-dense-down`` (the dense layers' MLP down_proj kept in BF16).
 
 One row is an investigation, not a recipe: ``ascend-hybrid AWQ, W8A8 searched too`` calibrates
 the hybrid with every quantized linear searched (its W8A8 attention, dense and shared MLPs with
@@ -50,11 +51,16 @@ ROWS = [("bf16", "bf16", {}), ("ascend-hybrid RTN", "ascend-hybrid", {}),
         ("ascend-hybrid AWQ", "ascend-hybrid", CAL),
         ("ascend-hybrid AWQ + GPTQ", "ascend-hybrid", {"calib_gptq": True, **CAL}),
         ("ascend-hybrid AWQ, W8A8 searched too", "ascend-hybrid", ALL),
+        ("ascend-hybrid AWQ + GPTQ, dense down BF16", "ascend-hybrid",
+         {"calib_gptq": True, "keep_dense_down": True, **CAL}),
+        ("hybrid g32 AWQ + GPTQ, dense down BF16", "ascend-hybrid",
+         {"cpu_group_size": 32, "calib_gptq": True, "keep_dense_down": True, **CAL}),
         ("hybrid g64 RTN", "ascend-hybrid", {"cpu_group_size": 64}),
         ("hybrid g64 AWQ", "ascend-hybrid", {"cpu_group_size": 64, **CAL}),
         ("hybrid g32 RTN", "ascend-hybrid", {"cpu_group_size": 32}),
         ("hybrid g32 AWQ", "ascend-hybrid", {"cpu_group_size": 32, **CAL}),
         ("ascend-w8a8", "ascend-w8a8", {}),
+        ("ascend-w8a8, dense down BF16", "ascend-w8a8", {"keep_dense_down": True}),
         ("awq-w4a16 RTN", "awq-w4a16", {}), ("awq-w4a16 AWQ", "awq-w4a16", CAL),
         ("fp4 (nvfp4 layout)", "fp4", {"fp4_layout": "nvfp4"}),
         ("ct-w4a16 RTN", "ct-w4a16", {}), ("ct-w4a16 AWQ", "ct-w4a16", CAL),

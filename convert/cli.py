@@ -126,6 +126,13 @@ def main(verbose: bool) -> None:
     "their AWQ scales and clips (gate and up, then down on their quantized output).",
 )
 @click.option(
+    "--keep-dense-down",
+    is_flag=True,
+    default=None,
+    help="ascend-hybrid, ascend-w8a8: the dense layers' MLP down_proj in BF16 (FLOAT), not "
+    "W8A8_DYNAMIC: its per-token int8 activations cost the most accuracy.",
+)
+@click.option(
     "--calib-samples",
     default=128,
     show_default=True,
@@ -163,6 +170,7 @@ def convert(
     fp4_layout: str | None,
     requantize: bool | None,
     calib_gptq: bool | None,
+    keep_dense_down: bool | None,
     calib_samples: int,
     calib_seq_len: int,
     dry_run: bool,
@@ -185,7 +193,7 @@ def convert(
     workers = _cap_workers(workers)
     given = {"mtp": mtp, "group_size": group_size, "cpu_group_size": cpu_group_size,
              "fp4_layout": fp4_layout, "requantize": requantize or None,
-             "calib_gptq": calib_gptq or None}  # fmt: skip
+             "calib_gptq": calib_gptq or None, "keep_dense_down": keep_dense_down or None}  # fmt: skip
     options = {k: v for k, v in given.items() if v is not None}
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     root, revision = resolve_source(source, download_dir, token)

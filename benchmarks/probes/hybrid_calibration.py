@@ -9,7 +9,8 @@
   ``gptq=True``: GPTQ codes for the experts, ``gptq_sequential=True``: down's Hessian from the
   GPTQ-quantized gate and up, ``act_aware=True`` with ``search=all``: the W8A8 linears' balances
   scored with their per-token activation quantization), ``cpu=G`` for ``--cpu-group-size G``,
-  ``search=all`` to search every quantized linear (the recipe: the routed experts).
+  ``search=all`` to search every quantized linear (the recipe: the routed experts),
+  ``keep_dense_down=True`` for ``--keep-dense-down`` (the dense MLPs' down_proj in BF16).
 
 benchmarks/README.md "Accuracy of the CPU experts" quotes what these printed.
 
@@ -48,13 +49,16 @@ TEXTS = REPO / "examples" / "tiny-tools"
 def main() -> None:
     mode, *args = sys.argv[1:]
     kv = dict(a.split("=", 1) for a in args)
-    over = {k: ast.literal_eval(v) for k, v in kv.items() if k not in ("cpu", "search")}
+    recipe_keys = ("cpu", "search", "keep_dense_down")
+    over = {k: ast.literal_eval(v) for k, v in kv.items() if k not in recipe_keys}
     src = SourceCheckpoint.open(MODEL)
     tok, eos = load_tokenizer(MODEL)
     held = token_blocks([TEXTS / "heldout.txt"], tok, eos, 16, 512)
     rec = get_recipe("ascend-hybrid")
     if "cpu" in kv:
         rec = rec.with_options({"cpu_group_size": int(kv["cpu"])})
+    if kv.get("keep_dense_down") == "True":
+        rec = rec.with_options({"keep_dense_down": True})
     if kv.get("search") == "all":
         rec = dataclasses.replace(rec, search=None)
     cal = None

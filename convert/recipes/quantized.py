@@ -10,6 +10,10 @@ quantized source weights are dequantized to BF16 (exactly), others copied. The M
 ordinary tensors follow the same rules as any MoE layer (``--mtp keep``, the default) or are left
 out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 
+``keep_dense_down`` (``--keep-dense-down``; ascend-hybrid, ascend-w8a8): every dense-layer MLP's
+``down_proj`` kept at source precision (``dense`` class, ``mlp == "down"``), the rest of the dense
+MLP as the rules say; vllm-ascend serves such a linear unquantized (``FLOAT``), as it does kv_b.
+
 ``int4_cpu*``: the source's lossless CPU repack when it has one (Kimi K2 Thinking's INT4 group-32
 experts), else ``int4_cpu_experts`` (per-channel) or, with ``cpu_group_size`` (``--cpu-group-size
 32|64|128``), ``int4_cpu_group_experts`` (BF16 scale per group: 4.5 / 4.25 / 4.125 bits per
@@ -95,10 +99,7 @@ class RuleRecipe(Recipe):
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         if role.mtp and self.option("mtp") == "drop":
             return Target(DROP)
-        cls = role_class(role)
-        if role.mtp and f"mtp_{cls}" in self.rules:  # the MTP layer's own rule for this class
-            cls = f"mtp_{cls}"
-        fmt = self.rules[cls]
+        fmt = self.rule(role)
         if fmt == KEEP:
             return keep(source_fmt)
         params: tuple[tuple[str, Any], ...] = ()
@@ -110,10 +111,24 @@ class RuleRecipe(Recipe):
         self._check_requantize(role, source_fmt, target)
         return target
 
+    def rule(self, role: TensorRole) -> str:
+        """The format (or KEEP) the rules give a tensor of ``role``: its class's, the MTP
+        layer's own (``mtp_<class>``), KEEP for a dense MLP's down_proj with
+        ``keep_dense_down``."""
+        cls = role_class(role)
+        if role.mtp and f"mtp_{cls}" in self.rules:  # the MTP layer's own rule for this class
+            cls = f"mtp_{cls}"
+        if cls == "dense" and role.role.mlp == "down" and self._keeps_dense_down():
+            return KEEP
+        return self.rules[cls]
+
+    def _keeps_dense_down(self) -> bool:
+        return "keep_dense_down" in self.choices and bool(self.option("keep_dense_down"))
+
     def calibration(self, role: TensorRole) -> str | None:
         """``search`` / ``quantized`` / None for a tensor of ``role`` (``Recipe.calibration``)."""
         cls = role_class(role)
-        if not self.calibrates or role.role.kind != "linear" or self.rules.get(cls) == KEEP:
+        if not self.calibrates or role.role.kind != "linear" or self.rule(role) == KEEP:
             return None
         return "search" if self.search is None or cls in self.search else "quantized"
 
@@ -226,6 +241,11 @@ def density(fmt: str, params: tuple = ()) -> float | None:
 
 _REQUANTIZE = {"requantize": (False, True)}
 _MTP = {"mtp": ("keep", "drop"), **_REQUANTIZE}
+# the dense MLPs' down_proj kept in BF16 (FLOAT in the Ascend description): their per-token int8
+# activations are nearly all of the W8A8 part's KL on the trained tiny model (0.00586 → 0.00199,
+# the calibrated hybrid 0.01154 → 0.00916; benchmarks/README.md "Where the W8A8 part's KL comes
+# from")
+_KEEP_DENSE_DOWN = {"keep_dense_down": (False, True)}
 _KEEPS = {"kept": KEEP, "router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_extra": KEEP}
 register_recipe(
     RuleRecipe(
@@ -239,7 +259,12 @@ register_recipe(
             "routed": "int4_cpu*",
             **_KEEPS,
         },
-        choices={**_MTP, "cpu_group_size": (None, *CPU_GROUP_SIZES), "calib_gptq": (False, True)},
+        choices={
+            **_MTP,
+            "cpu_group_size": (None, *CPU_GROUP_SIZES),
+            "calib_gptq": (False, True),
+            **_KEEP_DENSE_DOWN,
+        },
         calibrates=True,
         records_rtn=False,
         search=frozenset({"routed"}),
@@ -257,7 +282,7 @@ register_recipe(
             "routed": "w8a8_dynamic",
             **_KEEPS,
         },
-        choices=_MTP,
+        choices={**_MTP, **_KEEP_DENSE_DOWN},
     )
 )
 register_recipe(
