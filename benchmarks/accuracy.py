@@ -65,7 +65,9 @@ ROWS = [("bf16", "bf16", {}), ("ascend-hybrid RTN", "ascend-hybrid", {}),
         ("fp4 (nvfp4 layout)", "fp4", {"fp4_layout": "nvfp4"}),
         ("ct-w4a16 RTN", "ct-w4a16", {}), ("ct-w4a16 AWQ", "ct-w4a16", CAL),
         ("ascend-w4a8 RTN", "ascend-w4a8", {}), ("ascend-w4a8 AWQ", "ascend-w4a8", CAL),
-        ("ascend-w4a16 RTN", "ascend-w4a16", {}), ("ascend-w4a16 AWQ", "ascend-w4a16", CAL)]  # fmt: skip
+        ("ascend-w4a16 RTN", "ascend-w4a16", {}), ("ascend-w4a16 AWQ", "ascend-w4a16", CAL),
+        ("ascend-w4a8 AWQ, dense down BF16", "ascend-w4a8", {"keep_dense_down": True, **CAL}),
+        ("ascend-w4a16 AWQ, dense down BF16", "ascend-w4a16", {"keep_dense_down": True, **CAL})]  # fmt: skip
 _NOT_OPTIONS = ("calibrate", "search")
 # hidden 384 is not a multiple of the Ascend FP4 tile group (N % 256): the tiled layout refuses
 # this model's down_proj; the canonical layout holds the same values (tiling is a lossless reorder).

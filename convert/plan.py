@@ -162,6 +162,7 @@ def plan_for(source: Any, recipe: Recipe, max_shard_size: int) -> Plan:
 def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) -> Plan:
     """Lay out every output of converting ``items`` with ``recipe`` (shape-only)."""
     items = list(items)
+    recipe.check_model([i.role for i in items])
     jobs: list[Job] = []
     stacked: dict[str, Container] = {}
     experts: dict[tuple[str, int, int], dict[str, SourceItem]] = {}

@@ -88,6 +88,10 @@ class Recipe:
         ``.params``); as is here."""
         return target
 
+    def check_model(self, roles: list[TensorRole]) -> None:
+        """Refuse (HetquantError) an option the model gives nothing to act on, ``roles`` being
+        every source tensor's; here nothing is refused."""
+
     def with_options(self, options: dict[str, Any]) -> Recipe:
         """This recipe with ``options`` (e.g. ``{"group_size": 64}``) replacing its defaults."""
         import dataclasses

@@ -39,7 +39,7 @@ K2 Thinking source's INT4 experts, kept as they are by ``ascend-w4a16``, refuse 
 from __future__ import annotations
 
 from . import register_recipe
-from .quantized import _KEEPS, _MTP, KEEP, RuleRecipe
+from .quantized import _KEEP_DENSE_DOWN, _KEEPS, _MTP, KEEP, RuleRecipe
 
 __all__: list[str] = []
 
@@ -53,7 +53,7 @@ register_recipe(
         "ascend-w4a8",
         "vllm-ascend W4A8_DYNAMIC: routed experts int4 per-channel (msModelSlim 1.0.0 packed layout) with int8 activations, the rest as ascend-w8a8; AWQ-calibrated experts with --calib-data",
         rules={**_W8A8, "routed": "w4a8_dynamic", "mtp_routed": "w8a8_dynamic"},
-        choices=_MTP,
+        choices={**_MTP, **_KEEP_DENSE_DOWN},
         **_CALIBRATED,
     )
 )
@@ -62,7 +62,7 @@ register_recipe(
         "ascend-w4a16",
         "vllm-ascend W4A16 MoE: routed experts int4 weight-only (pack-quantized, group 32 or 128; an INT4 group-32 source kept as is), the rest as ascend-w8a8; AWQ-calibrated experts with --calib-data",
         rules={**_W8A8, "routed": "ct_pack_quantized"},
-        choices={**_MTP, "group_size": (32, 128)},
+        choices={**_MTP, "group_size": (32, 128), **_KEEP_DENSE_DOWN},
         # vllm-ascend's W4A16 MoE scheme declares weight_shape int32 (methods/w4a16.py:237-238)
         fixed={"ct_pack_quantized": (("shape_dtype", "I32"),)},
         **_CALIBRATED,

@@ -10,7 +10,7 @@ quantized source weights are dequantized to BF16 (exactly), others copied. The M
 ordinary tensors follow the same rules as any MoE layer (``--mtp keep``, the default) or are left
 out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 
-``keep_dense_down`` (``--keep-dense-down``; ascend-hybrid, ascend-w8a8): every dense-layer MLP's
+``keep_dense_down`` (``--keep-dense-down``; ascend-hybrid, ascend-w8a8, ascend-w4a8, ascend-w4a16): every dense-layer MLP's
 ``down_proj`` kept at source precision (``dense`` class, ``mlp == "down"``), the rest of the dense
 MLP as the rules say; vllm-ascend serves such a linear unquantized (``FLOAT``), as it does kv_b.
 
@@ -124,6 +124,18 @@ class RuleRecipe(Recipe):
 
     def _keeps_dense_down(self) -> bool:
         return "keep_dense_down" in self.choices and bool(self.option("keep_dense_down"))
+
+    def check_model(self, roles: list[TensorRole]) -> None:
+        """``keep_dense_down`` on a model without a dense MLP down_proj (every layer MoE, e.g.
+        Qwen3-MoE) would change nothing: refused."""
+        if self._keeps_dense_down() and not any(
+            role_class(r) == "dense" and r.role.mlp == "down" for r in roles
+        ):
+            raise HetquantError(
+                f"recipe {self.name}: --keep-dense-down keeps the dense layers' MLP down_proj in "
+                "BF16, and this model has none (every layer is MoE); it would change nothing: "
+                "drop it"
+            )
 
     def calibration(self, role: TensorRole) -> str | None:
         """``search`` / ``quantized`` / None for a tensor of ``role`` (``Recipe.calibration``)."""

@@ -12,9 +12,11 @@ from support import TINY, read_json, tree_hashes
 from test_bad_input import assert_refused
 
 from hetquant.convert.calibration import calibration_targets
-from hetquant.convert.plan import plan_for
+from hetquant.convert.plan import SourceItem, make_plan, plan_for
 from hetquant.convert.recipes import get_recipe
+from hetquant.convert.recipes.quantized import role_class
 from hetquant.convert.source import SourceCheckpoint
+from hetquant.formats import HetquantError
 from hetquant.formats.families import load_json
 from hetquant.runtime.serving.run import local_model
 
@@ -28,7 +30,7 @@ def _rules(recipe: str, keep: bool) -> dict[str, str]:
     return {n: job.target.fmt for job in plan.jobs for n in job.sources}
 
 
-@pytest.mark.parametrize("recipe", ["ascend-hybrid", "ascend-w8a8"])
+@pytest.mark.parametrize("recipe", ["ascend-hybrid", "ascend-w8a8", "ascend-w4a8", "ascend-w4a16"])
 def test_only_the_dense_down_proj_changes(recipe: str) -> None:
     off, on = _rules(recipe, False), _rules(recipe, True)
     changed = {n for n in off if off[n] != on[n]}
@@ -64,3 +66,25 @@ def test_recipes_without_the_option_refuse_it(cli, tiny_src: Path, tmp_path: Pat
     before = tree_hashes(tiny_src)
     res = cli("convert", tiny_src, tmp_path / "out", "--recipe", "awq-w4a16", "--keep-dense-down")
     assert_refused(res, tiny_src, tmp_path / "out", before, "no option 'keep_dense_down'")
+
+
+def test_qwen3_moe_mlp_only_layer_is_kept(cli, tiny_qwen3: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"  # the tiny Qwen3-MoE's layer 1 is dense (``mlp_only_layers``)
+    res = cli("convert", tiny_qwen3["fp8"], out, "--recipe", "ascend-w8a8", "--keep-dense-down")
+    assert res.exit_code == 0, res.stderr
+    desc = load_json(out / "quant_model_description.json")
+    assert desc["model.layers.1.mlp.down_proj.weight"] == "FLOAT"
+    assert desc["model.layers.1.mlp.up_proj.weight"] == "W8A8_DYNAMIC"
+
+
+def test_a_model_without_dense_layers_refuses_it() -> None:
+    src = SourceCheckpoint.open(TINY)
+    items = [  # the tiny model without its dense layer 0: every layer MoE
+        SourceItem(t.name, t.role, t.dtype, t.fmt_name, t.fmt_params)
+        for t in src.tensors.values()
+        if role_class(t.role) != "dense"
+    ]
+    rec = get_recipe("ascend-hybrid").with_options({"keep_dense_down": True})
+    with pytest.raises(HetquantError, match=r"--keep-dense-down .* has none .* drop it"):
+        make_plan(items, rec, 1 << 40)
+    make_plan(items, get_recipe("ascend-hybrid"), 1 << 40)  # without the option: planned
