@@ -34,6 +34,9 @@ shares their input (the shared experts); the MTP layer stays round-to-nearest. W
 ``--calib-data`` the manifest has no calibration entry, as before these recipes calibrated. A
 K2 Thinking source's INT4 experts, kept as they are by ``ascend-w4a16``, refuse calibration
 (``convert/calibration.py``).
+
+``--keep-dense-down`` keeps the dense layers' MLP down_proj in BF16 (``FLOAT``), as on
+``ascend-w8a8`` (``recipes/quantized.py``).
 """
 
 from __future__ import annotations
