@@ -124,15 +124,10 @@ def float_kind(a: np.ndarray) -> int | None:
 
 
 def _lib_for(w: torch.Tensor) -> ctypes.CDLL | None:
-    """The library, if it can take ``w`` as is: CPU, BF16/F32, C-contiguous, non-empty."""
-    if (
-        w.device.type != "cpu"
-        or w.dtype not in (torch.bfloat16, torch.float32)
-        or not w.is_contiguous()
-        or w.numel() == 0
-    ):
-        return None
-    return QUANT_LIBRARY.get().lib
+    """The library, if it can take ``w`` as is: CPU, BF16/F32, C-contiguous, non-empty (the
+    rule of :func:`float_kind`, on the tensor's zero-copy view)."""
+    a = host_array(w)
+    return None if a is None or float_kind(a) is None else QUANT_LIBRARY.get().lib
 
 
 def absmax_array(a: np.ndarray, isa: int = 0) -> float | None:
