@@ -129,8 +129,9 @@ def main(verbose: bool) -> None:
     "--keep-dense-down",
     is_flag=True,
     default=None,
-    help="ascend-hybrid, ascend-w8a8, ascend-w4a8, ascend-w4a16: the dense layers' MLP down_proj in BF16 (FLOAT), not "
-    "W8A8_DYNAMIC: its per-token int8 activations cost the most accuracy.",
+    help="ascend-hybrid, ascend-w8a8, ascend-w4a8, ascend-w4a16: the dense layers' MLP "
+    "down_proj in BF16 (FLOAT), not W8A8_DYNAMIC: its per-token int8 activations cost the most "
+    "accuracy.",
 )
 @click.option(
     "--calib-samples",

@@ -15,8 +15,9 @@ Either way a worker ignores SIGINT (a Ctrl-C reaches the whole process group; th
 decides), takes SIGTERM's default action, dies with its parent (``PR_SET_PDEATHSIG`` on Linux
 plus a watchdog thread that exits when the parent PID changes), reports a SIGBUS (a shard
 truncated under its memory map) by its exit status, runs torch (if a job needs it) on one thread
-(jobs are block rows, and the pool is the parallelism: ``JobRunner``) at nice +5 (``WORKER_NICE``), and stores into the
-containers through shared memory maps (``writer.py``: pwrite into one file serializes writers).
+(jobs are block rows, and the pool is the parallelism: ``JobRunner``) at nice +5
+(``WORKER_NICE``), and stores into the containers through shared memory maps (``writer.py``:
+pwrite into one file serializes writers).
 """
 
 from __future__ import annotations

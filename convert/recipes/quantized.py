@@ -10,9 +10,10 @@ quantized source weights are dequantized to BF16 (exactly), others copied. The M
 ordinary tensors follow the same rules as any MoE layer (``--mtp keep``, the default) or are left
 out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 
-``keep_dense_down`` (``--keep-dense-down``; ascend-hybrid, ascend-w8a8, ascend-w4a8, ascend-w4a16): every dense-layer MLP's
-``down_proj`` kept at source precision (``dense`` class, ``mlp == "down"``), the rest of the dense
-MLP as the rules say; vllm-ascend serves such a linear unquantized (``FLOAT``), as it does kv_b.
+``keep_dense_down`` (``--keep-dense-down``; ascend-hybrid, ascend-w8a8, ascend-w4a8,
+ascend-w4a16): every dense-layer MLP's ``down_proj`` kept at source precision (``dense`` class,
+``mlp == "down"``), the rest of the dense MLP as the rules say; vllm-ascend serves such a linear
+unquantized (``FLOAT``), as it does kv_b.
 
 ``int4_cpu*``: the source's lossless CPU repack when it has one (Kimi K2 Thinking's INT4 group-32
 experts), else ``int4_cpu_experts`` (per-channel) or, with ``cpu_group_size`` (``--cpu-group-size
@@ -118,7 +119,7 @@ class RuleRecipe(Recipe):
         cls = role_class(role)
         if role.mtp and f"mtp_{cls}" in self.rules:  # the MTP layer's own rule for this class
             cls = f"mtp_{cls}"
-        if cls == "dense" and role.role.mlp == "down" and self._keeps_dense_down():
+        if _dense_down(cls, role) and self._keeps_dense_down():
             return KEEP
         return self.rules[cls]
 
@@ -128,9 +129,7 @@ class RuleRecipe(Recipe):
     def check_model(self, roles: list[TensorRole]) -> None:
         """``keep_dense_down`` on a model without a dense MLP down_proj (every layer MoE, e.g.
         Qwen3-MoE) would change nothing: refused."""
-        if self._keeps_dense_down() and not any(
-            role_class(r) == "dense" and r.role.mlp == "down" for r in roles
-        ):
+        if self._keeps_dense_down() and not any(_dense_down(role_class(r), r) for r in roles):
             raise HetquantError(
                 f"recipe {self.name}: --keep-dense-down keeps the dense layers' MLP down_proj in "
                 "BF16, and this model has none (every layer is MoE); it would change nothing: "
@@ -239,6 +238,11 @@ def _variant(target: Target) -> Any:
 
 
 @functools.cache
+def _dense_down(cls: str, role: TensorRole) -> bool:
+    """Whether a tensor of ``role`` in rule class ``cls`` is a dense MLP's down_proj."""
+    return cls == "dense" and role.role.mlp == "down"
+
+
 def density(fmt: str, params: tuple = ()) -> float | None:
     """Stored bits per weight of format ``fmt`` on ``PROBE_SHAPE`` (None: not a weight format)."""
     if fmt in FORMATS:
