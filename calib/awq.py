@@ -47,6 +47,28 @@ columns: the whole row for a per-channel format), the bound
 that minimises ``mean_t (Σ_{c ∈ j} X[t, c] · (Q(clamp(W, ±max_val)) − W)[n, c])²`` over at most
 ``n_tokens`` evenly strided tokens. The result is stored as the shrink step ``i`` (uint8) and
 turned back into bounds by :func:`clip_bounds`, the one function both search and converter use.
+
+Reproducibility (the same transforms, so the same artifact bytes, on every CPU). Float32 BLAS and
+vectorised transcendentals differ between x86 code paths (ATen's AVX-512 / AVX2 / scalar kernels,
+MKL's per-CPU kernels) by float32 roundings, and the AWQ grid has near-ties that such roundings
+flip. So, on the CPU, calibration computes in float64 (``AwqOptions.dtype``; the forward too,
+``runtime/forward/precision.py``): activations, statistics, Gram matrices, errors and losses;
+differences between code paths are then ~1e-16 relative. Three rules turn those into equal
+decisions:
+
+- scale candidates are computed in float64 and rounded to ``SCALE_BITS`` = 12 significant bits
+  (exact in float32 and BF16-times-scale exact in float32): a candidate lands on another value
+  only if it lies within ~1e-16 of a rounding boundary 2^-12 wide;
+- the scale search keeps the earliest candidate (identity first) unless a later one's loss is
+  lower by more than ``TIE_RTOL`` = 1e-9 relative;
+- the clip search keeps the smaller shrink unless a larger one's error is lower by more than
+  ``TIE_RTOL`` relative.
+
+Ties between float32 weight roundings (a quantizer's own arithmetic) are elementwise and exact on
+every path. ``tests/calib/test_reproducible.py`` runs the calibrated recipes under ATen's
+``default`` / ``avx2`` / ``avx512`` kernels, MKL's AVX2 and SSE4.2 kernels and 1 or 2 threads and
+requires the same bytes. An accelerator computes in BF16 matmuls (``matmul_dtype``; errors and
+losses in float32) and gives other transforms: ``calibrate``'s ``stats`` says where it ran.
 """
 
 from __future__ import annotations
@@ -60,9 +82,13 @@ import torch
 from hetquant.formats import HetquantError
 from hetquant.formats import ct_pack_quantized as ct
 from hetquant.formats.awq_w4a16 import QMAX, RANGE_EPS
+from hetquant.formats.dtypes import divide
+from hetquant.runtime.forward.precision import work_dtype
 
 __all__ = [
     "CLIP_BATCH_BYTES",
+    "SCALE_BITS",
+    "TIE_RTOL",
     "FakeQuant",
     "ScaleSearch",
     "activation_mean",
@@ -72,6 +98,7 @@ __all__ = [
     "clip_rows_per_batch",
     "fake_quantize",
     "fake_quantize_symmetric",
+    "first_min",
     "fold_into_linear",
     "fold_into_norm",
     "rtn_params",
@@ -85,6 +112,8 @@ __all__ = [
 SCALE_EPS = 1e-4  # AutoAWQ: (x^α / (w^(1-α) + 1e-4)).clamp(min=1e-4)
 WMEAN_EPS = 1e-6  # AutoAWQ: |w| / (max|w| + 1e-6)
 _CHUNK = 8192  # token rows per matmul chunk
+SCALE_BITS = 12  # significant bits of every scale candidate (module docstring, Reproducibility)
+TIE_RTOL = 1e-9  # losses closer than this (relative) are ties: the earlier choice is kept
 
 
 # -- the quantizer ---------------------------------------------------------------------------
@@ -132,7 +161,7 @@ def rtn_params(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Te
     lo, hi = torch.aminmax(_grouped(w, group_size), dim=-1)  # (N, K/g) each
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)  # range widened to contain 0
     span = (hi.double() - lo.double()).clamp(min=RANGE_EPS)  # exact in float64
-    s16 = _round_up(span / QMAX)  # (N, K/g)
+    s16 = _round_up(divide(span, QMAX))  # (N, K/g)
     z = (-torch.round(lo / s16.float())).clamp(0, QMAX)  # (N, K/g)
     return s16, z
 
@@ -160,7 +189,7 @@ def fake_quantize_symmetric(
     7)``, then ``q · s``."""
     wg = _grouped(w, group_size)  # (N, K/g, g)
     absmax = wg.abs().amax(dim=-1)  # (N, K/g)
-    s = _round_up((absmax.double() / ct.HALF_RANGE).clamp(min=ct.SCALE_EPS), scale_dtype)
+    s = _round_up(divide(absmax.double(), ct.HALF_RANGE).clamp(min=ct.SCALE_EPS), scale_dtype)
     sf = s.float()[..., None]  # (N, K/g, 1)
     q = torch.clamp(torch.round(wg / sf), ct.QMIN, ct.QMAX)  # (N, K/g, g)
     return (q * sf).reshape(w.shape)  # (N, K)
@@ -170,28 +199,28 @@ def fake_quantize_symmetric(
 
 
 def activation_mean(x: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """``mean_t |x[t, :]|`` float32 [K] over the rows of ``x`` [..., K] (or of several)."""
+    """``mean_t |x[t, :]|`` float64 [K] over the rows of ``x`` [..., K] (or of several)."""
     xs = [x] if isinstance(x, torch.Tensor) else list(x)
     k = xs[0].shape[-1]
-    total = torch.zeros(k, dtype=torch.float32, device=xs[0].device)
+    total = torch.zeros(k, dtype=torch.float64, device=xs[0].device)
     rows = 0
     for t in xs:
         t2 = t.reshape(-1, k)
         for chunk in t2.split(_CHUNK):
-            total += chunk.abs().to(torch.float32).sum(0)
+            total += chunk.abs().sum(0, dtype=torch.float64)
         rows += t2.shape[0]
     return total / max(rows, 1)
 
 
 def weight_mean(weights: Sequence[torch.Tensor], groups: Sequence[int]) -> torch.Tensor:
-    """AutoAWQ's ``w_mean`` [K]: ``|W| / (max|W| of its group + 1e-6)`` averaged over the rows of
-    all ``weights`` (each [N_i, K], its groups of ``groups[i]`` columns) stacked, accumulated one
-    weight at a time."""
+    """AutoAWQ's ``w_mean`` float64 [K]: ``|W| / (max|W| of its group + 1e-6)`` (float32)
+    averaged over the rows of all ``weights`` (each [N_i, K], its groups of ``groups[i]``
+    columns) stacked, accumulated in float64 one weight at a time."""
     total, rows = None, 0
     for w, group_size in zip(weights, groups, strict=True):
         wg = _grouped(w, group_size).abs()  # (N, K/g, g)
         rel = wg / (wg.amax(dim=-1, keepdim=True) + WMEAN_EPS)
-        part = rel.reshape(w.shape).sum(0)  # [K]
+        part = rel.reshape(w.shape).sum(0, dtype=torch.float64)  # [K]
         total = part if total is None else total + part
         rows += w.shape[0]
     if total is None:
@@ -210,9 +239,12 @@ def scale_candidates(
     duo_scaling: bool = True,
     pow2: bool = False,
 ) -> list[tuple[float | None, torch.Tensor]]:
-    """(α, s [K] float32) candidates, identity first (α None), duplicates removed."""
-    x_mean, w_mean = x_mean.to(torch.float32), w_mean.to(torch.float32)
-    out: list[tuple[float | None, torch.Tensor]] = [(None, torch.ones_like(x_mean))]
+    """(α, s [K] float32) candidates, identity first (α None), duplicates removed; computed in
+    float64 and rounded to ``SCALE_BITS`` significant bits (module docstring)."""
+    x_mean, w_mean = x_mean.to(torch.float64), w_mean.to(torch.float64)
+    out: list[tuple[float | None, torch.Tensor]] = [
+        (None, torch.ones_like(x_mean, dtype=torch.float32))
+    ]
     made: list[tuple[float, torch.Tensor]] = []
     for k in range(grid):
         a = k / grid
@@ -224,7 +256,7 @@ def scale_candidates(
         s = torch.where(torch.isfinite(s), s, torch.ones_like(s))
         if pow2:
             s = torch.exp2(torch.round(torch.log2(s)))
-        made.append((a, s))
+        made.append((a, _significant(s, SCALE_BITS)))
     host = torch.stack([out[0][1], *(s for _, s in made)]).cpu() if made else None  # one sync
     kept = [0]  # rows of ``host`` kept
     for j, (a, s) in enumerate(made, start=1):
@@ -232,6 +264,23 @@ def scale_candidates(
             kept.append(j)
             out.append((a, s))
     return out
+
+
+def _significant(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Positive float64 ``x`` rounded to ``bits`` significant bits (ties to even): float32,
+    exactly (``bits`` ≤ 24)."""
+    m, e = torch.frexp(x)  # x = m · 2^e, m in [0.5, 1); times / by 2^bits are exact
+    return torch.ldexp(torch.round(m * 2.0**bits) / 2.0**bits, e).to(torch.float32)
+
+
+def first_min(losses: Sequence[float], rtol: float = TIE_RTOL) -> int:
+    """Index of the smallest loss, the earliest kept unless a later one is lower by more than
+    ``rtol`` relative (module docstring, Reproducibility)."""
+    best = 0
+    for c in range(1, len(losses)):
+        if losses[c] < losses[best] * (1 - rtol):
+            best = c
+    return best
 
 
 @dataclass(frozen=True)
@@ -270,8 +319,9 @@ def search_scale(
     activation statistic (default: :func:`activation_mean` of ``x``). The output error of each candidate is
     computed as ``X · (Q(W·diag(s))·diag(s)⁻¹ − W)ᵀ`` (equal to the objective's difference, with
     no cancellation), through the Gram matrix ``XᵀX`` when T_i > K. Matmuls run in
-    ``matmul_dtype`` (bfloat16 is enough to rank candidates on an accelerator); the error
-    matrices and sums are float32. Ties keep the earlier candidate (identity first).
+    ``matmul_dtype`` (bfloat16 is enough to rank candidates on an accelerator; float64 makes the
+    choice the same on every CPU); the Gram matrices and error sums in float32 (float64 with
+    float64 matmuls). Ties within ``TIE_RTOL`` keep the earlier candidate (identity first).
     """
     ws, qs = list(weights), list(quantizers)
     xs = [x] * len(ws) if isinstance(x, torch.Tensor) else x  # may be a lazy Sequence
@@ -308,7 +358,7 @@ def search_scale(
             err = q(w32 * s) / s - w32  # (N, K)
             sq[c] += _sq_out(t, err, gram, matmul_dtype)
     losses = [float(v) / max(count, 1) for v in torch.stack(sq).cpu()]
-    best = min(range(len(cands)), key=lambda c: (losses[c], c))
+    best = first_min(losses)
     return ScaleSearch(
         scales=cands[best][1],
         ratio=cands[best][0],
@@ -319,12 +369,12 @@ def search_scale(
 
 
 def _gram(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``xᵀx`` float32 [K, K], accumulated over token chunks."""
-    k = x.shape[-1]
-    g = torch.zeros(k, k, dtype=torch.float32, device=x.device)
+    """``xᵀx`` [K, K] in ``work_dtype(dtype)``, accumulated over token chunks."""
+    k, acc = x.shape[-1], work_dtype(dtype)
+    g = torch.zeros(k, k, dtype=acc, device=x.device)
     for chunk in x.split(_CHUNK):
         c = chunk.to(dtype)
-        g += (c.T @ c).to(torch.float32)
+        g += (c.T @ c).to(acc)
     return g
 
 
@@ -332,11 +382,12 @@ def _sq_out(x: torch.Tensor, err: torch.Tensor, gram: torch.Tensor | None, dtype
     """``‖x · errᵀ‖²_F`` for x [T, K], err [N, K] (via ``gram = xᵀx`` when given): a float64
     scalar on err's device (left there: the searches read all losses back at once)."""
     if gram is not None:
-        return ((err @ gram) * err).sum(dtype=torch.float64)
-    e = err.to(dtype)
+        e = err.to(gram.dtype)
+        return ((e @ gram) * e).sum(dtype=torch.float64)
+    e, acc = err.to(dtype), work_dtype(dtype)
     total = torch.zeros((), dtype=torch.float64, device=err.device)
     for chunk in x.split(_CHUNK):
-        total += (chunk.to(dtype) @ e.T).to(torch.float32).pow(2).sum(dtype=torch.float64)
+        total += (chunk.to(dtype) @ e.T).to(acc).pow(2).sum(dtype=torch.float64)
     return total
 
 
@@ -375,7 +426,9 @@ def search_clip(
     ``g = q.group(K)`` columns) on inputs ``x`` [T, K]: uint8 [N, K/g].
 
     See the module docstring. Tokens are taken every ``max(1, T // n_tokens)``-th (AutoAWQ).
-    With no token every step is 0 (no clipping). Ties keep the smaller shrink.
+    With no token every step is 0 (no clipping). Errors are computed in ``work_dtype`` of
+    ``x``'s dtype (float64 for float64 inputs); a larger shrink replaces a smaller one only if
+    its error is lower by more than ``TIE_RTOL`` relative.
     ``rows_per_batch``: rows searched together (default :func:`clip_rows_per_batch`: AutoAWQ's
     256 on the CPU, as many as fit a working set of ``CLIP_BATCH_BYTES`` on an accelerator,
     where launching ~15 kernels per 256 rows and step dominated: 0.15 s of a DeepSeek
@@ -388,7 +441,8 @@ def search_clip(
     t = x.reshape(-1, k)
     if t.shape[0] == 0:
         return best
-    t = t[:: max(1, t.shape[0] // n_tokens)].to(torch.float32)
+    acc = work_dtype(x.dtype)
+    t = t[:: max(1, t.shape[0] // n_tokens)].to(acc)
     xg = t.reshape(-1, groups, group_size).transpose(0, 1)  # (G, T', g)
     factors = clip_factors(grid, max_shrink).to(w.device)
     rows = rows_per_batch or clip_rows_per_batch(w.device, k, groups, t.shape[0])
@@ -396,15 +450,15 @@ def search_clip(
         wr = w[r0 : r0 + rows].to(torch.float32)  # (n', K)
         wg = wr.reshape(wr.shape[0], groups, group_size)
         amax = wg.abs().amax(dim=-1)  # (n', G)
-        best_err = torch.full_like(amax, float("inf"))
+        best_err = torch.full(amax.shape, float("inf"), dtype=acc, device=w.device)
         best_i = torch.zeros(amax.shape, dtype=torch.uint8, device=w.device)
         for i in range(factors.numel()):
             b = (amax * factors[i])[..., None]  # (n', G, 1)
             clipped = torch.maximum(torch.minimum(wg, b), -b).reshape(wr.shape)
-            d = (q(clipped) - wr).reshape(wg.shape)  # (n', G, g)
+            d = (q(clipped) - wr).reshape(wg.shape).to(acc)  # (n', G, g)
             out = torch.bmm(xg, d.permute(1, 2, 0))  # (G, T', n'): per-group partial outputs
             err = out.pow(2).mean(dim=1).T  # (n', G)
-            better = err < best_err
+            better = err < best_err * (1 - TIE_RTOL)
             best_err = torch.where(better, err, best_err)
             best_i = torch.where(better, i, best_i)  # no host sync per step
         best[r0 : r0 + rows] = best_i

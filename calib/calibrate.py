@@ -49,7 +49,7 @@ import torch
 from hetquant.formats import HetquantError
 
 from .data import tokens_digest
-from .forward import check_tokens, default_device, layer_names, source_tensor_fn
+from .forward import available_device, check_tokens, layer_names, source_tensor_fn
 from .gptq import GRIDS
 from .layer import _Context, _LayerCalibration, _QuantizedWeights, _RowsOf
 from .loading import LayerLoader
@@ -120,7 +120,7 @@ def calibrate(
         opts = dataclasses.replace(opts, clip_skip=fam.awq.clip_skip)
     names = list(names if names is not None else source.tensors)
     fn = weights_fn or source_tensor_fn(source)
-    dev = torch.device(device) if device is not None else default_device()
+    dev = available_device(device)
     tokens = check_tokens(tokens, cfg.vocab_size)
     roles = fam.expected_tensors(cfg)
     if targets is None:

@@ -36,6 +36,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.families import ModelFamily
 from hetquant.runtime.forward.model import rms_norm
 from hetquant.runtime.forward.moe import gated_mlp, route
+from hetquant.runtime.forward.precision import work_dtype
 from hetquant.runtime.forward.references import reference_for
 from hetquant.runtime.forward.rope import cos_sin
 
@@ -44,6 +45,7 @@ __all__ = [
     "LayerRunner",
     "LayerWeights",
     "StreamedForward",
+    "available_device",
     "check_tokens",
     "default_device",
     "layer_names",
@@ -61,6 +63,18 @@ def default_device() -> torch.device:
     if npu is not None and npu.is_available():
         return torch.device("npu")
     return torch.device("cpu")
+
+
+def available_device(device: str | torch.device | None) -> torch.device:
+    """``device`` (default :func:`default_device`), refused in one line when this machine has
+    none of that type."""
+    if device is None:
+        return default_device()
+    dev = torch.device(device)
+    backend = getattr(torch, dev.type, None)
+    if dev.type != "cpu" and (backend is None or not backend.is_available()):
+        raise HetquantError(f"calibration device {dev.type}: none is available here; use cpu")
+    return dev
 
 
 def source_tensor_fn(source: Any) -> TensorFn:
@@ -171,7 +185,7 @@ class LayerRunner:
         self.reference = reference_for(cfg)  # the family's forward (its attention)
         probe = self.reference(cfg, LayerWeights({}, family=self.fam), dtype=dtype)
         self.eps, self.router = probe.eps, probe.router
-        cos, sin = cos_sin(probe.rope, torch.arange(seq_len))  # [T, dr/2] each
+        cos, sin = cos_sin(probe.rope, torch.arange(seq_len), work_dtype(dtype))  # [T, dr/2]
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         self.mask = torch.full((seq_len, seq_len), float("-inf")).triu(1).to(self.device)
 
@@ -196,7 +210,8 @@ class LayerRunner:
         """``DecoderReference.moe`` with routing on the CPU."""
         assert self.router is not None
         f = self.fam
-        logits = F.linear(x.to(torch.float32), w.get(f.tensor("router", layer)).to(torch.float32))
+        wd = work_dtype(x.dtype)
+        logits = F.linear(x.to(wd), w.get(f.tensor("router", layer)).to(wd))  # [M, E]
         bias = w.get(f.tensor("router_bias", layer)).cpu() if self.router.use_bias else None
         ids, weights = route(logits.cpu(), bias, self.router)  # [M, k] each
         y = w.experts(layer, x, ids.to(x.device), weights.to(x.device))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from hetquant.formats import HetquantError
+from hetquant.runtime.forward.precision import work_dtype
 
 from .quantizer import Quantizer
 
@@ -57,11 +58,12 @@ class GptqResult:
 
 
 def hessian(x: torch.Tensor, k: int) -> torch.Tensor:
-    """``2·XᵀX / T`` float32 [k, k] of inputs ``x`` [..., k] (T rows; zeros when T = 0)."""
-    t = x.reshape(-1, k)
-    h = torch.zeros(k, k, dtype=torch.float32, device=x.device)
+    """``2·XᵀX / T`` [k, k] of inputs ``x`` [..., k] (T rows; zeros when T = 0), float32
+    (float64 for float64 ``x``: ``runtime/forward/precision.py``)."""
+    t, acc = x.reshape(-1, k), work_dtype(x.dtype)
+    h = torch.zeros(k, k, dtype=acc, device=x.device)
     for chunk in t.split(_CHUNK):
-        c = chunk.to(torch.float32)
+        c = chunk.to(acc)
         h += c.T @ c
     return h * (2.0 / max(t.shape[0], 1))
 
@@ -90,7 +92,8 @@ def gptq(
     act_order: bool = True,
 ) -> GptqResult:
     """GPTQ codes of ``w`` [N, K] (the AWQ-scaled weight) on the grid of ``w_clipped`` (the same
-    weight clipped as the converter would) for Hessian ``h`` [K, K]; ``name`` for messages."""
+    weight clipped as the converter would) for Hessian ``h`` [K, K]; ``name`` for messages. The
+    error feedback runs in ``h``'s precision (float32, or float64 for a float64 Hessian)."""
     n, k = w.shape
     scale, qmax = _grid(q, w_clipped)  # (N, G)
     group = k // scale.shape[1]
@@ -100,7 +103,8 @@ def gptq(
     cols = peak + torch.arange(0, k, group, device=w.device)  # (N, G) absolute columns
     anchor.scatter_(1, cols, wg.abs().amax(dim=-1) > 0)  # all-zero groups: no anchor
     sign = torch.sign(w_clipped.to(torch.float32))
-    h = h.to(torch.float32).clone()
+    acc = work_dtype(h.dtype)
+    h = h.to(acc).clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     h += damp * torch.mean(torch.diag(h)) * torch.eye(k, device=h.device)
@@ -109,11 +113,11 @@ def gptq(
         if act_order
         else torch.arange(k, device=h.device)
     )
-    s_col = scale.repeat_interleave(group, dim=1)[:, perm]  # (N, K) in visiting order
-    work = w.to(torch.float32)[:, perm].clone()
+    s_col = scale.repeat_interleave(group, dim=1)[:, perm].to(acc)  # (N, K) in visiting order
+    work = w.to(acc)[:, perm].clone()
     anchor, sign = anchor[:, perm], sign[:, perm]
     u = _inverse_cholesky(h[perm][:, perm], name)  # (K, K) upper
-    codes = torch.zeros(n, k, dtype=torch.float32, device=w.device)
+    codes = torch.zeros(n, k, dtype=acc, device=w.device)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
         wb = work[:, b0:b1].clone()
@@ -139,10 +143,10 @@ def gptq(
 
 
 def _inverse_cholesky(h: torch.Tensor, name: str) -> torch.Tensor:
-    """Upper Cholesky factor of ``h⁻¹`` (float64 for the factorisations), float32."""
+    """Upper Cholesky factor of ``h⁻¹`` (float64 for the factorisations), in ``h``'s dtype."""
     h64 = h.to(torch.float64)
     lower, info = torch.linalg.cholesky_ex(h64)
     if int(info):
         raise HetquantError(f"{name}: GPTQ's Hessian is not positive definite; raise the damping")
     hinv = torch.cholesky_inverse(lower)
-    return torch.linalg.cholesky(hinv, upper=True).to(torch.float32)
+    return torch.linalg.cholesky(hinv, upper=True).to(h.dtype)

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from hetquant.formats.families import Balance
+from hetquant.runtime.forward.precision import work_dtype
 
 from . import awq, gptq, smooth
 from .forward import Capture, LayerRunner, LayerWeights
@@ -263,12 +264,13 @@ class _LayerCalibration:
     def _quantized_act(self, gate: str, up: str, x: torch.Tensor) -> torch.Tensor:
         """``silu(x·Q(G')ᵀ) ⊙ (x·Q(U')ᵀ)`` with the transformed, quantized gate and up (``x``
         divided by their column scale): down's input in its own scaled space (up's rows
-        absorbed down's ``diag(s)⁻¹``)."""
+        absorbed down's ``diag(s)⁻¹``), in ``work_dtype`` of ``x``."""
         w = _QuantizedWeights(self)
         g, u = (w.get(f"{m}.weight") for m in (gate, up))
         col_mul = self.tf[f"{gate}.weight"].col_mul if f"{gate}.weight" in self.tf else None
-        xs = x.to(torch.float32) if col_mul is None else x.to(torch.float32) / col_mul
-        return F.silu(xs @ g.to(torch.float32).T) * (xs @ u.to(torch.float32).T)
+        acc = work_dtype(x.dtype)
+        xs = x.to(acc) if col_mul is None else x.to(acc) / col_mul.to(acc)
+        return F.silu(xs @ g.to(acc).T) * (xs @ u.to(acc).T)
 
     def _gptq(self, modules: Sequence[str], x: torch.Tensor, *, scaled: bool = False) -> None:
         """GPTQ codes of the searched ``modules`` that read one input ``x`` with the same column

@@ -31,7 +31,7 @@ import torch
 
 from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError, WeightFormat, get_format
 from hetquant.formats import w4a8_npu as w4a8
-from hetquant.formats.dtypes import torch_dtype
+from hetquant.formats.dtypes import divide, torch_dtype
 
 from . import awq
 
@@ -51,7 +51,7 @@ def _w4a8_round_trip(w: torch.Tensor) -> torch.Tensor:
     data): float32 [N, K]; ``s = max(rowmax|w| / 7, FLT_EPSILON)``, ``q = clamp(round(w / s),
     -8, 7)``, then ``q · s`` (``formats/w4a8_npu.py``; offset 0)."""
     w = w.to(torch.float32)
-    s = (w.abs().amax(dim=1, keepdim=True) / w4a8.QMAX).clamp(min=w4a8.SCALE_FLOOR)  # (N, 1)
+    s = divide(w.abs().amax(dim=1, keepdim=True), w4a8.QMAX).clamp(min=w4a8.SCALE_FLOOR)  # (N, 1)
     return torch.round(w / s).clamp(w4a8.QMIN, w4a8.QMAX) * s  # (N, K)
 
 

@@ -41,7 +41,7 @@ __all__ = [
 RESULT_JSON = "calibration.json"
 RESULT_FORMAT = "hetquant-awq-calibration"
 RESULT_VERSION = 1
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,9 @@ class AwqOptions:
     fold_o_proj: bool = False
     min_expert_tokens: int | None = None  # None: group_size
     propagate: str = "quantized"  # "quantized" | "float"
-    dtype: str | None = None  # compute dtype; None: float32 on cpu, bfloat16 on accelerators
+    # compute dtype; None: float64 on cpu (the same transforms on every CPU: ``awq.py``,
+    # "Reproducibility"), bfloat16 on accelerators
+    dtype: str | None = None
     # GPTQ error feedback (``gptq.py``) for the searched MLP linears' codes, after AWQ's scale
     # and clip, where the format has a ``gptq.GRIDS`` grid (the CPU experts' INT4)
     gptq: bool = False
@@ -99,7 +101,7 @@ class AwqOptions:
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype is not None:
             return _DTYPES[self.dtype]
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return torch.float64 if device.type == "cpu" else torch.bfloat16
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -134,6 +134,15 @@ def main(verbose: bool) -> None:
     "accuracy.",
 )
 @click.option(
+    "--calib-device",
+    type=click.Choice(["auto", "cpu", "cuda", "npu"]),
+    default="auto",
+    show_default=True,
+    help="--calib-data: where calibration computes. cpu: float64, the same bytes on every CPU; "
+    "cuda / npu: BF16 matmuls, faster, other bytes (the manifest says which); auto: an "
+    "accelerator when present.",
+)
+@click.option(
     "--calib-samples",
     default=128,
     show_default=True,
@@ -172,6 +181,7 @@ def convert(
     requantize: bool | None,
     calib_gptq: bool | None,
     keep_dense_down: bool | None,
+    calib_device: str,
     calib_samples: int,
     calib_seq_len: int,
     dry_run: bool,
@@ -205,6 +215,8 @@ def convert(
         raise HetquantError(f"recipe {rec.name} does not calibrate; drop --calib-data")
     if calib_gptq and calib_data is None:
         raise HetquantError("--calib-gptq refines a calibration: give --calib-data TEXT too")
+    if calib_device != "auto" and calib_data is None:
+        raise HetquantError("--calib-device says where to calibrate: give --calib-data TEXT too")
     plan = plan_for(src, rec, size)  # headers only; refuses what the recipe cannot write
     if calib_data is not None:
         calibration_targets(plan)  # refuses what cannot be calibrated, before any work
@@ -215,7 +227,15 @@ def convert(
         click.echo(format_precision(precision_table(plan)))
         return
     calibrate = (  # run by the engine once it holds OUTPUT
-        partial(calibrate_for, src, plan, calib_data, calib_samples, calib_seq_len)
+        partial(
+            calibrate_for,
+            src,
+            plan,
+            calib_data,
+            calib_samples,
+            calib_seq_len,
+            device=None if calib_device == "auto" else calib_device,
+        )
         if calib_data is not None
         else None
     )

@@ -138,6 +138,19 @@ def calibration_record(calibration: Any) -> dict[str, Any]:
         "options": options,
         "fallback_experts": stats.get("fallback_experts", {}),
         "mtp": "rtn",  # the MTP layer has no forward to calibrate through
+        "compute": _compute_record(stats["device"], stats["dtype"]),
+    }
+
+
+def _compute_record(device: str, dtype: str) -> dict[str, Any]:
+    """Where calibration ran and whether another machine gets the same bytes: on the CPU in
+    float64 every CPU does (``calib/awq.py``, "Reproducibility"); an accelerator's BF16 matmuls
+    give other transforms (README, "Reproducible calibration": the measured difference)."""
+    kind = device.split(":")[0]
+    return {
+        "device": kind,
+        "dtype": dtype,
+        "same_bytes_on_every_cpu": kind == "cpu" and dtype == "float64",
     }
 
 

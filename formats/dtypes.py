@@ -18,6 +18,7 @@ from .errors import HetquantError
 
 __all__ = [
     "ST_DTYPES",
+    "divide",
     "itemsize",
     "numpy_dtype",
     "round_up_to",
@@ -95,3 +96,12 @@ def round_up_to(x: torch.Tensor, st: str) -> torch.Tensor:
     y = x.to(torch_dtype(st))
     low = y.to(x.dtype) < x
     return torch.where(low, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+def divide(x: torch.Tensor, d: float) -> torch.Tensor:
+    """``x / d``, correctly rounded on every device. PyTorch's CUDA kernel turns a division by a
+    CPU scalar into a multiplication by its reciprocal, which can land one ulp off
+    (``aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu``, ``div_true_kernel_cuda``: "compute a
+    * reciprocal(b)"); a divisor tensor on ``x``'s device takes the true division there. On the
+    CPU both are the same IEEE division."""
+    return x / torch.full((), d, dtype=x.dtype, device=x.device)

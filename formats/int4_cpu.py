@@ -85,7 +85,7 @@ from .base import (
     register_expert_format,
 )
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
-from .dtypes import st_dtype
+from .dtypes import divide, st_dtype
 from .errors import HetquantError
 
 __all__ = [
@@ -133,7 +133,7 @@ def _check_weight(what: str, weight: torch.Tensor, finite: bool = True) -> torch
 
 
 def _row_scale(amax: torch.Tensor, ratio: float) -> torch.Tensor:
-    s = amax * ratio / QMAX  # (R,)
+    s = divide(amax * ratio, QMAX)  # (R,)
     return torch.where(amax > 0, s, torch.ones_like(s))
 
 

@@ -70,7 +70,7 @@ from .base import (
     register_expert_format,
 )
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
-from .dtypes import round_up_to, st_dtype
+from .dtypes import divide, round_up_to, st_dtype
 from .errors import HetquantError
 from .int4_cpu import LAYER_KEYS, QMAX, ZERO_POINT, check_metas, interleave_rows
 
@@ -110,7 +110,7 @@ def quantize_rows(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     amax = wg.abs().amax(dim=-1)  # (R, K/g)
     if not all_finite(amax):
         raise HetquantError("int4_cpu_group: NaN/Inf values (or beyond float32); fix the source")
-    s = round_up_to(amax.double() / QMAX, "BF16")
+    s = round_up_to(divide(amax.double(), QMAX), "BF16")
     s = torch.where(amax > 0, s, torch.ones_like(s))  # finite: amax/7 < BF16's max
     q = (wg / s.float()[..., None]).round_().clamp_(-QMAX, QMAX)  # (R, K/g, g), |q| ≤ 7
     codes = q.reshape(r, k).add_(ZERO_POINT).to(torch.uint8)

@@ -30,7 +30,7 @@ MLA (multi-head latent attention; H heads, dn = qk_nope, dr = qk_rope, dv = v_he
     out      = o(o)
 
 Then ``rmsnorm(h, final_norm)`` and ``lm_head``. RoPE and YaRN are in ``rope.py``, routing in
-``moe.py``. RMSNorm is computed in float32 with ``rms_norm_eps`` from the config for every norm
+``moe.py``. RMSNorm is computed in float32 (float64 for float64 activations: ``precision.py``) with ``rms_norm_eps`` from the config for every norm
 (DeepSeek's own code fixes 1e-6 for all of them, HF for the two latent norms; every released
 config has ``rms_norm_eps = 1e-6``). The multi-token-prediction layers (layers
 ``L >= num_hidden_layers``) are not part of the main forward and are never read.
@@ -49,6 +49,7 @@ from hetquant.formats.families import ModelConfig, ModelFamily
 from hetquant.formats.families.deepseek_v3 import DeepseekV3Config
 
 from .moe import RouterSpec, gated_mlp, route, routed_experts
+from .precision import work_dtype
 from .rope import RopeSpec, apply_rope, cos_sin
 
 __all__ = [
@@ -117,10 +118,12 @@ def check_runnable(cfg: ModelConfig) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight · x / sqrt(mean(x²) + eps)`` over the last dim, in float32, returned in x's dtype."""
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.to(torch.float32) * x32).to(x.dtype)
+    """``weight · x / sqrt(mean(x²) + eps)`` over the last dim, in float32 (float64 for float64
+    ``x``), returned in x's dtype."""
+    wd = work_dtype(x.dtype)
+    xw = x.to(wd)
+    xw = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(wd) * xw).to(x.dtype)
 
 
 class DecoderReference:
@@ -169,7 +172,8 @@ class DecoderReference:
         """RoPE ``cos``, ``sin`` [T, dr/2] and the causal mask [T, T] (0 on and below the
         diagonal, -inf above) for hidden states ``h`` [T, D], on ``h``'s device."""
         t = h.shape[0]
-        cos, sin = cos_sin(self.rope, torch.arange(t))  # [T, dr/2] each, float32 on the CPU
+        wd = work_dtype(self.dtype)
+        cos, sin = cos_sin(self.rope, torch.arange(t), wd)  # [T, dr/2] each, on the CPU
         mask = torch.full((t, t), float("-inf")).triu(1)  # [T, T]
         return cos.to(h.device), sin.to(h.device), mask.to(h.device)
 
@@ -215,9 +219,8 @@ class DecoderReference:
         [T, D] → [T, D]."""
         assert self.router is not None
         w, f = self.weights, self.fam
-        logits = F.linear(
-            x.to(torch.float32), w.get(f.tensor("router", layer)).to(torch.float32)
-        )  # [T, E]
+        wd = work_dtype(x.dtype)
+        logits = F.linear(x.to(wd), w.get(f.tensor("router", layer)).to(wd))  # [T, E]
         bias = w.get(f.tensor("router_bias", layer)) if self.router.use_bias else None
         topk_ids, topk_weights = route(logits, bias, self.router)  # [T, k], [T, k]
         y = w.experts(layer, x, topk_ids, topk_weights)  # [T, D]
@@ -285,6 +288,6 @@ class DeepseekV3Reference(DecoderReference):
         k = torch.cat([k_nope, k_rope.expand(t, nh, dr)], dim=-1)  # [T, H, dn+dr]
 
         scores = torch.einsum("thd,shd->hts", q, k) * self.softmax_scale  # [H, T(q), T(k)]
-        probs = (scores + mask.to(scores.dtype)).softmax(-1, dtype=torch.float32).to(x.dtype)
+        probs = (scores + mask.to(scores.dtype)).softmax(-1, dtype=work_dtype(x.dtype)).to(x.dtype)
         o = torch.einsum("hts,shd->thd", probs, v)  # [T, H, dv]
         return w.linear(m("o"), o.reshape(t, nh * dv))  # [T, D]

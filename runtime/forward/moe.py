@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from hetquant.formats import HetquantError
 from hetquant.formats.families.deepseek_v3 import RouterSpec
 
+from .precision import work_dtype
+
 __all__ = ["LinearFn", "RouterSpec", "gated_mlp", "route", "routed_experts"]
 
 LinearFn = Callable[[str, torch.Tensor], torch.Tensor]
@@ -44,15 +46,16 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose experts for each token (see module docstring).
 
-    ``logits``: router logits, float32 [T, E]; ``bias``: the router bias [E] (required iff
-    ``spec.use_bias``). Returns ``topk_ids`` int64 [T, k] and ``topk_weights`` float32 [T, k].
+    ``logits``: router logits [T, E], scored in float32 (float64 logits in float64:
+    ``precision.py``); ``bias``: the router bias [E] (required iff ``spec.use_bias``). Returns
+    ``topk_ids`` int64 [T, k] and ``topk_weights`` [T, k] in that precision.
     """
     if spec.use_bias and bias is None:
         raise HetquantError("route: this router (use_bias) needs its bias tensor")
     t, e = logits.shape
-    logits = logits.to(torch.float32)
+    logits = logits.to(work_dtype(logits.dtype))
     scores = logits.sigmoid() if spec.scoring == "sigmoid" else logits.softmax(-1)  # [T, E]
-    choice = scores + bias.to(torch.float32) if spec.use_bias else scores  # [T, E]
+    choice = scores + bias.to(scores.dtype) if spec.use_bias else scores  # [T, E]
     if spec.n_group > 1:
         per_group = e // spec.n_group
         grouped = choice.view(t, spec.n_group, per_group)  # [T, G, E/G]

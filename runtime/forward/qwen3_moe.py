@@ -32,6 +32,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.families.qwen3_moe import Qwen3MoeConfig
 
 from .model import DecoderReference, Weights, rms_norm
+from .precision import work_dtype
 from .rope import RopeSpec
 
 __all__ = ["Qwen3MoeReference", "apply_rope_half"]
@@ -39,8 +40,10 @@ __all__ = ["Qwen3MoeReference", "apply_rope_half"]
 
 def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [T, H, d] by angles ``cos``/``sin`` [T, d/2] in the half-split layout:
-    channel i pairs with i + d/2 (transformers' ``rotate_half``); returns x's dtype."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # [T, H, d/2] each
+    channel i pairs with i + d/2 (transformers' ``rotate_half``); computed in float32 (float64
+    for float64 ``x``), returns x's dtype."""
+    x1, x2 = x.to(work_dtype(x.dtype)).chunk(2, dim=-1)  # [T, H, d/2] each
+    cos, sin = cos.to(x1.dtype), sin.to(x1.dtype)
     c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, d/2]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)  # [T, H, d]
 
@@ -90,6 +93,6 @@ class Qwen3MoeReference(DecoderReference):
         k = k.repeat_interleave(group, dim=1)  # [T, Hq_r, d]: query head h reads KV head h // g
         v = v.repeat_interleave(group, dim=1)  # [T, Hq_r, d]
         scores = torch.einsum("thd,shd->hts", q, k) * self.softmax_scale  # [Hq_r, T(q), T(k)]
-        probs = (scores + mask.to(scores.dtype)).softmax(-1, dtype=torch.float32).to(x.dtype)
+        probs = (scores + mask.to(scores.dtype)).softmax(-1, dtype=work_dtype(x.dtype)).to(x.dtype)
         o = torch.einsum("hts,shd->thd", probs, v)  # [T, Hq_r, d]
         return w.linear(f.module("o", layer), o.reshape(t, -1))  # [T, D]

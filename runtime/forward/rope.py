@@ -37,6 +37,8 @@ import torch
 
 from hetquant.formats import HetquantError
 
+from .precision import work_dtype
+
 __all__ = ["RopeSpec", "YarnSpec", "apply_rope", "cos_sin", "inv_freq", "yarn_mscale"]
 
 
@@ -108,10 +110,11 @@ class RopeSpec:
         return yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
 
 
-def inv_freq(spec: RopeSpec) -> torch.Tensor:
-    """Angular frequency of each rope pair, float32 [dim/2] (YaRN-blended when configured)."""
+def inv_freq(spec: RopeSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Angular frequency of each rope pair, ``dtype`` (float32 or float64) [dim/2] (YaRN-blended
+    when configured)."""
     d, theta = spec.dim, spec.theta
-    freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # [d/2]
+    freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=dtype) / d)  # [d/2]
     if spec.yarn is None:
         return freq
     y = spec.yarn
@@ -126,13 +129,16 @@ def inv_freq(spec: RopeSpec) -> torch.Tensor:
     low = max(math.floor(turns_dim(y.beta_fast)), 0)
     high = min(math.ceil(turns_dim(y.beta_slow)), d - 1)
     span = (high - low) if high != low else 0.001
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / span).clamp(0, 1)  # [d/2]
+    ramp = ((torch.arange(d // 2, dtype=dtype) - low) / span).clamp(0, 1)  # [d/2]
     return freq * (1 - ramp) + (freq / y.factor) * ramp  # [d/2]
 
 
-def cos_sin(spec: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of ``positions[t] · ω_i``, each float32 [T, dim/2], YaRN-scaled."""
-    angle = positions.to(torch.float32)[:, None] * inv_freq(spec)[None, :]  # [T, d/2]
+def cos_sin(
+    spec: RopeSpec, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``positions[t] · ω_i``, each ``dtype`` (float32 or float64) [T, dim/2],
+    YaRN-scaled."""
+    angle = positions.to(dtype)[:, None] * inv_freq(spec, dtype)[None, :]  # [T, d/2]
     scale = spec.cos_sin_scale
     return angle.cos() * scale, angle.sin() * scale
 
@@ -140,12 +146,13 @@ def cos_sin(spec: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torc
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the interleaved pairs of ``x`` [T, ..., dim] by the angles of ``cos``/``sin`` [T, dim/2].
 
-    Computed in float32 and returned in ``x``'s dtype and layout.
+    Computed in float32 (float64 for float64 ``x``: ``precision.py``) and returned in ``x``'s
+    dtype and layout.
     """
     t, d = x.shape[0], x.shape[-1]
-    pairs = x.to(torch.float32).reshape(*x.shape[:-1], d // 2, 2)  # [T, ..., d/2, 2]
+    pairs = x.to(work_dtype(x.dtype)).reshape(*x.shape[:-1], d // 2, 2)  # [T, ..., d/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]  # [T, ..., d/2] each
     bshape = (t,) + (1,) * (x.ndim - 2) + (d // 2,)
-    c, s = cos.reshape(bshape), sin.reshape(bshape)  # [T, 1.., d/2]
+    c, s = cos.reshape(bshape).to(pairs.dtype), sin.reshape(bshape).to(pairs.dtype)  # [T, 1.., d/2]
     rotated = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1)  # [T, ..., d/2, 2]
     return rotated.reshape(x.shape).to(x.dtype)  # [T, ..., d]

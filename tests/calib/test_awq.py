@@ -61,8 +61,27 @@ def test_candidates_identity_first_and_pow2():
         assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two
     plain = awq.scale_candidates(xm, wm, 20)
     assert len(plain) == 21  # identity + α = 0, 0.05, …, 0.95
-    for _, s in plain[1:]:  # AutoAWQ's normalisation: max · min = 1
-        assert float(s.max() * s.min()) == pytest.approx(1.0, rel=1e-5)
+    for _, s in plain[1:]:  # AutoAWQ's normalisation: max · min = 1, up to the rounding to
+        # SCALE_BITS significant bits (≤ 2^-12 relative on each of the two)
+        assert float(s.max() * s.min()) == pytest.approx(1.0, rel=2**-11)
+        m, _ = torch.frexp(s.double())
+        assert torch.equal(torch.ldexp(m, torch.tensor(awq.SCALE_BITS)).frac(), torch.zeros(256))
+
+
+def test_significant_bits_round_to_nearest_even():
+    x = torch.tensor([1.0, 1 + 2**-12, 1 + 2**-13, 1 + 3 * 2**-13, 3.0, 0.75 + 2**-40, 1e-4])
+    got = awq._significant(x.double(), 12)
+    assert got.dtype == torch.float32
+    want = [1.0, 1.0, 1.0, 1 + 2**-11, 3.0, 0.75, None]  # 1 + 2^-12: a tie, to even
+    for g, w in zip(got.tolist()[:-1], want[:-1], strict=True):
+        assert g == w
+    assert abs(got[-1].item() / 1e-4 - 1) <= 2**-12
+
+
+def test_first_min_keeps_the_earlier_within_the_tolerance():
+    assert awq.first_min([1.0, 1.0 - 1e-12, 0.5, 0.5 * (1 - 1e-10)]) == 2
+    assert awq.first_min([1.0, 1.0 - 1e-6]) == 1
+    assert awq.first_min([2.0, 1.0, 1.0]) == 1
 
 
 def _objective(ws, xs, s, g):

@@ -52,7 +52,12 @@ CASES: dict[str, list[str]] = {
         "--recipe", "ct-w4a16", "--calib-data", "examples/tiny-tools/calib.txt",
         "--calib-samples", "4", "--calib-seq-len", "64",
     ],
+    "ascend-hybrid-calibrated-gptq": [
+        "--recipe", "ascend-hybrid", "--calib-data", "examples/tiny-tools/calib.txt",
+        "--calib-samples", "4", "--calib-seq-len", "64", "--calib-gptq",
+    ],
 }  # fmt: skip
+CALIBRATED = tuple(case for case, args in CASES.items() if "--calib-data" in args)
 
 
 def manifest_fields(doc: dict[str, Any]) -> dict[str, Any]:
