@@ -183,7 +183,7 @@ def _remove(file: str) -> Callable[[Path], None]:
 CASES: list[tuple[str, Callable[[Path], None], tuple[str, ...]]] = [
     ("truncated-shard-end", _truncate(SHARD3, lambda n: n - 1), (SHARD3, "truncated")),
     ("truncated-shard-half", _truncate(SHARD3, lambda n: n // 2), (SHARD3,)),
-    ("truncated-shard-in-header", _truncate(SHARD3, 100), (SHARD3, "header claims")),
+    ("truncated-shard-in-header", _truncate(SHARD3, 100), (SHARD3, "header length")),
     ("truncated-shard-4-bytes", _truncate(SHARD3, 4), (SHARD3, "only 4 bytes")),
     ("truncated-shard-empty", _truncate(SHARD5, 0), (SHARD5, "only 0 bytes")),
     ("header-offsets-past-end", _offsets_past_end, (SHARD3, "past the end")),
