@@ -104,3 +104,19 @@ def test_a_download_in_the_hub_cache_layout_verifies(tiny_artifact: Path, tmp_pa
     assert (snap / MANIFEST).is_symlink()
     res = cli("verify", snap)
     assert res.exit_code == 0 and ": OK (" in res.stdout, (res.stdout, res.stderr)
+
+
+def test_publish_does_not_wait_on_a_fifo_as_the_source_card(
+    artifact_copy: Path, tmp_path: Path, cli
+) -> None:
+    """The manifest's ``source.path`` (where the convert read from) is looked in for the model
+    card's licence: a FIFO there is skipped, not waited on."""
+    src = tmp_path / "source"
+    src.mkdir()
+    os.mkfifo(src / "README.md")
+    doc = read_json(artifact_copy / MANIFEST)
+    doc["source"]["path"] = str(src)
+    write_json(artifact_copy / MANIFEST, doc)
+    with no_hang():
+        res = cli("publish", artifact_copy, "acme/x", "--dry-run")
+    assert res.exit_code == 2 and "no license found" in res.stderr, res.stderr
