@@ -55,6 +55,11 @@ def test_verify_refuses_a_manifest_name_outside(artifact_copy: Path, cli, how, p
     assert str(len(SECRET)) not in res.stdout  # its size was not looked at
 
 
+def test_inspect_refuses_a_manifest_name_outside(artifact_copy: Path, cli) -> None:
+    _list(artifact_copy, _name(artifact_copy, "dotdot"))
+    _one_error_line(cli("inspect", artifact_copy), "'../secret.txt' points outside the artifact")
+
+
 def test_verify_refuses_a_listed_link_out_of_the_artifact(artifact_copy: Path, cli) -> None:
     (artifact_copy.parent / "secret.txt").write_bytes(SECRET)
     os.symlink(artifact_copy.parent / "secret.txt", artifact_copy / "notes.txt")
