@@ -32,6 +32,8 @@ from typing import Any
 import torch
 
 from hetquant.formats.dtypes import torch_dtype
+from hetquant.formats.errors import HetquantError
+from hetquant.formats.safe_paths import open_regular
 from hetquant.runtime.loading._reader import LoadStats, Span, read_spans
 
 __all__ = ["GROUP_BYTES", "MODES", "LayerLoader"]
@@ -158,9 +160,9 @@ def _will_need(root: Path, ranges: list[tuple[str, int, int]]) -> None:
     try:
         for file, start, length in ranges:
             if file not in fds:
-                fds[file] = os.open(root / file, os.O_RDONLY)
+                fds[file] = open_regular(root / file)  # a FIFO would block this thread
             os.posix_fadvise(fds[file], start, length, os.POSIX_FADV_WILLNEED)
-    except OSError:
+    except (OSError, HetquantError):
         pass  # advice only: the load reads the bytes anyway
     finally:
         for fd in fds.values():

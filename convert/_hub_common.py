@@ -7,8 +7,10 @@ once, at import), so setting them later in the same process still takes effect.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from urllib.parse import quote
 
 __all__ = ["hub_endpoint", "hub_offline", "redact"]
 
@@ -28,10 +30,33 @@ def hub_offline() -> bool:
 
 
 def redact(text: str, token: str | None) -> str:
-    """``text`` with ``token`` (and anything shaped like an HF token) replaced by ``***``."""
-    if token:
-        text = text.replace(token, "***")
+    """``text`` with ``token`` (and anything shaped like an HF token) replaced by ``***``.
+
+    The token is replaced in every form a message may quote it in (:func:`_token_forms`): an
+    HTTP stack that refuses ``"secret\\r"`` as a header value shows it escaped, as
+    ``b'Bearer secret\\\\r'``, which the raw value does not match.
+    """
+    for form in _token_forms(token):
+        text = text.replace(form, "***")
     return re.sub(r"hf_[A-Za-z0-9]{20,}", "hf_***", text)
+
+
+def _token_forms(token: str | None) -> list[str]:
+    """``token`` as given and without surrounding whitespace, each raw, escaped as ``repr``,
+    JSON, a bytes ``repr`` and a URL quote it; longest first (a form may contain another)."""
+    if not token:
+        return []
+    forms: set[str] = set()
+    for value in {token, token.strip()} - {""}:
+        forms |= {
+            value,
+            repr(value)[1:-1],
+            json.dumps(value)[1:-1],
+            json.dumps(value, ensure_ascii=False)[1:-1],
+            repr(value.encode("utf-8", "backslashreplace"))[2:-1],
+            quote(value, safe=""),
+        }
+    return sorted(forms - {""}, key=len, reverse=True)
 
 
 def _first_line(e: BaseException, token: str | None) -> str:

@@ -16,7 +16,8 @@ The rule (:func:`aux_files`), over the regular files directly in the source dire
 - not hidden (``.gitattributes``, ``.cache/``, partial downloads);
 - at most ``max_bytes`` (``AUX_MAX_BYTES``; a larger non-weight file is skipped and reported);
 - a symbolic link only when it resolves inside the source or, for a Hugging Face cache snapshot,
-  its ``blobs/`` (where the cache keeps the real files); never one pointing elsewhere.
+  its ``blobs/`` (where the cache keeps the real files; ``formats/safe_paths.py``, the one rule
+  every reader applies); never one pointing elsewhere.
 
 Sub-directories are not descended into (they hold other checkpoints, e.g. ``original/``).
 """
@@ -26,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from hetquant.formats.safe_paths import is_inside
 
 __all__ = ["AUX_MAX_BYTES", "WEIGHT_SUFFIXES", "AuxFiles", "aux_files"]
 
@@ -46,7 +49,6 @@ class AuxFiles:
 def aux_files(src: Path, reserved: Iterable[str] = (), max_bytes: int = AUX_MAX_BYTES) -> AuxFiles:
     """The files of source directory ``src`` that travel into the artifact (module docstring)."""
     root = src.resolve()
-    bases = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
     excluded = NEVER | set(reserved)
     names: list[str] = []
     skipped: dict[str, str] = {}
@@ -55,7 +57,7 @@ def aux_files(src: Path, reserved: Iterable[str] = (), max_bytes: int = AUX_MAX_
         if name.startswith(".") or name in excluded or _is_weight(name):
             continue
         real = path.resolve()
-        if not any(real.is_relative_to(b) for b in bases):
+        if not is_inside(root, path):
             skipped[name] = f"a link to {real}, outside the source"
         elif not real.is_file():
             continue  # directories, sockets, broken links

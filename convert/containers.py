@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from hetquant.formats import HetquantError, TensorMeta
+from hetquant.formats.safe_paths import open_binary
 from hetquant.formats.safetensors_io import build_header, read_header
 
 __all__ = [
@@ -102,7 +103,7 @@ class Container:
         try:
             if path.stat().st_size != self.size:
                 return False
-            with open(path, "rb") as fh:
+            with open_binary(path) as fh:
                 return fh.read(len(self.header)) == self.header
         except FileNotFoundError:
             return False
@@ -127,7 +128,7 @@ class SafetensorsFile(Container):
             read_header(path)
         except HetquantError as e:
             return [str(e)]
-        with open(path, "rb") as fh:
+        with open_binary(path) as fh:
             if fh.read(len(self.header)) != self.header:
                 return [f"{self.name}: header differs from the plan (tensor names, dtypes or shapes)"]  # fmt: skip
         return []

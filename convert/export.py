@@ -124,11 +124,10 @@ def source_layers(artifact: Path) -> list[ExpertLayer]:
     artifact without one)."""
     from hetquant.runtime.experts._expert_files import _select_layers
 
-    root = artifact.resolve()
     out = []
-    for info in _select_layers(artifact, None).values():
+    for info in _select_layers(artifact, None).values():  # paths: artifact / name, kept inside
         params = dataclasses.asdict(info.fmt)  # type: ignore[call-overload]  # e.g. group_size
-        out.append(ExpertLayer(info.layer, str(info.path.relative_to(root)), info.prefix,
+        out.append(ExpertLayer(info.layer, str(info.path.relative_to(artifact)), info.prefix,
                                info.fmt.name, params, info.num_experts, info.hidden, info.inter))  # fmt: skip
     return out
 

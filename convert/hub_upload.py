@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetquant.formats import HetquantError
+from hetquant.formats.safe_paths import inside
 
 from ._hub_common import _first_line, hub_endpoint, hub_offline
 
@@ -103,6 +104,8 @@ def upload_artifact(
         raise HetquantError(
             "--create-pr opens the pull request against main; drop --revision (or --create-pr)"
         )
+    for name in files:  # before anything is sent
+        inside(artifact, name, f"{artifact}: files to upload")
     branch = revision or "main"
     api = HfApi(endpoint=hub_endpoint(), token=token)
     try:
@@ -146,7 +149,7 @@ def upload_artifact(
 
 def _stage(artifact: Path, files: list[str], readme: str, stage: Path) -> None:
     artifact = artifact.resolve()
-    for name in files:
+    for name in files:  # checked by upload_artifact: inside the artifact, so inside the stage
         src = artifact / name
         dst = stage / name
         dst.parent.mkdir(parents=True, exist_ok=True)

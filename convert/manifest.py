@@ -22,6 +22,7 @@ from typing import Any
 from hetquant.formats import get_format
 from hetquant.formats.base import identify
 from hetquant.formats.filenames import MANIFEST_NAME
+from hetquant.formats.safe_paths import open_binary
 
 from .plan import Plan
 from .recipes import COPY, ROOT
@@ -55,13 +56,14 @@ def hetquant_version() -> str:
 
 
 def file_digest(path: Path) -> dict[str, Any]:
-    """Size and sha256 of a file, read in blocks of ``HASH_READ`` into one buffer."""
+    """Size and sha256 of a regular file, read in blocks of ``HASH_READ`` into one buffer."""
     h, buf = hashlib.sha256(), bytearray(HASH_READ)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_binary(path, buffering=0) as f:  # a FIFO or device is refused, never read
         while n := f.readinto(buf):
             h.update(view[:n])
-    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+        size = os.fstat(f.fileno()).st_size
+    return {"size": size, "sha256": h.hexdigest()}
 
 
 def hash_threads(cores: int | None = None) -> int:

@@ -17,6 +17,7 @@ import click
 
 from hetquant.formats import HetquantError
 from hetquant.formats.filenames import INDEX_NAME
+from hetquant.formats.safe_paths import is_inside, read_regular
 
 __all__ = ["publish"]
 
@@ -201,7 +202,7 @@ def _publish(
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_regular(path))
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
@@ -211,17 +212,19 @@ def _source_license(artifact: Path, manifest: dict[str, Any], base_model: str | 
     from .model_card import license_from_text
 
     card = license_file = None
-    src = (manifest.get("source") or {}).get("path")
-    if src:
+    src = (manifest.get("source") or {}).get("path")  # the convert's source, outside by design
+    if isinstance(src, str) and src:
         try:
-            card = (Path(src) / "README.md").read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+            card = read_regular(Path(src) / "README.md").decode("utf-8")
+        except (OSError, UnicodeDecodeError, HetquantError):
             card = None
     for p in sorted(artifact.glob("LICENSE*")):
+        if not is_inside(artifact, p):  # a link out of the artifact is not its licence
+            continue
         try:
-            license_file = p.read_text(encoding="utf-8", errors="replace")
+            license_file = read_regular(p).decode("utf-8", errors="replace")
             break
-        except OSError:
+        except (OSError, HetquantError):
             continue
     return license_from_text(card, license_file, base_model)
 

@@ -30,6 +30,7 @@ from hetquant.formats.arrays import NotNative, float_row_arrays
 from hetquant.formats.base import float_rows
 from hetquant.formats.families import ModelConfig, TensorRole, load_json
 from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
+from hetquant.formats.safe_paths import inside
 from hetquant.formats.safetensors_io import HeaderEntry, MappedFile, read_header
 
 from ._source_roles import PLAIN, attach_roles
@@ -198,8 +199,8 @@ def _weight_map(root: Path) -> tuple[dict[str, str], bytes]:
             raise HetquantError(f"{index}: no weight_map; the index is corrupt")
         first_name = {file: name for name, file in reversed(wm.items())}  # one check per shard
         for file, name in first_name.items():
-            _check_inside(root, index, name, file)
-            if not (root / file).is_file():
+            inside(root, file, index, f"tensor {name!r}: shard", kind="source")
+            if not (root / file).exists():  # a FIFO or directory: read_header names what it is
                 raise HetquantError(
                     f"{index}: tensor {name!r} is in shard {file!r}, which does not exist in {root}; "
                     "the download is incomplete — fetch the missing shard"
@@ -210,32 +211,6 @@ def _weight_map(root: Path) -> tuple[dict[str, str], bytes]:
         names = read_header(single).entries
         return {n: SINGLE_NAME for n in names}, json.dumps(sorted(names)).encode()
     raise HetquantError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME}; not an HF checkpoint")
-
-
-def _allowed_bases(root: Path) -> list[Path]:
-    """Where the source's files may really live: the directory itself and, for a snapshot of the
-    Hugging Face cache (``…/snapshots/<commit>``, files symlinked to ``../../blobs/``), its blobs."""
-    bases = [root]
-    if root.parent.name == "snapshots":
-        bases.append(root.parent.parent / "blobs")
-    return bases
-
-
-def _check_inside(root: Path, index: Path, name: str, file: object) -> None:
-    if (
-        not isinstance(file, str)
-        or not file
-        or Path(file).is_absolute()
-        or ".." in Path(file).parts
-    ):
-        raise HetquantError(
-            f"{index}: tensor {name!r} points at {file!r}, outside the source directory; "
-            "refusing an index with absolute or '..' paths"
-        )
-    if not any((root / file).resolve().is_relative_to(base) for base in _allowed_bases(root)):
-        raise HetquantError(
-            f"{index}: tensor {name!r} points at {file!r}, which resolves outside {root}"
-        )
 
 
 def _resolve_entries(

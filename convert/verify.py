@@ -17,6 +17,7 @@ from typing import Any
 from hetquant.formats import HetquantError
 from hetquant.formats.families import TensorRole, expected_tensors, load_config, load_json
 from hetquant.formats.filenames import PARTIAL_DIR
+from hetquant.formats.safe_paths import inside
 
 from .export import replay_export
 from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, digest_files, module_formats
@@ -24,7 +25,14 @@ from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
 from .source import INDEX_NAME, PLAIN
 
-__all__ = ["artifact_files", "count_files", "load_manifest", "replay_plan", "verify_artifact"]
+__all__ = [
+    "artifact_files",
+    "count_files",
+    "listed_files",
+    "load_manifest",
+    "replay_plan",
+    "verify_artifact",
+]
 
 _FORMAT_OF_DTYPE = {"F8_E4M3": "fp8_block", "BF16": "bf16"}  # 2-D weights, schema-1 manifests
 # Files a Hub repo adds beside the artifact (the card `publish` writes, git attributes, the
@@ -63,9 +71,19 @@ def artifact_files(root: Path, manifest: dict[str, Any]) -> dict[str, int]:
     The one definition that convert, inspect, verify and publish count and sum. Not included:
     what a Hub repo adds beside them (``HUB_FILES``: the card ``publish`` generates, ...).
     """
-    files = {name: int(f["size"]) for name, f in manifest["files"].items()}
+    files = {name: int(f["size"]) for name, f in listed_files(root, manifest).items()}
     files[MANIFEST_NAME] = (root / MANIFEST_NAME).stat().st_size
     return dict(sorted(files.items()))
+
+
+def listed_files(root: Path, manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The manifest's ``files`` (name → size and sha256) and its parts' files, every name checked
+    to stay inside ``root`` (``formats/safe_paths.py``; HetquantError for one that leaves it)."""
+    listed: dict[str, dict[str, Any]] = manifest.get("files", {})
+    parts = [p for p in (manifest.get("parts") or {}).values() if isinstance(p, dict)]
+    for name in [*listed, *(f for part in parts for f in part.get("files", []))]:
+        inside(root, name, root / MANIFEST_NAME)
+    return listed
 
 
 def count_files(files: dict[str, int]) -> str:
@@ -100,12 +118,13 @@ def verify_artifact(root: Path) -> list[str]:
     problems: list[str] = []
     if manifest.get("complete") is not True:
         problems.append(f"{MANIFEST_NAME}: not marked complete")
-    listed: dict[str, dict[str, Any]] = manifest.get("files", {})
+    listed = listed_files(root, manifest)  # a name outside the artifact: refused (exit 2)
     present = {name: root / name for name in listed if (root / name).is_file()}
     digests = digest_files(present)  # several files at once
     for name, want in listed.items():
         if name not in digests:
-            problems.append(f"{name}: missing")
+            there = (root / name).exists()  # a FIFO, a device, a directory: never opened
+            problems.append(f"{name}: {'not a regular file' if there else 'missing'}")
             continue
         got = digests[name]
         if got["size"] != want["size"]:

@@ -32,6 +32,7 @@ from ._lazy import torch
 from .base import TensorMeta
 from .dtypes import itemsize, numpy_dtype, torch_dtype
 from .errors import HetquantError
+from .safe_paths import open_binary
 
 __all__ = [
     "HeaderEntry",
@@ -83,23 +84,29 @@ class SafetensorsHeader:
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Parse and validate the header of ``path``; touches no tensor data."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_binary(path) as f:  # a regular file: a FIFO or device is refused, never read
+        size = os.fstat(f.fileno()).st_size
         raw_len = f.read(_LEN.size)
         if len(raw_len) < _LEN.size:
             raise HetquantError(f"{path}: only {size} bytes, not a safetensors file (truncated?)")
         (n,) = _LEN.unpack(raw_len)
-        if n > _MAX_HEADER or _LEN.size + n > size:
+        if n > _MAX_HEADER or _LEN.size + n > size:  # n is the file's bytes: never shown
             raise HetquantError(
-                f"{path}: header claims {n} bytes but the file has {size}; the file is truncated "
-                "or not safetensors — re-download it"
+                f"{path}: header length (the first 8 bytes) does not fit the {size}-byte file; "
+                "the file is truncated or not safetensors — re-download it"
             )
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except UnicodeDecodeError as e:  # its message shows a byte of the file: say where instead
         raise HetquantError(
-            f"{path}: header is not valid JSON ({e}); re-download the file"
+            f"{path}: header is not valid JSON (not UTF-8 at byte {_LEN.size + e.start}); "
+            "re-download the file"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise HetquantError(
+            f"{path}: header is not valid JSON ({e.msg} at byte {_LEN.size + e.pos}); "
+            "re-download the file"
         ) from None
     if not isinstance(header, dict):
         raise HetquantError(f"{path}: header is not a JSON object")
@@ -150,7 +157,7 @@ class MappedFile:
     """A private (copy-on-write) memory map of a whole file; the file itself is never written."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        with open(path, "rb") as f:
+        with open_binary(path) as f:
             size = os.fstat(f.fileno()).st_size
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         self.path = Path(path)

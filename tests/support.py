@@ -13,6 +13,8 @@
 - ``tiny_ro``: one session-wide copy of the example, the source of ``tiny_artifact`` /
   ``tiny_artifact_1mb`` (the bf16 artifact, default and 1 MB shards, converted once per session)
   and of every run compared with them. All three are read-only: copy before corrupting.
+- ``hf_cache_snapshot``: a tree laid out as the Hugging Face cache keeps a download (links into
+  ``blobs/``); ``no_hang``: a block that blocks fails instead (a FIFO opened for reading).
 - Independent readers and editors of safetensors files and JSON (``st_header``, ``st_bytes``,
   ``resave_shard``, ``rewrite_header``, ...) that do not go through ``hetquant.formats``.
 - ``ref_dequant_bits``: DeepSeek's FP8 block dequantization written out in numpy with integer
@@ -65,6 +67,41 @@ def sha256(path: Path) -> str:
 def tree_hashes(root: Path) -> dict[str, str]:
     """Relative path → sha256 of every file under ``root`` (hidden ones included)."""
     return {str(p.relative_to(root)): sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def hf_cache_snapshot(tree: Path, cache: Path, repo: str = "org/name") -> Path:
+    """``tree`` laid out as ``huggingface_hub.snapshot_download`` leaves a repo in its cache:
+    every file in ``models--org--name/blobs/<sha256>``, and ``snapshots/<rev>/<path>`` a relative
+    link to it (``../../blobs/<sha>``, one ``..`` more per sub-directory). Returns the snapshot."""
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    blobs, snap = repo_dir / "blobs", repo_dir / "snapshots" / ("0123abcd" * 5)
+    blobs.mkdir(parents=True)
+    for src in sorted(p for p in tree.rglob("*") if p.is_file()):
+        rel = src.relative_to(tree)
+        digest = sha256(src)
+        if not (blobs / digest).exists():
+            shutil.copyfile(src, blobs / digest)
+        link = snap / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(Path(*[".."] * (len(rel.parts) + 1), "blobs", digest), link)
+    return snap
+
+
+@contextmanager
+def no_hang(seconds: int = 20) -> Iterator[None]:
+    """Fail (TimeoutError) instead of hanging when the block blocks for ``seconds`` (SIGALRM:
+    the main thread only; a blocked ``open`` of a FIFO is interrupted)."""
+
+    def expired(signum: int, frame: object) -> None:
+        raise TimeoutError(f"blocked for {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def read_json(path: Path) -> Any:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import HetquantError
+from ..safe_paths import read_regular
 from .mappings import AwqMappings
 from .roles import (
     EXPERT_KINDS,
@@ -69,7 +70,7 @@ __all__ = [
 def load_json(path: Path) -> Any:
     """Read a JSON file; a missing or invalid file is a HetquantError naming it."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_regular(path).decode("utf-8"))  # a FIFO is refused, not read
     except FileNotFoundError:
         raise HetquantError(f"{path}: not found") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

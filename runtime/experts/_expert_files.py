@@ -30,6 +30,7 @@ from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.families import ModelFamily, load_config
 from hetquant.formats.filenames import MANIFEST_NAME
 from hetquant.formats.int4_cpu import LAYER_KEYS
+from hetquant.formats.safe_paths import inside, open_binary, read_regular
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 __all__ = [
@@ -83,7 +84,7 @@ def _cpu_expert_files(artifact: Path) -> list[Path]:
             f"{artifact}: no {MANIFEST}; not a hetquant artifact, or its conversion did not finish"
         )
     try:
-        doc = json.loads(man.read_text(encoding="utf-8"))
+        doc = json.loads(read_regular(man).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HetquantError(f"{man}: not valid JSON ({e}); re-run the conversion") from None
     if not isinstance(doc, dict) or doc.get("complete") is not True:
@@ -97,15 +98,10 @@ def _cpu_expert_files(artifact: Path) -> list[Path]:
             f"{artifact}: the artifact (recipe {recipe}) has no cpu_experts part; convert with "
             "--recipe ascend-hybrid to get CPU experts"
         )
-    root = artifact.resolve()
     out = []
     for rel in files:
-        if not isinstance(rel, str):
-            raise HetquantError(f"{man}: parts.cpu_experts.files holds a non-string {rel!r}")
-        p = (artifact / rel).resolve()
-        if not p.is_relative_to(root):
-            raise HetquantError(f"{man}: cpu_experts file {rel!r} points outside the artifact")
-        if not p.is_file():
+        p = inside(artifact, rel, man, "cpu_experts file")
+        if not p.exists():  # a FIFO or directory: read_header names what it is
             raise HetquantError(f"{artifact}: cpu_experts file {rel} is missing; re-download it")
         out.append(p)
     return out
@@ -194,7 +190,7 @@ class _Mapping:
     """One file, mapped whole (private, copy-on-write); views are slices of one uint8 tensor."""
 
     def __init__(self, path: Path) -> None:
-        with open(path, "rb") as f:
+        with open_binary(path) as f:
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.base: torch.Tensor | None = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.range = (self.base.data_ptr(), self.base.data_ptr() + len(self.mm))

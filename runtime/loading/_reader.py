@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from hetquant.formats.errors import HetquantError
+from hetquant.formats.safe_paths import open_regular
 
 from ._staging import STAGE_BYTES, CudaLane, lane_count, staged_copy
 
@@ -151,7 +152,7 @@ class _Source:
     ``read_many`` may run in several threads at once (CUDA staging lanes)."""
 
     def __init__(self, path: Path, stats: LoadStats) -> None:
-        self.path, self.stats, self.fd, self.mm = path, stats, os.open(path, os.O_RDONLY), None
+        self.path, self.stats, self.fd, self.mm = path, stats, open_regular(path), None
         self.lock = threading.Lock()  # the lazy map and the counters
 
     def __enter__(self) -> _Source:

@@ -33,6 +33,7 @@ from hetquant.formats.base import identify
 from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.errors import HetquantError
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
+from hetquant.formats.safe_paths import inside, read_regular
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 from ..parallel.layout import ParallelLayout, split_of
@@ -145,7 +146,8 @@ class Artifact:
     def cpu_expert_files(self) -> dict[int, Path]:
         """MoE layer → its ``cpu_experts/layer_XXX.safetensors`` (for the CPU expert pool)."""
         files = self.manifest.get("parts", {}).get("cpu_experts", {}).get("files", [])
-        return {int(Path(f).stem.split("_")[-1]): self.root / f for f in files}
+        paths = [inside(self.root, f, self.root / MANIFEST, "cpu_experts file") for f in files]
+        return {int(p.stem.split("_")[-1]): p for p in paths}
 
     def cpu_expert_pool(self, subpools: int = 1, **options: Any) -> Any:
         """The ``cpu_experts/`` part as a ``CpuExpertPool`` (runtime/experts/expert_pool.py); ``load``
@@ -271,10 +273,8 @@ def open_artifact(path: str | os.PathLike[str]) -> Artifact:
     if not isinstance(weight_map, dict) or not weight_map:
         raise HetquantError(f"{root / INDEX}: no weight_map; re-run the conversion")
     headers = {}
-    for file in sorted(set(weight_map.values())):
-        if Path(file).is_absolute() or ".." in Path(file).parts:
-            raise HetquantError(f"{root / INDEX}: unsafe shard path {file!r}")
-        headers[file] = read_header(root / file).entries
+    for file in sorted(set(weight_map.values()), key=str):
+        headers[file] = read_header(inside(root, file, root / INDEX, "shard")).entries
     grouped: dict[str, dict[str, tuple[str, HeaderEntry]]] = {}
     for name, file in weight_map.items():
         if name not in headers[file]:
@@ -300,7 +300,7 @@ def open_artifact(path: str | os.PathLike[str]) -> Artifact:
 
 def _json(path: Path) -> dict[str, Any]:
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(read_regular(path).decode("utf-8"))
     except FileNotFoundError:
         raise HetquantError(f"{path}: missing; not a (complete) hetquant artifact") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

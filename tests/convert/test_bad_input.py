@@ -4,6 +4,7 @@ traceback, nothing in OUTPUT that looks like an artifact, and the source untouch
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import struct
 from collections.abc import Callable
@@ -179,11 +180,32 @@ def _remove(file: str) -> Callable[[Path], None]:
     return lambda src: (src / file).unlink()
 
 
+def _fifo(file: str) -> Callable[[Path], None]:
+    """``file`` replaced by a FIFO: opened for reading, it would block until a writer came."""
+
+    def corrupt(src: Path) -> None:
+        (src / file).unlink()
+        os.mkfifo(src / file)
+
+    return corrupt
+
+
+def _link_out(file: str) -> Callable[[Path], None]:
+    """``file`` a link to a valid copy of itself outside SOURCE."""
+
+    def corrupt(src: Path) -> None:
+        outside = src.parent / f"elsewhere-{file}"
+        shutil.move(src / file, outside)
+        os.symlink(outside, src / file)
+
+    return corrupt
+
+
 # (id, corruption, substrings the error line must contain)
 CASES: list[tuple[str, Callable[[Path], None], tuple[str, ...]]] = [
     ("truncated-shard-end", _truncate(SHARD3, lambda n: n - 1), (SHARD3, "truncated")),
     ("truncated-shard-half", _truncate(SHARD3, lambda n: n // 2), (SHARD3,)),
-    ("truncated-shard-in-header", _truncate(SHARD3, 100), (SHARD3, "header claims")),
+    ("truncated-shard-in-header", _truncate(SHARD3, 100), (SHARD3, "header length")),
     ("truncated-shard-4-bytes", _truncate(SHARD3, 4), (SHARD3, "only 4 bytes")),
     ("truncated-shard-empty", _truncate(SHARD5, 0), (SHARD5, "only 0 bytes")),
     ("header-offsets-past-end", _offsets_past_end, (SHARD3, "past the end")),
@@ -196,6 +218,9 @@ CASES: list[tuple[str, Callable[[Path], None], tuple[str, ...]]] = [
      (INDEX, "../x.safetensors", "outside")),
     ("index-absolute-path", _outside_shard(lambda s: str(s.parent / "x.safetensors")),
      (INDEX, "x.safetensors", "outside")),
+    ("shard-is-a-fifo", _fifo(SHARD3), (SHARD3, "is a FIFO", "not a regular file")),
+    ("config-is-a-fifo", _fifo("config.json"), ("config.json", "is a FIFO")),
+    ("shard-links-outside", _link_out(SHARD3), (INDEX, SHARD3, "is a link to", "outside")),
     ("index-tensor-not-in-shard", _index_file(O_PROJ, SHARD1), (O_PROJ, SHARD1)),
     ("index-unknown-tensor", _index_extra_tensor, ("model.layers.0.ghost.weight",)),
     ("fp8-without-scale", _drop_scale, (KV_A, "_scale_inv")),

@@ -15,7 +15,7 @@ import pytest
 import torch
 from kt_reference import decode_quant
 from safetensors.torch import load_file
-from support import make_kimi_k2
+from support import hf_cache_snapshot, make_kimi_k2
 
 from hetquant.convert import exporters
 from hetquant.convert.export import export
@@ -178,6 +178,19 @@ def test_bad_input(hybrid, k2, tiny_artifact, tmp_path, cli) -> None:
     _refused(cli, [tmp_path / "nope", out, "--to", "kt-amxint4"], out, "no such file")
     res = cli("export", hybrid, out, "--to", "gguf")
     assert res.exit_code == 2 and "kt-amxint4" in res.stderr
+
+
+def test_export_from_the_hub_cache(hybrid, tmp_path, cli) -> None:
+    """A hybrid downloaded the normal way (every file a link into ``blobs/``) was refused
+    ("points outside the artifact"); it exports the same files as the directory it came from."""
+    snap = hf_cache_snapshot(hybrid, tmp_path / "hub")
+    got, want = tmp_path / "from-cache", tmp_path / "from-dir"
+    for src, out in ((snap, got), (hybrid, want)):
+        res = cli("export", src, out, "--to", "kt-amxint4")
+        assert res.exit_code == 0, res.stderr
+    files = json.loads((got / "hetquant.json").read_text())["files"]
+    assert files == json.loads((want / "hetquant.json").read_text())["files"]
+    assert cli("verify", got).exit_code == 0
 
 
 def test_export_into_the_artifact_is_refused(hybrid, tmp_path, cli) -> None:

@@ -12,10 +12,12 @@ import logging
 import shutil
 import socket
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from click.testing import CliRunner
 from fake_hub import FakeHub  # tests/convert is on sys.path (rootdir-relative import)
+from support import run_cli
 
 from hetquant.convert.hub import (
     FOLDER_ENTRIES_MAX,
@@ -23,6 +25,7 @@ from hetquant.convert.hub import (
     RECOMMENDED_FILE_BYTES,
     check_hub_limits,
     parse_repo_spec,
+    redact,
     resolve_source,
 )
 from hetquant.convert.manifest import MANIFEST_NAME
@@ -313,6 +316,39 @@ def test_publish_offline_is_exit_2(
     assert res.exit_code == 2
     assert "HF_HUB_OFFLINE" in res.output and TOKEN not in res.output
     assert hub.requests == []
+
+
+# a token that reaches a message escaped (issue 25 §1) ------------------------------------------
+ODD_TOKEN = "NotHfShaped0123456789SecretValue\r"  # no hf_ prefix, a trailing CR (a Windows paste)
+
+
+@pytest.mark.parametrize("command", ["publish", "convert"])
+def test_token_with_a_control_character_is_never_printed(
+    hub: FakeHub, artifact: Path, tmp_path: Path, command: str
+) -> None:
+    """The HTTP stack refuses the header and quotes it escaped (``…Value\\r``), which the raw
+    token does not match: redaction covers every form the token may be quoted in."""
+    if command == "publish":
+        res = _run(str(artifact), "acme/odd", "--license", "mit", "--token", ODD_TOKEN)
+        out = res.output
+    else:
+        got = run_cli("convert", "acme/odd", tmp_path / "out", "--recipe", "bf16",
+                      "--token", ODD_TOKEN)  # fmt: skip
+        res, out = got, got.stdout + got.stderr
+    assert res.exit_code == 2, out
+    assert len([x for x in out.splitlines() if x.startswith("error: ")]) == 1, out
+    assert ODD_TOKEN.strip() not in out and "SecretValue" not in out, out
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["abcSecret42\r", " abcSecret42\t", "abc\"Secret'42", "abcSecrét42\x00", "ab/c+Secret=42"],
+)
+def test_redact_every_quoted_form(token: str) -> None:
+    forms = [token, repr(token), json.dumps(token), repr(token.encode("utf-8", "backslashreplace")),
+             repr(f"Bearer {token}".encode("utf-8", "backslashreplace")), quote(token, safe="")]  # fmt: skip
+    for form in forms:
+        assert "Secret" not in redact(f"error: header {form} refused", token), form
 
 
 # resolve_source -------------------------------------------------------------------------------

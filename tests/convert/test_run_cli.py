@@ -4,12 +4,13 @@ at any TP and before the compute; damaged weights that give non-finite logits fa
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from support import INDEX, TINY, read_json, run_cli, st_header
+from support import INDEX, TINY, hf_cache_snapshot, no_hang, read_json, run_cli, st_header
 
 from hetquant.calib.eval import eval_peak_bytes
 
@@ -75,6 +76,43 @@ def test_a_bad_cpu_experts_file_is_one_line_at_any_tp(
     res = cli("run", art, "--tokens", "5,17", "--tp", tp)
     _one_error_line(res, "layer_002.safetensors", damage if damage == "missing" else "truncated")
     assert "starting" not in res.stderr  # refused before any rank was spawned
+
+
+# paths and files an artifact gives (issue 25 §1, §2) -------------------------------------------
+def _root_shard(art: Path) -> Path:
+    return art / read_json(art / INDEX)["weight_map"]["lm_head.weight"]
+
+
+@pytest.mark.parametrize("swap", ["link-out", "fifo"])
+def test_run_refuses_a_root_shard_out_of_the_artifact_or_not_a_file(
+    cli, arts, tmp_path: Path, swap: str
+) -> None:
+    """A shard linked to a file outside ran (exit 0, that file's logits); a FIFO hung forever."""
+    art = _copy(arts["ascend-hybrid"], tmp_path)
+    shard = _root_shard(art)
+    if swap == "link-out":
+        shutil.move(shard, tmp_path / "elsewhere.safetensors")
+        os.symlink(tmp_path / "elsewhere.safetensors", shard)
+    else:
+        shard.unlink()
+        os.mkfifo(shard)
+    with no_hang():
+        res = cli("run", art, "--tokens", "5,17")
+    words = ("outside the artifact",) if swap == "link-out" else ("is a FIFO", "not a regular")
+    _one_error_line(res, shard.name, *words)
+
+
+def test_run_loads_a_hybrid_from_the_hub_cache(cli, arts, tmp_path: Path) -> None:
+    """A hybrid downloaded the normal way (every file a link into ``blobs/``) was refused
+    ("points outside the artifact"); it runs, with the logits of the directory it came from."""
+    snap = hf_cache_snapshot(arts["ascend-hybrid"], tmp_path / "hub")
+    got = cli("run", snap, "--tokens", "5,17", "--save-logits", tmp_path / "hub.npy")
+    want = cli(
+        "run", arts["ascend-hybrid"], "--tokens", "5,17", "--save-logits", tmp_path / "a.npy"
+    )
+    assert got.exit_code == 0 and want.exit_code == 0, (got.stderr, want.stderr)
+    assert got.stdout == want.stdout
+    assert np.array_equal(np.load(tmp_path / "hub.npy"), np.load(tmp_path / "a.npy"))
 
 
 def test_a_rank_error_comes_back_as_its_one_line(

@@ -217,8 +217,20 @@ def test_read_header_rejects_files_under_8_bytes(tmp_path: Path, size: int) -> N
 @pytest.mark.parametrize("n", [9, 1000, 2**63, 100 * 1024 * 1024 + 1])
 def test_read_header_rejects_header_length_past_eof(tmp_path: Path, n: int) -> None:
     path = _file(tmp_path, b"{}      ", n=n)  # 16 bytes in all
-    with pytest.raises(HetquantError, match=r"bad\.safetensors: header claims"):
+    with pytest.raises(HetquantError, match=r"bad\.safetensors: header length") as e:
         read_header(path)
+    assert str(n) not in str(e.value)  # the file's first 8 bytes are never shown (issue 25 §1)
+
+
+def test_read_header_shows_no_bytes_of_a_file_that_is_not_safetensors(tmp_path: Path) -> None:
+    path = tmp_path / "secret.safetensors"
+    for secret in (b"\x10\x00\x00\x00\x00\x00\x00\x00\xffSECRET-TOKEN!!!", b"password=hunter2\n"):
+        path.write_bytes(secret)
+        with pytest.raises(HetquantError) as e:
+            read_header(path)
+        shown = str(e.value)
+        assert not any(w in shown for w in ("password", "hunter2", "SECRET", "0xff", "\\xff"))
+    assert str(int.from_bytes(b"password", "little")) not in shown  # the first 8 bytes as a length
 
 
 @pytest.mark.parametrize(

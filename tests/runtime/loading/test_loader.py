@@ -353,7 +353,7 @@ def test_trusted_manifest_reads_unlisted_modules_as_plain(artifacts, tmp_path: P
                 r / "model.safetensors.index.json",
                 weight_map={"lm_head.weight": "../x.safetensors"},
             ),
-            "unsafe shard path",
+            "shard '../x.safetensors' points outside the artifact",
         ),
     ],
 )
