@@ -17,9 +17,10 @@ from typing import Any
 from hetquant.formats import HetquantError
 from hetquant.formats.families import TensorRole, expected_tensors, load_config, load_json
 from hetquant.formats.filenames import PARTIAL_DIR
+from hetquant.formats.manifest_schema import read_manifest
 
 from .export import replay_export
-from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, digest_files, module_formats
+from .manifest import MANIFEST_NAME, digest_files, module_formats
 from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
 from .source import INDEX_NAME, PLAIN
@@ -36,15 +37,8 @@ IGNORED_DIRS = (".cache/huggingface/", f"{PARTIAL_DIR}/")
 
 
 def load_manifest(root: Path) -> dict[str, Any]:
-    path = root / MANIFEST_NAME
-    if not path.exists():
-        raise HetquantError(f"{root}: no {MANIFEST_NAME}; not a (complete) hetquant artifact")
-    doc = load_json(path)
-    if not isinstance(doc, dict) or doc.get("schema_version") not in READABLE_SCHEMAS:
-        raise HetquantError(
-            f"{path}: unknown manifest schema {doc.get('schema_version') if isinstance(doc, dict) else doc!r}"
-        )
-    return doc
+    """``root``'s manifest, its schema checked (``formats.manifest_schema.read_manifest``)."""
+    return read_manifest(root)
 
 
 def source_format(manifest: dict[str, Any], role: TensorRole) -> str:

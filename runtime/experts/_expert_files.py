@@ -16,7 +16,6 @@ at open except the headers and the pages each subpool touches.
 
 from __future__ import annotations
 
-import json
 import mmap
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.families import ModelFamily, load_config
 from hetquant.formats.filenames import MANIFEST_NAME
 from hetquant.formats.int4_cpu import LAYER_KEYS
+from hetquant.formats.manifest_schema import read_manifest
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 __all__ = [
@@ -78,21 +78,12 @@ class ExpertLayerInfo:
 
 def _cpu_expert_files(artifact: Path) -> list[Path]:
     man = artifact / MANIFEST
-    if not man.is_file():
-        raise HetquantError(
-            f"{artifact}: no {MANIFEST}; not a hetquant artifact, or its conversion did not finish"
-        )
-    try:
-        doc = json.loads(man.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HetquantError(f"{man}: not valid JSON ({e}); re-run the conversion") from None
-    if not isinstance(doc, dict) or doc.get("complete") is not True:
+    doc = read_manifest(artifact)  # its schema checked: parts.*.files are lists of strings
+    if doc.get("complete") is not True:
         raise HetquantError(f"{man}: the artifact is not complete; re-run the conversion")
-    parts = doc.get("parts")
-    part = parts.get("cpu_experts") if isinstance(parts, dict) else None
-    files = part.get("files") if isinstance(part, dict) else None
+    files = doc["parts"].get("cpu_experts", {}).get("files")
     if not files:
-        recipe = (doc.get("recipe") or {}).get("name", "?")
+        recipe = doc.get("recipe", {}).get("name", "?")
         raise HetquantError(
             f"{artifact}: the artifact (recipe {recipe}) has no cpu_experts part; convert with "
             "--recipe ascend-hybrid to get CPU experts"
@@ -100,8 +91,6 @@ def _cpu_expert_files(artifact: Path) -> list[Path]:
     root = artifact.resolve()
     out = []
     for rel in files:
-        if not isinstance(rel, str):
-            raise HetquantError(f"{man}: parts.cpu_experts.files holds a non-string {rel!r}")
         p = (artifact / rel).resolve()
         if not p.is_relative_to(root):
             raise HetquantError(f"{man}: cpu_experts file {rel!r} points outside the artifact")

@@ -18,7 +18,6 @@ the tensor bytes read from files (headers not included).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -33,6 +32,8 @@ from hetquant.formats.base import identify
 from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.errors import HetquantError
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
+from hetquant.formats.json_io import load_json
+from hetquant.formats.manifest_schema import read_manifest
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 from ..parallel.layout import ParallelLayout, split_of
@@ -262,7 +263,7 @@ def _finish_modules(
 def open_artifact(path: str | os.PathLike[str]) -> Artifact:
     """Open the artifact at ``path``: manifest, config.json, index and headers; no tensor data."""
     root = Path(path)
-    manifest, config = _json(root / MANIFEST), _json(root / "config.json")
+    manifest, config = read_manifest(root), _json(root / "config.json")
     if manifest.get("complete") is not True:
         raise HetquantError(
             f"{root}: {MANIFEST} is not marked complete; the conversion did not finish"
@@ -299,12 +300,7 @@ def open_artifact(path: str | os.PathLike[str]) -> Artifact:
 
 
 def _json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise HetquantError(f"{path}: missing; not a (complete) hetquant artifact") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HetquantError(f"{path}: not valid JSON ({e})") from None
+    doc = load_json(path)
     if not isinstance(doc, dict):
         raise HetquantError(f"{path}: not a JSON object")
     return doc
