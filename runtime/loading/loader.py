@@ -31,11 +31,13 @@ from hetquant.formats import WeightFormat, get_format
 from hetquant.formats.base import identify
 from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.errors import HetquantError
+from hetquant.formats.families import parse_config
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
 from hetquant.formats.json_io import load_json
 from hetquant.formats.manifest_schema import read_manifest
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
+from ..experts._expert_files import _select_layers
 from ..parallel.layout import ParallelLayout, split_of
 from ..parallel.shard_rules import (
     ModelFacts,
@@ -47,6 +49,7 @@ from ..parallel.shard_rules import (
     split_range,
 )
 from ._reader import LoadStats, Span, read_spans
+from .conformance import check_conforms
 
 __all__ = ["Artifact", "LoadStats", "Span", "TensorRead", "open_artifact"]
 
@@ -261,7 +264,10 @@ def _finish_modules(
 
 
 def open_artifact(path: str | os.PathLike[str]) -> Artifact:
-    """Open the artifact at ``path``: manifest, config.json, index and headers; no tensor data."""
+    """Open the artifact at ``path``: manifest, config.json, index and headers; no tensor data.
+
+    Refuses an artifact whose stored tensors (root shards and ``cpu_experts/``) are not the ones
+    its config.json implies, shape for shape (``conformance``)."""
     root = Path(path)
     manifest, config = read_manifest(root), _json(root / "config.json")
     if manifest.get("complete") is not True:
@@ -296,6 +302,8 @@ def open_artifact(path: str | os.PathLike[str]) -> Artifact:
             mid = prefix if not keys and len(extras) == 1 else f"{prefix}.{key}"
             modules[mid] = ModuleInfo(prefix, None, entries[key][1].shape, {key: entries[key]})
     order = sorted(modules, key=lambda m: min((f, e.start) for f, e in modules[m].entries.values()))
+    pool = _select_layers(root, None) if manifest["parts"].get("cpu_experts") else {}
+    check_conforms(root, parse_config(config, str(root / "config.json")), modules, pool)
     return Artifact(root, manifest, config, {m: modules[m] for m in order})
 
 
