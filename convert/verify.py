@@ -4,7 +4,8 @@ Checks, each reported as a line: the manifest is complete and of a known schema;
 exists with its size and sha256; nothing unlisted lies beside them; every safetensors header is
 valid; the index maps exactly the root shards' tensors; and every file's header is byte-identical
 to the one the plan — replayed from config.json and the manifest's recipe and source dtypes —
-prescribes, which proves every tensor's name, dtype, shape and offset. An export (``hetquant
+prescribes, which proves every tensor's name, dtype, shape and offset — and every file that plan
+writes is there, listed or not (a file deleted together with its manifest entry). An export (``hetquant
 export``: another engine's layout) is checked the same way against the plan its manifest's
 ``export`` entry replays (``export.replay_export``): every file's size and header.
 """
@@ -120,9 +121,15 @@ def _check_structure(root: Path, manifest: dict[str, Any]) -> list[str]:
         plan = replay_export(manifest) if "export" in manifest else replay_plan(root, manifest)
     except (HetquantError, KeyError, TypeError) as e:
         return [f"cannot replay the plan from the manifest: {e}"]
+    listed = manifest["files"]
     for f in plan.files:
         if (root / f.name).is_file():  # a missing one is already reported
             problems += f.check(root / f.name)  # its container's structure (e.g. the header)
+        elif f.name not in listed:  # gone, and dropped from the manifest too
+            problems.append(
+                f"{f.name}: missing and not listed in the manifest, but the plan replayed from "
+                "config.json and the manifest's recipe writes it"
+            )
     if "export" in manifest:  # another engine's layout: no index, no root part
         return problems
     try:  # a corrupt index is a failed check (exit 1), not bad input
