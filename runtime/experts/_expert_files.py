@@ -32,6 +32,8 @@ from hetquant.formats.int4_cpu import LAYER_KEYS
 from hetquant.formats.manifest_schema import read_manifest
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
+from ..loading.conformance import check_pool_layers
+
 __all__ = [
     "MANIFEST",
     "ExpertLayerInfo",
@@ -152,9 +154,9 @@ def _select_layers(artifact: Path, layers: Iterable[int] | None) -> dict[int, Ex
     (all if None)."""
     infos: dict[int, ExpertLayerInfo] = {}
     files = _cpu_expert_files(artifact)
-    family = load_config(artifact / "config.json").family
+    cfg = load_config(artifact / "config.json")
     for path in files:
-        for info in _layers_of(path, family):
+        for info in _layers_of(path, cfg.family):
             if info.layer in infos:
                 raise HetquantError(
                     f"{artifact}: layer {info.layer} appears in {infos[info.layer].path.name} "
@@ -172,6 +174,7 @@ def _select_layers(artifact: Path, layers: Iterable[int] | None) -> dict[int, Ex
         infos = {v: infos[v] for v in want}
     if not infos:
         raise HetquantError(f"{artifact}: no layers selected")
+    check_pool_layers(artifact, cfg, infos)  # dims and experts as config.json implies
     return infos
 
 

@@ -23,14 +23,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetquant.formats.errors import HetquantError
-from hetquant.formats.families import ModelConfig, ModelFamily, expected_tensors
+from hetquant.formats.families import ModelConfig, ModelFamily, TensorRole, expected_tensors
 
-from ..experts._expert_files import ExpertLayerInfo
 from ..parallel.shard_rules import ModuleInfo
 
-__all__ = ["check_conforms", "stored_shapes"]
+if TYPE_CHECKING:
+    from ..experts._expert_files import ExpertLayerInfo
+
+__all__ = ["check_conforms", "check_pool_layers", "stored_shapes"]
 
 _FIX = "the artifact does not match its config.json; re-download it or re-run the conversion"
 
@@ -55,8 +58,22 @@ def check_conforms(
 ) -> None:
     """Refuse (HetquantError, one line) an artifact whose stored tensors are not exactly the
     ones config.json implies, with their shapes (module docstring)."""
-    expected = expected_tensors(cfg)
-    stored = stored_shapes(root, modules, layers, cfg.family)
+    _refuse_differences(
+        root, expected_tensors(cfg), stored_shapes(root, modules, layers, cfg.family)
+    )
+
+
+def check_pool_layers(root: Path, cfg: ModelConfig, layers: Mapping[int, ExpertLayerInfo]) -> None:
+    """``check_conforms`` for the CPU expert pool opened alone: the routed experts of ``layers``."""
+    expected = {n: t for n, t in expected_tensors(cfg).items() if t.layer in layers and t.stack}
+    _refuse_differences(root, expected, dict(_pool_shapes(layers, cfg.family)))
+
+
+def _refuse_differences(
+    root: Path,
+    expected: Mapping[str, TensorRole],
+    stored: Mapping[str, tuple[tuple[int, ...], Path]],
+) -> None:
     wrong = [n for n, (shape, _) in stored.items() if n in expected and shape != expected[n].shape]
     missing = [n for n in expected if n not in stored]
     extra = [n for n in stored if n not in expected]

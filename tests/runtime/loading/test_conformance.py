@@ -79,7 +79,7 @@ ROOT_CASES = {
 POOL_CASES = {
     "fewer-experts": (keep_experts(4), r"implies model.layers.2.mlp.experts.4.gate_proj.weight .* which no file"),
     "layer-file-gone": (drop_layer_file, r"implies model.layers.2.mlp.experts.0.gate_proj.weight .* which no file"),
-    "expert-count": (_config(n_routed_experts=16), r"mlp.gate.weight has shape \[8, 256\] but config.json implies \[16, 256\]"),
+    "expert-count": (_config(n_routed_experts=16), r"implies model.layers.1.mlp.experts.8.gate_proj.weight \[256, 256\], which no file"),
 }  # fmt: skip
 
 
@@ -118,3 +118,23 @@ def test_the_check_reads_headers_only(tiny_hybrid: Path, tmp_path: Path) -> None
         n = 8 + int.from_bytes(f.read_bytes()[:8], "little")
         f.write_bytes(f.read_bytes()[:n] + bytes(f.stat().st_size - n))
     assert open_artifact(art).modules.keys() == open_artifact(tiny_hybrid).modules.keys()
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (keep_experts(4), r"implies model.layers.2.mlp.experts.4.gate_proj.weight .* which no file"),
+        (_config(moe_intermediate_size=128), r"layer_001.safetensors: model.layers.1.mlp.experts.0.gate_proj.weight has shape \[256, 256\] but config.json implies \[128, 256\]"),
+        (_config(first_k_dense_replace=2), r"layer_001.safetensors: stores model.layers.1.mlp.experts.0.gate_proj.weight .* which config.json does not imply"),
+    ],
+    ids=["fewer-experts", "inter", "dense-layer"],
+)  # fmt: skip
+def test_the_pool_opened_alone_checks_its_layers(
+    tiny_hybrid: Path, tmp_path: Path, edit: Callable[[Path], None], match: str
+) -> None:
+    from hetquant.runtime.experts.expert_pool import CpuExpertPool
+
+    art = _copy(tiny_hybrid, tmp_path)
+    edit(art)
+    with pytest.raises(HetquantError, match=match):
+        CpuExpertPool.open(art)
