@@ -149,9 +149,12 @@ def _identify(
     )
 
 
-def _select_layers(artifact: Path, layers: Iterable[int] | None) -> dict[int, ExpertLayerInfo]:
+def _select_layers(
+    artifact: Path, layers: Iterable[int] | None, *, check: bool = True
+) -> dict[int, ExpertLayerInfo]:
     """The layers of ``artifact``'s cpu_experts files, keyed by layer number; only ``layers``
-    (all if None)."""
+    (all if None). ``check``: refuse layers that disagree with config.json (``open_artifact``
+    passes False: it checks them with the rest of the artifact)."""
     infos: dict[int, ExpertLayerInfo] = {}
     files = _cpu_expert_files(artifact)
     cfg = load_config(artifact / "config.json")
@@ -174,7 +177,8 @@ def _select_layers(artifact: Path, layers: Iterable[int] | None) -> dict[int, Ex
         infos = {v: infos[v] for v in want}
     if not infos:
         raise HetquantError(f"{artifact}: no layers selected")
-    check_pool_layers(artifact, cfg, infos)  # dims and experts as config.json implies
+    if check:  # dims and experts as config.json implies
+        check_pool_layers(artifact, cfg, infos)
     return infos
 
 

@@ -302,7 +302,7 @@ def open_artifact(path: str | os.PathLike[str]) -> Artifact:
             mid = prefix if not keys and len(extras) == 1 else f"{prefix}.{key}"
             modules[mid] = ModuleInfo(prefix, None, entries[key][1].shape, {key: entries[key]})
     order = sorted(modules, key=lambda m: min((f, e.start) for f, e in modules[m].entries.values()))
-    pool = _select_layers(root, None) if manifest["parts"].get("cpu_experts") else {}
+    pool = _select_layers(root, None, check=False) if manifest["parts"].get("cpu_experts") else {}
     check_conforms(root, parse_config(config, str(root / "config.json")), modules, pool)
     return Artifact(root, manifest, config, {m: modules[m] for m in order})
 
