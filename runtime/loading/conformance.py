@@ -46,7 +46,12 @@ def stored_shapes(
 ) -> dict[str, tuple[tuple[int, ...], Path]]:
     """Logical tensor name → (shape, file holding it) of everything the artifact stores."""
     out = dict(_root_shapes(root, modules))
-    out.update(_pool_shapes(layers, family))
+    for name, (shape, file) in _pool_shapes(layers, family):
+        if name in out:
+            raise HetquantError(
+                f"{file}: {name} is stored twice, here and in {out[name][1]}; {_FIX}"
+            )
+        out[name] = (shape, file)
     return out
 
 

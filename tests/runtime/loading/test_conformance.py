@@ -50,6 +50,13 @@ def add_tensor(art: Path) -> None:
     edit_index(art, lambda doc: doc["weight_map"].update({name: shard_of(art, NORM).name}))
 
 
+def expert_in_root(art: Path) -> None:
+    """A routed expert's weight added to the root shard, while cpu_experts/ stacks it too."""
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    resave_shard(shard_of(art, NORM), lambda t: t.update({name: torch.zeros(256, 256)}))
+    edit_index(art, lambda doc: doc["weight_map"].update({name: shard_of(art, NORM).name}))
+
+
 def keep_experts(n: int, file: str = LAYER2) -> Callable[[Path], None]:
     """The cpu_experts layer ``file`` re-saved with its first ``n`` experts only."""
 
@@ -77,6 +84,7 @@ ROOT_CASES = {
     "extra-tensor": (add_tensor, r"stores model.layers.0.mlp.extra_proj.weight \[4, 4\], which config.json does not imply"),
 }  # fmt: skip
 POOL_CASES = {
+    "stored-twice": (expert_in_root, r"layer_001.safetensors: model.layers.1.mlp.experts.0.gate_proj.weight is stored twice, here and in .*model-00001-of-00001.safetensors"),
     "fewer-experts": (keep_experts(4), r"implies model.layers.2.mlp.experts.4.gate_proj.weight .* which no file"),
     "layer-file-gone": (drop_layer_file, r"implies model.layers.2.mlp.experts.0.gate_proj.weight .* which no file"),
     "expert-count": (_config(n_routed_experts=16), r"mlp.gate.weight has shape \[8, 256\] but config.json implies \[16, 256\]"),
