@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from hetquant.formats import HetquantError
+from hetquant.formats.json_io import load_json
 
 __all__ = [
     "CALIB_SAMPLES",
@@ -65,7 +66,8 @@ def load_tokenizer(model_dir: str | Path):
     eos = None
     cfg = root / "config.json"
     if cfg.is_file():
-        eos = json.loads(cfg.read_text()).get("eos_token_id")
+        doc = load_json(cfg)
+        eos = doc.get("eos_token_id") if isinstance(doc, dict) else None
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     if eos is None:

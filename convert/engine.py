@@ -30,6 +30,7 @@ from typing import Any
 
 from hetquant.formats import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
+from hetquant.formats.manifest_schema import read_manifest
 
 from .diskspace import free_bytes, space_error, space_needed
 from .execute import Stopped, run_jobs, sigbus_exits, stop_on_signals
@@ -317,11 +318,11 @@ def finished_manifest(
 ) -> dict[str, Any] | None:
     """The manifest of a complete artifact of this very plan and source directory in ``out``
     (None: work to do); refuses another artifact unless ``overwrite``."""
-    try:
-        manifest = json.loads((out / MANIFEST_NAME).read_text())
-    except FileNotFoundError:
+    if not (out / MANIFEST_NAME).exists():
         return None
-    except ValueError:
+    try:
+        manifest = read_manifest(out)
+    except HetquantError:  # damaged: another artifact, as far as this convert can tell
         manifest = {}
     if overwrite:
         return None

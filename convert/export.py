@@ -121,9 +121,12 @@ def replay_export(manifest: dict[str, Any]) -> ExportPlan:
 
 def source_layers(artifact: Path) -> list[ExpertLayer]:
     """The MoE layers of ``artifact``'s cpu_experts part (manifest and headers; refuses an
-    artifact without one)."""
+    artifact without one, and one whose stored tensors disagree with its config.json:
+    ``runtime/loading/conformance.py``)."""
     from hetquant.runtime.experts._expert_files import _select_layers
+    from hetquant.runtime.loading.loader import open_artifact
 
+    open_artifact(artifact)
     out = []
     for info in _select_layers(artifact, None).values():  # paths: artifact / name, kept inside
         params = dataclasses.asdict(info.fmt)  # type: ignore[call-overload]  # e.g. group_size

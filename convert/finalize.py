@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME, PARTIAL_DIR
+from hetquant.formats.json_io import load_json
 
 from .aux_files import AuxFiles, aux_files
 from .manifest import build_manifest, digest_files, write_json_atomic
@@ -115,7 +116,7 @@ def build(
 
 def move_in(out: Path, work: Path) -> dict[str, Any]:
     """Replace whatever artifact ``out`` holds by the complete one in ``work``."""
-    manifest = json.loads((work / MANIFEST_NAME).read_text())
+    manifest = load_json(work / MANIFEST_NAME)
     names = set(manifest["files"])
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     for name in sorted(names):

@@ -12,7 +12,6 @@ cache is a :class:`HetquantError` naming it.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import re
 from pathlib import Path, PurePosixPath
@@ -20,6 +19,7 @@ from typing import Any
 
 from hetquant.formats import HetquantError
 from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
+from hetquant.formats.json_io import load_json
 
 from ._hub_common import _first_line, hub_endpoint, hub_offline
 from .aux_files import WEIGHT_SUFFIXES
@@ -145,8 +145,7 @@ def _shards_named(root: Path, where: str) -> list[str]:
     if not index.is_file():
         return [SINGLE_NAME]  # a one-file checkpoint, or the clear "neither" error later
     try:
-        doc = json.loads(index.read_text())
-        weight_map = doc["weight_map"]
+        weight_map = load_json(index)["weight_map"]
         files = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise HetquantError(f"{where}: {INDEX_NAME} is not a valid index ({e})") from None

@@ -7,7 +7,6 @@ verification or breaks a Hub limit, 2 bad input or a Hub error (one ``error: …
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import click
 
 from hetquant.formats import HetquantError
 from hetquant.formats.filenames import INDEX_NAME
+from hetquant.formats.json_io import load_json
 from hetquant.formats.safe_paths import is_inside, read_regular
 
 __all__ = ["publish"]
@@ -202,8 +202,8 @@ def _publish(
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        doc = json.loads(read_regular(path))
-    except (OSError, ValueError):
+        doc = load_json(path)
+    except (OSError, HetquantError):
         return {}
     return doc if isinstance(doc, dict) else {}
 

@@ -4,7 +4,8 @@ Checks, each reported as a line: the manifest is complete and of a known schema;
 exists with its size and sha256; nothing unlisted lies beside them; every safetensors header is
 valid; the index maps exactly the root shards' tensors; and every file's header is byte-identical
 to the one the plan — replayed from config.json and the manifest's recipe and source dtypes —
-prescribes, which proves every tensor's name, dtype, shape and offset. An export (``hetquant
+prescribes, which proves every tensor's name, dtype, shape and offset — and every file that plan
+writes is there, listed or not (a file deleted together with its manifest entry). An export (``hetquant
 export``: another engine's layout) is checked the same way against the plan its manifest's
 ``export`` entry replays (``export.replay_export``): every file's size and header.
 """
@@ -17,10 +18,11 @@ from typing import Any
 from hetquant.formats import HetquantError
 from hetquant.formats.families import TensorRole, expected_tensors, load_config, load_json
 from hetquant.formats.filenames import PARTIAL_DIR
+from hetquant.formats.manifest_schema import read_manifest
 from hetquant.formats.safe_paths import inside
 
 from .export import replay_export
-from .manifest import MANIFEST_NAME, READABLE_SCHEMAS, digest_files, module_formats
+from .manifest import MANIFEST_NAME, digest_files, module_formats
 from .plan import Plan, SourceItem, make_plan
 from .recipes import get_recipe
 from .source import INDEX_NAME, PLAIN
@@ -44,15 +46,8 @@ IGNORED_DIRS = (".cache/huggingface/", f"{PARTIAL_DIR}/")
 
 
 def load_manifest(root: Path) -> dict[str, Any]:
-    path = root / MANIFEST_NAME
-    if not path.exists():
-        raise HetquantError(f"{root}: no {MANIFEST_NAME}; not a (complete) hetquant artifact")
-    doc = load_json(path)
-    if not isinstance(doc, dict) or doc.get("schema_version") not in READABLE_SCHEMAS:
-        raise HetquantError(
-            f"{path}: unknown manifest schema {doc.get('schema_version') if isinstance(doc, dict) else doc!r}"
-        )
-    return doc
+    """``root``'s manifest, its schema checked (``formats.manifest_schema.read_manifest``)."""
+    return read_manifest(root)
 
 
 def source_format(manifest: dict[str, Any], role: TensorRole) -> str:
@@ -145,9 +140,15 @@ def _check_structure(root: Path, manifest: dict[str, Any]) -> list[str]:
         plan = replay_export(manifest) if "export" in manifest else replay_plan(root, manifest)
     except (HetquantError, KeyError, TypeError) as e:
         return [f"cannot replay the plan from the manifest: {e}"]
+    listed = manifest["files"]
     for f in plan.files:
         if (root / f.name).is_file():  # a missing one is already reported
             problems += f.check(root / f.name)  # its container's structure (e.g. the header)
+        elif f.name not in listed:  # gone, and dropped from the manifest too
+            problems.append(
+                f"{f.name}: missing and not listed in the manifest, but the plan replayed from "
+                "config.json and the manifest's recipe writes it"
+            )
     if "export" in manifest:  # another engine's layout: no index, no root part
         return problems
     try:  # a corrupt index is a failed check (exit 1), not bad input

@@ -5,8 +5,10 @@ File layout (https://github.com/huggingface/safetensors, "Format"): ``u64 little
 tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the start of the
 data, plus an optional ``"__metadata__"`` of string → string.
 
-Reading validates everything a corrupt or truncated file can get wrong (header length past the
-file, offsets past the data, offsets that disagree with dtype × shape) and maps tensors through a
+Reading validates the header as the safetensors library does (``Metadata::validate``): at most
+``MAX_JSON_BYTES`` of JSON (bounded nesting, ``json_io``), known dtypes, every entry's byte size
+equal to its dtype × shape, and the entries, sorted by offset, tiling the data area exactly — no
+overlap (two tensors sharing bytes), no gap, no byte past the end or left over. It maps tensors through a
 private copy-on-write memory map, so source pages stay reclaimable page cache and the source file
 is never written. Writing knows every tensor's dtype and shape in advance: the header is written
 first, the file is sized, and tensors (or parts of them) are written at their offsets with
@@ -32,6 +34,7 @@ from ._lazy import torch
 from .base import TensorMeta
 from .dtypes import itemsize, numpy_dtype, torch_dtype
 from .errors import HetquantError
+from .json_io import MAX_JSON_BYTES, parse_json
 from .safe_paths import open_binary
 
 __all__ = [
@@ -47,7 +50,7 @@ __all__ = [
 ]
 
 _LEN = struct.Struct("<Q")
-_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+_MAX_HEADER = MAX_JSON_BYTES  # the safetensors library's own limit (100,000,000)
 _ALIGN = 8
 
 
@@ -96,18 +99,7 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
                 "the file is truncated or not safetensors — re-download it"
             )
         raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except UnicodeDecodeError as e:  # its message shows a byte of the file: say where instead
-        raise HetquantError(
-            f"{path}: header is not valid JSON (not UTF-8 at byte {_LEN.size + e.start}); "
-            "re-download the file"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise HetquantError(
-            f"{path}: header is not valid JSON ({e.msg} at byte {_LEN.size + e.pos}); "
-            "re-download the file"
-        ) from None
+    header = parse_json(raw, f"{path}: header")
     if not isinstance(header, dict):
         raise HetquantError(f"{path}: header is not a JSON object")
     data_start = _LEN.size + n
@@ -115,7 +107,8 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise HetquantError(f"{path}: __metadata__ is not a map of strings; the header is corrupt")
     entries = [_entry(path, name, spec, data_start, size) for name, spec in header.items()]
-    entries.sort(key=lambda e: e.start)
+    entries.sort(key=lambda e: (e.start, e.end))
+    _check_tiling(path, entries, data_start, size)
     return SafetensorsHeader(path, {e.name: e for e in entries}, dict(metadata), data_start, size)
 
 
@@ -147,6 +140,27 @@ def _entry(path: Path, name: str, spec: object, data_start: int, size: int) -> H
             "bytes; the shard is truncated or its header offsets point past the end — re-download it"
         )
     return HeaderEntry(name, dtype, shape, data_start + begin, data_start + end)
+
+
+def _check_tiling(path: Path, entries: list[HeaderEntry], data_start: int, size: int) -> None:
+    """``entries`` (sorted by offset) cover the data area ``[data_start, size)`` exactly, each
+    starting where the one before it ends: an overlap would let one tensor's bytes be read as
+    another's, a gap or a tail hides bytes no tensor owns."""
+    at, before = data_start, None
+    for e in entries:
+        if e.start != at:
+            how = "overlaps" if e.start < at else f"leaves {e.start - at} bytes unowned after"
+            raise HetquantError(
+                f"{path}: tensor {e.name!r} (data_offsets from {e.start - data_start}) {how} "
+                f"tensor {before!r} (ending at {at - data_start}); safetensors tensors must be "
+                "contiguous, without overlaps or gaps: the header is corrupt — re-download the file"
+            )
+        at, before = e.end, e.name
+    if at != size:
+        raise HetquantError(
+            f"{path}: the tensors end at byte {at} but the file has {size}: {size - at} bytes "
+            "no tensor owns (safetensors files end with their last tensor); re-download the file"
+        )
 
 
 def _is_int(v: object) -> bool:

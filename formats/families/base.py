@@ -28,7 +28,6 @@ names would accept any config that happens to share them.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import HetquantError
-from ..safe_paths import read_regular
+from ..json_io import load_json
 from .mappings import AwqMappings
 from .roles import (
     EXPERT_KINDS,
@@ -65,16 +64,6 @@ __all__ = [
     "register_family",
     "unregister_family",
 ]
-
-
-def load_json(path: Path) -> Any:
-    """Read a JSON file; a missing or invalid file is a HetquantError naming it."""
-    try:
-        return json.loads(read_regular(path).decode("utf-8"))  # a FIFO is refused, not read
-    except FileNotFoundError:
-        raise HetquantError(f"{path}: not found") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HetquantError(f"{path}: invalid JSON ({e}); fix or re-download the file") from None
 
 
 class ModelConfig:

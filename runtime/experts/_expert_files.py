@@ -16,7 +16,6 @@ at open except the headers and the pages each subpool touches.
 
 from __future__ import annotations
 
-import json
 import mmap
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,8 +29,11 @@ from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.families import ModelFamily, load_config
 from hetquant.formats.filenames import MANIFEST_NAME
 from hetquant.formats.int4_cpu import LAYER_KEYS
-from hetquant.formats.safe_paths import inside, open_binary, read_regular
+from hetquant.formats.manifest_schema import read_manifest
+from hetquant.formats.safe_paths import inside, open_binary
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
+
+from ..loading.conformance import check_pool_layers
 
 __all__ = [
     "MANIFEST",
@@ -79,21 +81,12 @@ class ExpertLayerInfo:
 
 def _cpu_expert_files(artifact: Path) -> list[Path]:
     man = artifact / MANIFEST
-    if not man.is_file():
-        raise HetquantError(
-            f"{artifact}: no {MANIFEST}; not a hetquant artifact, or its conversion did not finish"
-        )
-    try:
-        doc = json.loads(read_regular(man).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HetquantError(f"{man}: not valid JSON ({e}); re-run the conversion") from None
-    if not isinstance(doc, dict) or doc.get("complete") is not True:
+    doc = read_manifest(artifact)  # its schema checked: parts.*.files are lists of strings
+    if doc.get("complete") is not True:
         raise HetquantError(f"{man}: the artifact is not complete; re-run the conversion")
-    parts = doc.get("parts")
-    part = parts.get("cpu_experts") if isinstance(parts, dict) else None
-    files = part.get("files") if isinstance(part, dict) else None
+    files = doc["parts"].get("cpu_experts", {}).get("files")
     if not files:
-        recipe = (doc.get("recipe") or {}).get("name", "?")
+        recipe = doc.get("recipe", {}).get("name", "?")
         raise HetquantError(
             f"{artifact}: the artifact (recipe {recipe}) has no cpu_experts part; convert with "
             "--recipe ascend-hybrid to get CPU experts"
@@ -154,14 +147,17 @@ def _identify(
     )
 
 
-def _select_layers(artifact: Path, layers: Iterable[int] | None) -> dict[int, ExpertLayerInfo]:
+def _select_layers(
+    artifact: Path, layers: Iterable[int] | None, *, check: bool = True
+) -> dict[int, ExpertLayerInfo]:
     """The layers of ``artifact``'s cpu_experts files, keyed by layer number; only ``layers``
-    (all if None)."""
+    (all if None). ``check``: refuse layers that disagree with config.json (``open_artifact``
+    passes False: it checks them with the rest of the artifact)."""
     infos: dict[int, ExpertLayerInfo] = {}
     files = _cpu_expert_files(artifact)
-    family = load_config(artifact / "config.json").family
+    cfg = load_config(artifact / "config.json")
     for path in files:
-        for info in _layers_of(path, family):
+        for info in _layers_of(path, cfg.family):
             if info.layer in infos:
                 raise HetquantError(
                     f"{artifact}: layer {info.layer} appears in {infos[info.layer].path.name} "
@@ -179,6 +175,8 @@ def _select_layers(artifact: Path, layers: Iterable[int] | None) -> dict[int, Ex
         infos = {v: infos[v] for v in want}
     if not infos:
         raise HetquantError(f"{artifact}: no layers selected")
+    if check:  # dims and experts as config.json implies
+        check_pool_layers(artifact, cfg, infos)
     return infos
 
 

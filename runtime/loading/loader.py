@@ -18,7 +18,6 @@ the tensor bytes read from files (headers not included).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -32,10 +31,14 @@ from hetquant.formats import WeightFormat, get_format
 from hetquant.formats.base import identify
 from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.errors import HetquantError
+from hetquant.formats.families import parse_config
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
-from hetquant.formats.safe_paths import inside, read_regular
+from hetquant.formats.json_io import load_json
+from hetquant.formats.manifest_schema import read_manifest
+from hetquant.formats.safe_paths import inside
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
+from ..experts._expert_files import _select_layers
 from ..parallel.layout import ParallelLayout, split_of
 from ..parallel.shard_rules import (
     ModelFacts,
@@ -47,6 +50,7 @@ from ..parallel.shard_rules import (
     split_range,
 )
 from ._reader import LoadStats, Span, read_spans
+from .conformance import check_conforms
 
 __all__ = ["Artifact", "LoadStats", "Span", "TensorRead", "open_artifact"]
 
@@ -262,9 +266,12 @@ def _finish_modules(
 
 
 def open_artifact(path: str | os.PathLike[str]) -> Artifact:
-    """Open the artifact at ``path``: manifest, config.json, index and headers; no tensor data."""
+    """Open the artifact at ``path``: manifest, config.json, index and headers; no tensor data.
+
+    Refuses an artifact whose stored tensors (root shards and ``cpu_experts/``) are not the ones
+    its config.json implies, shape for shape (``conformance``)."""
     root = Path(path)
-    manifest, config = _json(root / MANIFEST), _json(root / "config.json")
+    manifest, config = read_manifest(root), _json(root / "config.json")
     if manifest.get("complete") is not True:
         raise HetquantError(
             f"{root}: {MANIFEST} is not marked complete; the conversion did not finish"
@@ -295,16 +302,13 @@ def open_artifact(path: str | os.PathLike[str]) -> Artifact:
             mid = prefix if not keys and len(extras) == 1 else f"{prefix}.{key}"
             modules[mid] = ModuleInfo(prefix, None, entries[key][1].shape, {key: entries[key]})
     order = sorted(modules, key=lambda m: min((f, e.start) for f, e in modules[m].entries.values()))
+    pool = _select_layers(root, None, check=False) if manifest["parts"].get("cpu_experts") else {}
+    check_conforms(root, parse_config(config, str(root / "config.json")), modules, pool)
     return Artifact(root, manifest, config, {m: modules[m] for m in order})
 
 
 def _json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(read_regular(path).decode("utf-8"))
-    except FileNotFoundError:
-        raise HetquantError(f"{path}: missing; not a (complete) hetquant artifact") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HetquantError(f"{path}: not valid JSON ({e})") from None
+    doc = load_json(path)
     if not isinstance(doc, dict):
         raise HetquantError(f"{path}: not a JSON object")
     return doc

@@ -239,7 +239,7 @@ def test_read_header_shows_no_bytes_of_a_file_that_is_not_safetensors(tmp_path: 
     ids=["syntax", "cut", "not-utf8", "blank"],
 )
 def test_read_header_rejects_invalid_json(tmp_path: Path, body: bytes) -> None:
-    with pytest.raises(HetquantError, match=r"bad\.safetensors: header is not valid JSON"):
+    with pytest.raises(HetquantError, match=r"bad\.safetensors: header: invalid JSON"):
         read_header(_file(tmp_path, body))
 
 
@@ -306,3 +306,59 @@ def test_read_header_rejects_malformed_entries_naming_file_and_tensor(
 def test_read_header_rejects_malformed_metadata(tmp_path: Path, metadata: object) -> None:
     with pytest.raises(HetquantError, match=r"bad\.safetensors: .*__metadata__"):
         read_header(_file(tmp_path, {"__metadata__": metadata}))
+
+
+# issue 25 §2: the safetensors spec (and its library's ``Metadata::validate``) wants the entries,
+# sorted by offset, to tile the data area: an overlap read ``lm_head`` as the embedding's bytes.
+@pytest.mark.parametrize(
+    ("entries", "data", "match"),
+    [
+        (  # two tensors on the same bytes
+            {"a": _entry("U8", [4], 0, 4), "b": _entry("U8", [4], 0, 4)},
+            b"\0" * 4,
+            r"tensor '[ab]' .* overlaps tensor '[ab]'",
+        ),
+        (  # half overlapping
+            {"a": _entry("U8", [4], 0, 4), "b": _entry("U8", [4], 2, 6)},
+            b"\0" * 6,
+            r"tensor 'b' .* overlaps tensor 'a'",
+        ),
+        (  # a gap before the first tensor
+            {"a": _entry("U8", [4], 4, 8)},
+            b"\0" * 8,
+            r"tensor 'a' .* leaves 4 bytes unowned",
+        ),
+        (  # a gap between two tensors
+            {"a": _entry("U8", [2], 0, 2), "b": _entry("U8", [2], 4, 6)},
+            b"\0" * 6,
+            r"tensor 'b' .* leaves 2 bytes unowned after tensor 'a'",
+        ),
+        (  # bytes after the last tensor
+            {"a": _entry("U8", [2], 0, 2)},
+            b"\0" * 5,
+            r"tensors end at byte .* 3 bytes no tensor owns",
+        ),
+    ],
+    ids=["same-bytes", "overlap", "leading-gap", "gap", "tail"],
+)
+def test_read_header_rejects_entries_that_do_not_tile_the_data(
+    tmp_path: Path, entries: dict, data: bytes, match: str
+) -> None:
+    with pytest.raises(HetquantError, match=rf"bad\.safetensors: .*{match}"):
+        read_header(_file(tmp_path, entries, data))
+
+
+def test_read_header_accepts_empty_tensors_between_others(tmp_path: Path) -> None:
+    entries = {
+        "a": _entry("U8", [2], 0, 2),
+        "e": _entry("F32", [0, 3], 2, 2),
+        "b": _entry("U8", [2], 2, 4),
+    }
+    h = read_header(_file(tmp_path, entries, b"\0" * 4))
+    assert list(h.entries) == ["a", "e", "b"] and h.entries["e"].nbytes == 0
+
+
+def test_read_header_refuses_deeply_nested_json(tmp_path: Path) -> None:
+    body = b'{"__metadata__": {"x": "y"}, "t": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(HetquantError, match=r"bad\.safetensors: header: JSON nested more than"):
+        read_header(_file(tmp_path, body))

@@ -300,10 +300,11 @@ def test_manifest_module_formats(artifacts, tmp_path: Path) -> None:
     root = _copy(artifacts["awq"], tmp_path)
     doc = json.loads((root / "hetquant.json").read_text())
     prefix = "model.layers.0.self_attn.o_proj"
-    doc["module_formats"] = {
-        prefix: {"format": "awq_w4a16", "params": {"group_size": 128}, "shape": [256, 128]}
+    assert doc["module_formats"][prefix] == {
+        "format": "awq_w4a16",
+        "params": {"group_size": 128},
+        "shape": [256, 128],
     }
-    (root / "hetquant.json").write_text(json.dumps(doc))
     assert open_artifact(root).modules[prefix].shape == (256, 128)
     doc["module_formats"][prefix]["params"] = {"group_size": 64}
     (root / "hetquant.json").write_text(json.dumps(doc))
@@ -334,19 +335,21 @@ def test_recorded_formats_equal_identified_ones(artifacts, name: str, tmp_path: 
 
 
 def test_trusted_manifest_reads_unlisted_modules_as_plain(artifacts, tmp_path: Path) -> None:
+    """A module the manifest does not list is plain tensors: here AWQ's, so the model has no
+    o_proj weight, which config.json implies (issue 25 §2: refused, never run)."""
     root = _copy(artifacts["awq"], tmp_path)
     doc = json.loads((root / "hetquant.json").read_text())
     prefix = "model.layers.0.self_attn.o_proj"
     del doc["module_formats"][prefix]
     (root / "hetquant.json").write_text(json.dumps(doc))
-    modules = open_artifact(root).modules
-    assert all(modules[f"{prefix}.{k}"].fmt is None for k in ("qweight", "qzeros", "scales"))
+    with pytest.raises(HetquantError, match=rf"implies {prefix}\.weight \[256, 128\], which no"):
+        open_artifact(root)
 
 
 @pytest.mark.parametrize(
     ("edit", "needle"),
     [
-        (lambda r: (r / "hetquant.json").unlink(), "hetquant.json: missing"),
+        (lambda r: (r / "hetquant.json").unlink(), "no hetquant.json"),
         (lambda r: _edit(r / "hetquant.json", complete=False), "not marked complete"),
         (
             lambda r: _edit(
