@@ -39,7 +39,7 @@ from .._lazy import torch
 from ..errors import HetquantError
 from ._common import DENSE_MLP, GLOBALS, LAYER_NORMS, ROUTED_EXPERTS, ROUTER
 from .base import ModelConfig, ModelFamily, register_family
-from .fields import ConfigFields, source_quantization
+from .fields import REQUIRED, ConfigFields, source_quantization
 from .mappings import AwqMappings, Balance
 from .roles import MTP, Role
 
@@ -86,6 +86,7 @@ class DeepseekV3Config(ModelConfig):
         names = [x.name for x in fields(cls) if x.name not in _OPTIONAL]
         f.require(names, "is this a DeepSeek-V3-family config?")
         values = {n: f.integer(n, lo=0 if n in _MAY_BE_ZERO else 1) for n in names}
+        _router_fields(f, None)
         return cls(
             raw=raw,
             q_lora_rank=f.integer("q_lora_rank", None),
@@ -155,17 +156,7 @@ class RouterSpec:
         missing = [k for k in need if raw.get(k) is None]
         if missing:
             raise HetquantError(f"{origin}: MoE model lacks {', '.join(missing)}")
-        f = ConfigFields(raw, origin)
-        spec = cls(
-            n_experts=n_experts,
-            top_k=f.integer("num_experts_per_tok"),
-            n_group=f.integer("n_group"),
-            topk_group=f.integer("topk_group"),
-            scoring=f.text("scoring_func", "sigmoid", ("sigmoid", "softmax")),
-            use_bias=f.text("topk_method") == "noaux_tc",
-            norm_topk_prob=f.flag("norm_topk_prob"),
-            scaling=f.number("routed_scaling_factor", 1.0, positive=True),
-        )
+        spec = cls(n_experts=n_experts, **_router_fields(ConfigFields(raw, origin), REQUIRED))
         spec.validate()
         return spec
 
@@ -186,6 +177,21 @@ class RouterSpec:
             )
         if g > 1 and self.use_bias and e // g < 2:
             raise HetquantError("config.json: noaux_tc group scoring needs >= 2 experts per group")
+
+
+def _router_fields(f: ConfigFields, default: Any) -> dict[str, Any]:
+    """The routing fields of ``RouterSpec`` but ``n_experts``, type-checked; ``default``: what an
+    absent field reads as (``REQUIRED`` for a forward; None for ``parse``, which checks the types
+    of those present: convert does not route, but the artifact carries them to every forward)."""
+    return dict(
+        top_k=f.integer("num_experts_per_tok", default),
+        n_group=f.integer("n_group", default),
+        topk_group=f.integer("topk_group", default),
+        scoring=f.text("scoring_func", "sigmoid", ("sigmoid", "softmax")),
+        use_bias=f.text("topk_method", default) == "noaux_tc",
+        norm_topk_prob=f.flag("norm_topk_prob", default),
+        scaling=f.number("routed_scaling_factor", 1.0, positive=True),
+    )
 
 
 # -- the role table ----------------------------------------------------------------------------

@@ -97,9 +97,12 @@ def test_qwen3_flags_and_layer_lists(bad: object) -> None:
      ("routed_scaling_factor", 0, "a finite number > 0")],
 )  # fmt: skip
 def test_deepseek_router_fields(field: str, bad: object, expected: str) -> None:
-    cfg = parse_config({**DEEPSEEK, field: bad})  # convert does not read them ...
+    # convert does not route, but the artifact carries them to every forward: parse checks them
     with pytest.raises(HetquantError, match=f"field {field} must be {expected}"):
-        cfg.router()  # ... the forward (run, eval, calibration) does
+        parse_config({**DEEPSEEK, field: bad})
+    absent = {k: v for k, v in DEEPSEEK.items() if k != "topk_method"}
+    with pytest.raises(HetquantError, match="lacks topk_method"):
+        parse_config(absent).router()  # an absent one: refused by the forward that needs it
 
 
 def test_accessor_rules() -> None:
