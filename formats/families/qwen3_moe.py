@@ -74,7 +74,7 @@ class Qwen3MoeConfig(ModelConfig):
     num_experts_per_tok: int
     norm_topk_prob: bool
     decoder_sparse_step: int
-    mlp_only_layers: tuple[int, ...]
+    mlp_only_layers: frozenset[int]  # a set: is_moe_layer runs per layer
     weight_block_size: tuple[int, int] | None
     rms_norm_eps: float
     raw: dict[str, Any]
@@ -113,7 +113,7 @@ class Qwen3MoeConfig(ModelConfig):
             intermediate_size=f.integer("intermediate_size", 0, lo=0),
             norm_topk_prob=f.flag("norm_topk_prob", False),
             decoder_sparse_step=f.integer("decoder_sparse_step", 1),
-            mlp_only_layers=f.integers("mlp_only_layers", ()),
+            mlp_only_layers=frozenset(f.integers("mlp_only_layers", ())),
             weight_block_size=source_quantization(f), rms_norm_eps=f.number("rms_norm_eps", 1e-6),
             raw=raw,
         )  # fmt: skip
