@@ -113,6 +113,13 @@ class ConfigFields:
             raise self.fail(key, value, f"a list of {n}integers >= {lo}")
         return tuple(value)
 
+    def texts(self, key: str, default: Any = REQUIRED) -> Any:
+        """A list of strings, as a tuple."""
+        given, value = self._get(key, default)
+        if given and (not isinstance(value, list) or not all(isinstance(x, str) for x in value)):
+            raise self.fail(key, value, "a list of strings")
+        return tuple(value) if given else value
+
     def mapping(self, key: str) -> ConfigFields:
         """Sub-object ``key`` (absent or null: an empty one) read the same way."""
         _, value = self._get(key, {})
