@@ -135,6 +135,10 @@ class DeepseekV3Config(ModelConfig):
         return RouterSpec.from_config(self.raw, self.n_routed_experts)
 
 
+# DeepSeek's routing methods (modeling_deepseek.py MoEGate: V2's greedy ones, V3's noaux_tc)
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
 @dataclass(frozen=True)
 class RouterSpec:
     """The routing fields of a DeepSeek config (``runtime/forward/moe.py`` ``route`` documents them)."""
@@ -188,7 +192,7 @@ def _router_fields(f: ConfigFields, default: Any) -> dict[str, Any]:
         n_group=f.integer("n_group", default),
         topk_group=f.integer("topk_group", default),
         scoring=f.text("scoring_func", "sigmoid", ("sigmoid", "softmax")),
-        use_bias=f.text("topk_method", default) == "noaux_tc",
+        use_bias=f.text("topk_method", default, TOPK_METHODS) == "noaux_tc",
         norm_topk_prob=f.flag("norm_topk_prob", default),
         scaling=f.number("routed_scaling_factor", 1.0, positive=True),
     )
