@@ -103,3 +103,8 @@ def test_convert_calib_data_and_eval_refuse_it(cli, tmp_path: Path, tiny_artifac
         assert "tokenizer.json: the tokenizer failed" in lines[0], lines[0]
         assert "Traceback" not in res.stderr and "panicked" not in res.stderr
     assert not (out / "hetquant.json").exists()
+    bad_eos = _model(tmp_path / "eos", eos_token_id="abc")
+    res = cli("convert", bad_eos, out, "--recipe", "awq-w4a16", "--calib-data", text)
+    assert res.exit_code == 2 and res.exception is None, res.stderr
+    assert res.stderr.splitlines()[-1].startswith("error: ") and "Traceback" not in res.stderr
+    assert "field eos_token_id must be an integer in [0, 639], got 'abc'" in res.stderr
