@@ -5,9 +5,10 @@ The rule (deterministic, no seed, no shuffling):
 1. Documents, in order: the files in the order given; a ``.jsonl`` file is one document per
    non-empty line (its ``"text"`` field — the format of AutoAWQ's default pile-val set), any
    other file is one document (its whole UTF-8 text).
-2. Each document is encoded with ``tokenizer.json`` (``tokenizers``) with the tokenizer's own
-   special tokens — for DeepSeek-V3/R1 that prepends BOS, as at the start of any prompt — and
-   followed by EOS (``eos_token_id`` of config.json). Documents that encode to nothing but
+2. Each document is encoded whole with ``tokenizer.json`` (``tokenizers``; in a child process,
+   under a deadline: the file is untrusted, ``encoding.py``) with the tokenizer's own special
+   tokens — for DeepSeek-V3/R1 that prepends BOS, as at the start of any prompt — and followed
+   by EOS (``eos_token_id`` of config.json). Documents that encode to nothing but
    special tokens are skipped.
 3. The documents' tokens are concatenated into one stream and cut into consecutive
    non-overlapping blocks of ``seq_len`` tokens; the first ``n_samples`` blocks are the
@@ -31,11 +32,15 @@ import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hetquant.formats import HetquantError
-from hetquant.formats.json_io import load_json
+from hetquant.formats.families import load_json
+from hetquant.formats.families.fields import ConfigFields
+
+from .encoding import BoundedEncoder
 
 __all__ = [
     "CALIB_SAMPLES",
@@ -54,25 +59,45 @@ EVAL_SAMPLES = 8
 EVAL_SEQ_LEN = 2048
 
 
-def load_tokenizer(model_dir: str | Path):
-    """``(tokenizers.Tokenizer, eos_id)`` from ``model_dir``'s tokenizer.json and config.json."""
+def load_tokenizer(model_dir: str | Path) -> tuple[Any, int]:
+    """``(tokenizers.Tokenizer, eos_id)`` from ``model_dir``'s tokenizer.json and config.json.
+
+    Both are untrusted: a file the tokenizers library cannot read, or an ``eos_token_id`` that is
+    not a token id of that tokenizer, is a HetquantError naming the file. Encoding with it is
+    bounded separately (``encoding.py``)."""
     from tokenizers import Tokenizer
 
     root = Path(model_dir)
     tok_path = root / "tokenizer.json"
     if not tok_path.is_file():
         raise HetquantError(f"{root}: no tokenizer.json; calibration needs the model's tokenizer")
-    tokenizer = Tokenizer.from_file(str(tok_path))
-    eos = None
-    cfg = root / "config.json"
-    if cfg.is_file():
-        doc = load_json(cfg)
-        eos = doc.get("eos_token_id") if isinstance(doc, dict) else None
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # the library raises Exception, or panics
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise HetquantError(
+            f"{tok_path}: not a tokenizer the tokenizers library reads ({first}); "
+            "use the tokenizer.json published with the checkpoint"
+        ) from None
+    return tokenizer, _eos_id(
+        root / "config.json", tokenizer.get_vocab_size(with_added_tokens=True)
+    )
+
+
+def _eos_id(cfg: Path, vocab: int) -> int:
+    """config.json's ``eos_token_id`` (the first of a list): a token id below ``vocab``."""
+    raw = load_json(cfg) if cfg.is_file() else {}
+    if not isinstance(raw, dict):
+        raise HetquantError(f"{cfg}: expected a JSON object")
+    eos = raw.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     if eos is None:
         raise HetquantError(f"{cfg}: no eos_token_id; cannot separate calibration documents")
-    return tokenizer, int(eos)
+    f = ConfigFields({"eos_token_id": eos}, str(cfg))
+    return f.integer("eos_token_id", lo=0, hi=max(vocab - 1, 0))
 
 
 def documents(files: Sequence[str | Path]) -> Iterator[str]:
@@ -97,6 +122,10 @@ def documents(files: Sequence[str | Path]) -> Iterator[str]:
                 raise HetquantError(f"{path}:{i}: not a JSON line ({e})") from None
             if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
                 raise HetquantError(f'{path}:{i}: expected an object with a "text" string')
+            try:
+                doc["text"].encode("utf-8")
+            except UnicodeEncodeError as e:  # a JSON escape of a lone surrogate
+                raise HetquantError(f"{path}:{i}: text is not valid Unicode ({e})") from None
             yield doc["text"]
 
 
@@ -113,14 +142,15 @@ def token_blocks(
     want = n_samples * seq_len
     special = set(tokenizer.get_added_tokens_decoder()) | {eos_id}
     stream: list[int] = []
-    for text in documents(files):
-        ids = tokenizer.encode(text).ids
-        if all(i in special for i in ids):
-            continue
-        stream.extend(ids)
-        stream.append(eos_id)
-        if len(stream) >= want:
-            break
+    with BoundedEncoder(tokenizer) as encode:
+        for text in documents(files):
+            ids = encode(text)
+            if all(i in special for i in ids):
+                continue
+            stream.extend(ids)
+            stream.append(eos_id)
+            if len(stream) >= want:
+                break
     if len(stream) < want:
         raise HetquantError(
             f"calibration text has {len(stream)} tokens; {n_samples} samples × {seq_len} tokens "

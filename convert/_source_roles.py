@@ -31,7 +31,7 @@ PREFERRED: tuple[Callable[[ModelConfig], WeightFormat], ...] = (
     lambda c: get_format(
         "fp8_block",
         block=c.weight_block_size[0] if c.weight_block_size else 128,
-        scale_fmt=(c.raw.get("quantization_config") or {}).get("scale_fmt") or "float",
+        scale_fmt=c.quantization_config.get("scale_fmt") or "float",
     ),
 )
 """Format variants whose parameters config.json fixes (shapes alone may leave them open)."""
@@ -73,7 +73,7 @@ def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
 
 def _source_schemes(cfg: ModelConfig) -> CtQuantConfig | None:
     """The source's compressed-tensors schemes (None: config.json declares none)."""
-    qc = cfg.raw.get("quantization_config") or {}
+    qc = cfg.quantization_config
     return CtQuantConfig.parse(qc) if qc.get("quant_method") == CT_METHOD else None
 
 

@@ -7,6 +7,16 @@ small companions (tokenizer, generation config, remote code, license, model card
 exactly the shards that index names. Files land in the normal HF cache, or as plain files in
 ``download_dir``. With ``HF_HUB_OFFLINE=1`` nothing is requested and a file missing from the
 cache is a :class:`HetquantError` naming it.
+
+What is converted is always a commit the Hub named (issue #25 §3). Online, the revision is
+resolved to its commit sha first (``repo_info``); a Hub that cannot be reached (no connection,
+a timeout, a 5xx answer) is refused, not answered with whatever a local copy holds —
+huggingface_hub's own fallback, which returns a non-empty ``download_dir`` unchecked and with no
+revision. Offline use is explicit: with ``HF_HUB_OFFLINE=1`` the copy is used as it is, and its
+revision is the one recorded beside it (the cache's ``snapshots/<sha>``; in ``download_dir``,
+huggingface_hub's ``.cache/huggingface/download/<file>.metadata``). In ``download_dir`` every file
+read must carry that record, all of one commit — the requested one when a sha was asked for — or
+the copy is refused (files put there by hand, or left from another revision).
 """
 
 from __future__ import annotations
@@ -83,9 +93,12 @@ def _download(
     offline = hub_offline()
     where = f"{repo_id}@{revision or 'main'}"
     log.info("fetching %s%s", where, " from the local cache (offline)" if offline else "")
+    asked = revision
+    if not offline:  # the commit the Hub names now; refused when it cannot say
+        revision = _resolve_commit(repo_id, revision, token, where, download_dir)
     # Step 1: the small files, which say which shards exist.
     root = _snapshot(repo_id, revision, None, download_dir, token, offline)
-    sha = _commit_of(root, download_dir)
+    sha = _commit_of(root, download_dir) if offline else revision
     if not (root / "config.json").is_file():
         raise _missing(where, ["config.json"], offline, root)
     shards = _shards_named(root, where)
@@ -96,8 +109,67 @@ def _download(
     missing = [s for s in shards if not (root / s).is_file()]
     if missing:
         raise _missing(where, missing, offline, root)
+    if download_dir is not None:
+        files = ["config.json", *([INDEX_NAME] if (root / INDEX_NAME).is_file() else []), *shards]
+        sha = _check_recorded(root, files, sha, asked, where)
     log.info("source %s at commit %s: %d shards in %s", repo_id, sha, len(shards), root)
     return root, sha
+
+
+def _resolve_commit(
+    repo_id: str, revision: str | None, token: str | None, where: str, download_dir: Path | None
+) -> str:
+    """The commit sha ``revision`` names on the Hub now; a Hub that cannot answer is refused."""
+    from huggingface_hub import HfApi, errors
+
+    try:
+        info = HfApi(endpoint=hub_endpoint(), token=token).repo_info(repo_id, revision=revision)
+    except Exception as e:  # every failure of the client becomes one clear line
+        known = (
+            errors.RepositoryNotFoundError,
+            errors.GatedRepoError,
+            errors.RevisionNotFoundError,
+        )
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        http = isinstance(e, errors.HfHubHTTPError) and status is not None and status < 500
+        if isinstance(e, known) or http:
+            raise _hub_error(e, where, False, token) from None
+        copy = f"the copy in {download_dir}" if download_dir is not None else "the cached copy"
+        raise HetquantError(
+            f"{where}: the Hub could not be reached to resolve the revision "
+            f"({type(e).__name__}: {_first_line(e, token)}); retry with network access, or set "
+            f"HF_HUB_OFFLINE=1 to convert {copy} as it is"
+        ) from None
+    if not isinstance(info.sha, str) or not _COMMIT_SHA.match(info.sha):
+        raise HetquantError(f"{where}: the Hub named no commit for this revision")
+    return info.sha
+
+
+def _check_recorded(
+    root: Path, files: list[str], sha: str | None, asked: str | None, where: str
+) -> str:
+    """The one commit every file of ``files`` in ``download_dir`` records (module docstring)."""
+    recorded = {f: _recorded_commit(root, f) for f in files}
+    unknown = [f for f, c in recorded.items() if c is None]
+    if unknown:
+        raise HetquantError(
+            f"{where}: {root} holds {unknown[0]} with no record of the commit it came from "
+            f"(huggingface_hub's .cache/huggingface/download/); not a Hub download — pass "
+            f"{root} as a local directory SOURCE, or download again with network access"
+        )
+    want = sha or recorded["config.json"]
+    if asked is not None and _COMMIT_SHA.match(asked) and asked != want:
+        raise HetquantError(
+            f"{where}: {root} holds commit {want}, not the requested {asked}; download it again "
+            "with network access (unset HF_HUB_OFFLINE)"
+        )
+    other = next((f for f, c in recorded.items() if c != want), None)
+    if other is not None:
+        raise HetquantError(
+            f"{where}: {root} mixes revisions: {other} is from commit {recorded[other]}, not "
+            f"{want}; download again with network access (unset HF_HUB_OFFLINE)"
+        )
+    return want  # type: ignore[return-value]  (no record: refused above)
 
 
 def _snapshot(
@@ -131,11 +203,16 @@ def _commit_of(root: Path, download_dir: Path | None) -> str | None:
     """The commit sha the snapshot at ``root`` was taken from."""
     if download_dir is None:
         return root.name if _COMMIT_SHA.match(root.name) else None  # cache: snapshots/<sha>
-    # local_dir: huggingface_hub (≥ 0.23) keeps "<commit>\n<etag>\n<time>" per downloaded file.
-    meta = root / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    return _recorded_commit(root, "config.json")
+
+
+def _recorded_commit(root: Path, file: str) -> str | None:
+    """The commit huggingface_hub (≥ 0.23) recorded for ``file`` downloaded into local dir
+    ``root`` ("<commit>\n<etag>\n<time>" in .cache/huggingface/download/<file>.metadata)."""
+    meta = root / ".cache" / "huggingface" / "download" / f"{file}.metadata"
     try:
         first = meta.read_text().split("\n", 1)[0].strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
     return first if _COMMIT_SHA.match(first) else None
 

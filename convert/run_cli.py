@@ -174,7 +174,7 @@ def eval_(
 
     from hetquant.calib.data import load_tokenizer, token_blocks
     from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
-    from hetquant.formats.families import load_json
+    from hetquant.formats.families import load_config
     from hetquant.runtime.serving.run import local_model
 
     from .hub import resolve_source
@@ -184,7 +184,7 @@ def eval_(
     must_exist(text)
     if json_out is not None:
         writable_output(json_out, "--json")
-    _check_eval_size(load_json(artifact / "config.json"), samples, seq_len)
+    _check_eval_size(load_config(artifact / "config.json").raw, samples, seq_len)  # validated
     root, revision = resolve_source(reference, None, None)
     src = SourceCheckpoint.open(root, revision)
     _check_reference(artifact, src, reference)

@@ -2,7 +2,8 @@
 
 ``SourceCheckpoint.open(dir)`` reads config.json, the index (or a single ``model.safetensors``)
 and every shard's header, and validates them against the model family's role table before any
-data is read: shards that are missing, outside the directory or truncated; tensors the index names
+data is read — the config's layer and expert counts against the index first, before any name is
+expanded (``formats/families/bounds.py``): shards that are missing, outside the directory or truncated; tensors the index names
 but no shard holds; shapes that disagree with the config.
 
 A source is any registered format: a role's linear weight is the module of stored tensors under
@@ -28,7 +29,7 @@ from hetquant.formats import HetquantError, WeightFormat
 from hetquant.formats._lazy import torch
 from hetquant.formats.arrays import NotNative, float_row_arrays
 from hetquant.formats.base import float_rows
-from hetquant.formats.families import ModelConfig, TensorRole, load_json
+from hetquant.formats.families import ModelConfig, TensorRole, check_index_holds, load_json
 from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
 from hetquant.formats.safe_paths import inside
 from hetquant.formats.safetensors_io import HeaderEntry, MappedFile, read_header
@@ -105,6 +106,7 @@ class SourceCheckpoint:
         cfg_path = root / "config.json"
         config = ModelConfig.load(cfg_path)
         weight_map, index_bytes = _weight_map(root)
+        check_index_holds(config, weight_map.keys(), _index_label(root))  # before any expansion
         headers = {f: read_header(root / f) for f in sorted(set(weight_map.values()))}
         entries = _resolve_entries(weight_map, headers)
         tensors = {
@@ -188,6 +190,11 @@ class SourceCheckpoint:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+
+def _index_label(root: Path) -> str:
+    """What names the source's tensors: its index, or its one ``model.safetensors``."""
+    return str(root / (INDEX_NAME if (root / INDEX_NAME).exists() else SINGLE_NAME))
 
 
 def _weight_map(root: Path) -> tuple[dict[str, str], bytes]:

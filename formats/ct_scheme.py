@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import HetquantError
+from .families.fields import ConfigFields
 
 __all__ = ["CT_METHOD", "UNREAD_KEYS", "CtQuantConfig", "CtScheme"]
 
@@ -114,17 +115,19 @@ class CtQuantConfig:
             raise HetquantError(
                 f"{origin}: compressed-tensors quantization_config has no config_groups"
             )
-        top = qc.get("format") or "dense"
+        f = ConfigFields(qc, origin, "quantization_config.")
+        top = f.text("format", "dense")
         schemes = []
         for name, g in groups.items():
             if not isinstance(g, Mapping) or not isinstance(g.get("weights"), Mapping):
                 raise HetquantError(
                     f"{origin}: compressed-tensors config group {name!r} has no weights arguments"
                 )
+            group = f.mapping("config_groups").mapping(name)
             acts = any(g.get(k) for k in ("input_activations", "output_activations"))
-            targets = tuple(g.get("targets") or ())
-            schemes.append(CtScheme(name, targets, g["weights"], acts, g.get("format") or top))
-        return cls(tuple(schemes), tuple(qc.get("ignore") or ()))
+            targets = _patterns(group, "targets")
+            schemes.append(CtScheme(name, targets, g["weights"], acts, group.text("format", top)))
+        return cls(tuple(schemes), _patterns(f, "ignore"))
 
     def scheme_for(self, module: str, kind: str, stored_quantized: bool) -> CtScheme | None:
         """The scheme covering ``module`` (a role of ``kind``), None: not quantized by config."""
@@ -153,6 +156,17 @@ class CtQuantConfig:
                 f"{module}: quantization_config gives it {scheme.describe()}: {why}; hetquant "
                 "reads symmetric group-wise pack-quantized INT4 (W4A16)"
             )
+
+
+def _patterns(f: ConfigFields, key: str) -> tuple[str, ...]:
+    """A targets / ignore list: strings, each ``re:`` one a valid regular expression."""
+    entries = f.texts(key, ())
+    for entry in (e for e in entries if e.startswith("re:")):
+        try:
+            re.compile(entry[3:])
+        except re.error as e:
+            raise f.fail(key, entry, f"a valid regular expression after 're:' ({e})") from None
+    return entries
 
 
 def _matches(module: str, kind: str, entries: Iterable[str]) -> bool:

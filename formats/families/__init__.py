@@ -15,6 +15,7 @@ from .base import (
     register_family,
     unregister_family,
 )
+from .bounds import check_index_holds
 from .mappings import AwqMappings, Balance
 from .roles import SCALE_SUFFIX, GatedMlp, Located, Role, TensorRole
 
@@ -29,6 +30,7 @@ __all__ = [
     "ModelFamily",
     "Role",
     "TensorRole",
+    "check_index_holds",
     "expected_tensors",
     "family_for_config",
     "get_family",

@@ -74,7 +74,10 @@ class ModelConfig:
     ``num_attention_heads``, ``weight_block_size`` (the FP8 source block, None when the source is
     not FP8), ``num_experts`` (routed experts per MoE layer), ``num_mtp_layers``,
     ``is_moe_layer(layer)``, ``layer_scopes(layer)`` and ``without_mtp(raw)``; derived here:
-    ``family``, ``total_layers``, ``mtp_layer_ids``, ``moe_layers``.
+    ``family``, ``total_layers``, ``mtp_layer_ids``, ``moe_layers``, ``quantization_config``.
+
+    Every field a family reads goes through ``fields.ConfigFields`` (type and range checked, a
+    HetquantError naming the field otherwise): config.json is untrusted input.
     """
 
     family_name: ClassVar[str] = ""  # set by register_family
@@ -118,6 +121,12 @@ class ModelConfig:
     def without_mtp(cls, raw: dict[str, Any]) -> dict[str, Any]:
         """config.json ``raw`` (a copy) saying the model has no MTP layers."""
         raise NotImplementedError
+
+    @property
+    def quantization_config(self) -> dict[str, Any]:
+        """config.json's ``quantization_config`` ({} when absent); an object whose
+        ``quant_method`` / ``scale_fmt`` are strings (``fields.source_quantization``, at parse)."""
+        return self.raw.get("quantization_config") or {}
 
     @property
     def family(self) -> ModelFamily:

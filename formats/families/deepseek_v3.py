@@ -39,10 +39,17 @@ from .._lazy import torch
 from ..errors import HetquantError
 from ._common import DENSE_MLP, GLOBALS, LAYER_NORMS, ROUTED_EXPERTS, ROUTER
 from .base import ModelConfig, ModelFamily, register_family
+from .fields import REQUIRED, ConfigFields, source_quantization
 from .mappings import AwqMappings, Balance
 from .roles import MTP, Role
 
 __all__ = ["AWQ", "FAMILY", "ROLES", "DeepseekV3Config", "RouterSpec"]
+
+
+# config.json fields read with a default (the rest are required integers >= 1, or >= 0 here)
+_OPTIONAL = frozenset({"q_lora_rank", "weight_block_size", "raw", "num_nextn_predict_layers",
+                       "moe_layer_freq", "rms_norm_eps"})  # fmt: skip
+_MAY_BE_ZERO = frozenset({"n_routed_experts", "n_shared_experts", "first_k_dense_replace"})
 
 
 @dataclass(frozen=True)
@@ -75,26 +82,20 @@ class DeepseekV3Config(ModelConfig):
 
     @classmethod
     def parse(cls, raw: dict[str, Any], origin: str = "config.json") -> DeepseekV3Config:
-        optional = {"q_lora_rank", "weight_block_size", "raw", "num_nextn_predict_layers",
-                    "moe_layer_freq", "rms_norm_eps"}  # fmt: skip
-        names = [f.name for f in fields(cls) if f.name not in optional]
-        missing = [n for n in names if n not in raw]
-        if missing:
-            raise HetquantError(
-                f"{origin}: missing field(s) {', '.join(missing)}; is this a DeepSeek-V3-family config?"
-            )
-        values: dict[str, Any] = {n: _int(raw, n, origin) for n in names}
-        q = raw.get("q_lora_rank")
-        values["q_lora_rank"] = None if q is None else _int(raw, "q_lora_rank", origin)
-        values["num_nextn_predict_layers"] = int(raw.get("num_nextn_predict_layers", 0) or 0)
-        values["moe_layer_freq"] = int(raw.get("moe_layer_freq", 1) or 1)
-        qc = raw.get("quantization_config") or {}
-        block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
-        values["weight_block_size"] = tuple(block) if block else None
-        eps = raw.get("rms_norm_eps", 1e-6)
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or eps < 0:
-            raise HetquantError(f"{origin}: field rms_norm_eps must be a number >= 0, got {eps!r}")
-        return cls(raw=raw, rms_norm_eps=float(eps), **values)
+        f = ConfigFields(raw, origin)
+        names = [x.name for x in fields(cls) if x.name not in _OPTIONAL]
+        f.require(names, "is this a DeepSeek-V3-family config?")
+        values = {n: f.integer(n, lo=0 if n in _MAY_BE_ZERO else 1) for n in names}
+        _router_fields(f, None)
+        return cls(
+            raw=raw,
+            q_lora_rank=f.integer("q_lora_rank", None),
+            num_nextn_predict_layers=f.integer("num_nextn_predict_layers", 0, lo=0),
+            moe_layer_freq=f.integer("moe_layer_freq", 1),
+            weight_block_size=source_quantization(f),
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+            **values,
+        )
 
     # generic facts ---------------------------------------------------------------------------
     @property
@@ -134,11 +135,8 @@ class DeepseekV3Config(ModelConfig):
         return RouterSpec.from_config(self.raw, self.n_routed_experts)
 
 
-def _int(raw: dict[str, Any], key: str, origin: str) -> int:
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise HetquantError(f"{origin}: field {key} must be a non-negative integer, got {value!r}")
-    return value
+# DeepSeek's routing methods (modeling_deepseek.py MoEGate: V2's greedy ones, V3's noaux_tc)
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 
 
 @dataclass(frozen=True)
@@ -155,21 +153,14 @@ class RouterSpec:
     scaling: float  # routed_scaling_factor
 
     @classmethod
-    def from_config(cls, raw: dict[str, Any], n_experts: int) -> RouterSpec:
+    def from_config(
+        cls, raw: dict[str, Any], n_experts: int, origin: str = "config.json"
+    ) -> RouterSpec:
         need = ("num_experts_per_tok", "n_group", "topk_group", "norm_topk_prob", "topk_method")
         missing = [k for k in need if raw.get(k) is None]
         if missing:
-            raise HetquantError(f"config.json: MoE model lacks {', '.join(missing)}")
-        spec = cls(
-            n_experts=n_experts,
-            top_k=int(raw["num_experts_per_tok"]),
-            n_group=int(raw["n_group"]),
-            topk_group=int(raw["topk_group"]),
-            scoring=str(raw.get("scoring_func", "sigmoid")),
-            use_bias=raw["topk_method"] == "noaux_tc",
-            norm_topk_prob=bool(raw["norm_topk_prob"]),
-            scaling=float(raw.get("routed_scaling_factor", 1.0)),
-        )
+            raise HetquantError(f"{origin}: MoE model lacks {', '.join(missing)}")
+        spec = cls(n_experts=n_experts, **_router_fields(ConfigFields(raw, origin), REQUIRED))
         spec.validate()
         return spec
 
@@ -190,6 +181,21 @@ class RouterSpec:
             )
         if g > 1 and self.use_bias and e // g < 2:
             raise HetquantError("config.json: noaux_tc group scoring needs >= 2 experts per group")
+
+
+def _router_fields(f: ConfigFields, default: Any) -> dict[str, Any]:
+    """The routing fields of ``RouterSpec`` but ``n_experts``, type-checked; ``default``: what an
+    absent field reads as (``REQUIRED`` for a forward; None for ``parse``, which checks the types
+    of those present: convert does not route, but the artifact carries them to every forward)."""
+    return dict(
+        top_k=f.integer("num_experts_per_tok", default),
+        n_group=f.integer("n_group", default),
+        topk_group=f.integer("topk_group", default),
+        scoring=f.text("scoring_func", "sigmoid", ("sigmoid", "softmax")),
+        use_bias=f.text("topk_method", default, TOPK_METHODS) == "noaux_tc",
+        norm_topk_prob=f.flag("norm_topk_prob", default),
+        scaling=f.number("routed_scaling_factor", 1.0, positive=True),
+    )
 
 
 # -- the role table ----------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from ..errors import HetquantError
 from ._common import DENSE_MLP, GLOBALS, LAYER_NORMS, ROUTED_EXPERTS, ROUTER
 from .base import ModelConfig, ModelFamily, register_family
 from .deepseek_v3 import RouterSpec
+from .fields import ConfigFields, source_quantization
 from .mappings import AwqMappings, Balance
 from .roles import Role
 
@@ -73,7 +74,7 @@ class Qwen3MoeConfig(ModelConfig):
     num_experts_per_tok: int
     norm_topk_prob: bool
     decoder_sparse_step: int
-    mlp_only_layers: tuple[int, ...]
+    mlp_only_layers: frozenset[int]  # a set: is_moe_layer runs per layer
     weight_block_size: tuple[int, int] | None
     rms_norm_eps: float
     raw: dict[str, Any]
@@ -81,25 +82,14 @@ class Qwen3MoeConfig(ModelConfig):
 
     @classmethod
     def parse(cls, raw: dict[str, Any], origin: str = "config.json") -> Qwen3MoeConfig:
-        missing = [k for k in _REQUIRED if k not in raw]
-        if missing:
-            raise HetquantError(
-                f"{origin}: missing field(s) {', '.join(missing)}; is this a Qwen3-MoE config?"
-            )
-        v = {k: _int(raw, k, origin) for k in _REQUIRED}
+        f = ConfigFields(raw, origin)
+        f.require(_REQUIRED, "is this a Qwen3-MoE config?")
+        v = {k: f.integer(k) for k in _REQUIRED}
         heads, kv = v["num_attention_heads"], v["num_key_value_heads"]
-        if heads < 1 or kv < 1 or heads % kv:
+        if heads % kv:
             raise HetquantError(
                 f"{origin}: num_attention_heads {heads} must be a positive multiple of "
                 f"num_key_value_heads {kv}"
-            )
-        head_dim = raw.get("head_dim") or v["hidden_size"] // heads
-        step = _int({"decoder_sparse_step": raw.get("decoder_sparse_step") or 1},
-                    "decoder_sparse_step", origin)  # fmt: skip
-        only = raw.get("mlp_only_layers") or []
-        if not isinstance(only, list) or not all(_is_int(x) and x >= 0 for x in only):
-            raise HetquantError(
-                f"{origin}: mlp_only_layers must be a list of layer ids, got {only!r}"
             )
         if raw.get("num_experts") == 0:
             raise HetquantError(
@@ -112,31 +102,34 @@ class Qwen3MoeConfig(ModelConfig):
                 f"{origin}: a qwen3_moe config lacks the MoE field(s) {', '.join(moe_keys)}; "
                 "add them from the checkpoint's published config.json"
             )
-        moe = {k: _int(raw, k, origin) for k in _MOE_KEYS}
-        if not 1 <= moe["num_experts_per_tok"] <= moe["num_experts"]:
+        moe = {k: f.integer(k) for k in _MOE_KEYS}
+        if moe["num_experts_per_tok"] > moe["num_experts"]:
             raise HetquantError(
                 f"{origin}: num_experts_per_tok {moe['num_experts_per_tok']} not in "
                 f"[1, num_experts {moe['num_experts']}]"
             )
-        qc = raw.get("quantization_config") or {}
-        block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
-        eps = raw.get("rms_norm_eps", 1e-6)
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or eps < 0:
-            raise HetquantError(f"{origin}: field rms_norm_eps must be a number >= 0, got {eps!r}")
         cfg = cls(
-            **v, head_dim=_int({"head_dim": head_dim}, "head_dim", origin), **moe,
-            intermediate_size=int(raw.get("intermediate_size") or 0),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)), decoder_sparse_step=step,
-            mlp_only_layers=tuple(only), weight_block_size=tuple(block) if block else None,
-            rms_norm_eps=float(eps), raw=raw,
+            **v, **moe, head_dim=f.integer("head_dim", v["hidden_size"] // heads),
+            intermediate_size=f.integer("intermediate_size", 0, lo=0),
+            norm_topk_prob=f.flag("norm_topk_prob", False),
+            decoder_sparse_step=f.integer("decoder_sparse_step", 1),
+            mlp_only_layers=frozenset(f.integers("mlp_only_layers", ())),
+            weight_block_size=source_quantization(f), rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+            raw=raw,
         )  # fmt: skip
-        dense = [layer for layer in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(layer)]
-        if dense and cfg.intermediate_size <= 0:
+        if cfg.intermediate_size <= 0 and (dense := cfg.first_dense_layers()):
             raise HetquantError(
                 f"{origin}: layers {dense[:5]} are dense (mlp_only_layers / decoder_sparse_step) "
                 "but intermediate_size is missing"
             )
         return cfg
+
+    def first_dense_layers(self, n: int = 5) -> list[int]:
+        """Up to ``n`` of the dense layers, found without walking every layer (a hostile config
+        may claim billions): the ``mlp_only_layers``, and with a sparse step > 1 layer 0 on."""
+        step = range(min(self.num_hidden_layers, self.decoder_sparse_step - 1, n))
+        only = (x for x in self.mlp_only_layers if x < self.num_hidden_layers)
+        return sorted({*only, *step})[:n]
 
     # generic facts ---------------------------------------------------------------------------
     @property
@@ -165,17 +158,6 @@ class Qwen3MoeConfig(ModelConfig):
                           self.norm_topk_prob, 1.0)  # fmt: skip
         spec.validate()
         return spec
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _int(raw: dict[str, Any], key: str, origin: str) -> int:
-    value = raw[key]
-    if not _is_int(value) or value < 0:
-        raise HetquantError(f"{origin}: field {key} must be a non-negative integer, got {value!r}")
-    return value
 
 
 # -- the role table ----------------------------------------------------------------------------

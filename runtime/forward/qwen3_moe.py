@@ -67,7 +67,7 @@ class Qwen3MoeReference(DecoderReference):
                 "none of them (no released Qwen3-MoE config sets them)"
             )
         super().__init__(cfg, weights, dtype=dtype)
-        self.rope = RopeSpec.from_config({"rope_theta": raw.get("rope_theta", 1e6)}, cfg.head_dim)
+        self.rope = RopeSpec.from_config(raw, cfg.head_dim, default_theta=1e6)  # no scaling
         self.softmax_scale = cfg.head_dim**-0.5
 
     def attention(

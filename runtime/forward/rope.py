@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError
+from hetquant.formats.families.fields import ConfigFields
 
 from .precision import work_dtype
 
@@ -68,30 +69,36 @@ class RopeSpec:
     yarn: YarnSpec | None = None
 
     @classmethod
-    def from_config(cls, raw: Mapping[str, Any], dim: int) -> RopeSpec:
-        """From a config.json dict (``rope_theta``, ``rope_scaling``) and ``qk_rope_head_dim``."""
+    def from_config(
+        cls, raw: Mapping[str, Any], dim: int, default_theta: float = 10000.0
+    ) -> RopeSpec:
+        """From a config.json dict (``rope_theta``, ``rope_scaling``) and ``qk_rope_head_dim``;
+        every field read is type- and range-checked (``formats.families.fields``)."""
         if dim <= 0 or dim % 2:
             raise HetquantError(f"config.json: qk_rope_head_dim must be even and > 0, got {dim}")
-        scaling = raw.get("rope_scaling") or {}
-        theta = float(raw.get("rope_theta", scaling.get("rope_theta", 10000.0)))
-        kind = scaling.get("type", scaling.get("rope_type", "default"))
-        if kind in (None, "default"):
+        f = ConfigFields(raw, "config.json")
+        scaling = f.mapping("rope_scaling")
+        theta = f.number("rope_theta", scaling.number("rope_theta", default_theta, positive=True),
+                         positive=True)  # fmt: skip
+        kind = scaling.text("type", scaling.text("rope_type", "default"))
+        if kind == "default":
             return cls(dim, theta)
         if kind != "yarn":
             raise HetquantError(
                 f"config.json: rope_scaling type {kind!r} is not supported; DeepSeek-V3 uses 'yarn'"
             )
-        try:
-            yarn = YarnSpec(
-                factor=float(scaling["factor"]),
-                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-                beta_fast=float(scaling.get("beta_fast", 32.0)),
-                beta_slow=float(scaling.get("beta_slow", 1.0)),
-                mscale=float(scaling.get("mscale", 1.0)),
-                mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)),
+        if "factor" not in scaling.raw or "original_max_position_embeddings" not in scaling.raw:
+            raise HetquantError(
+                "config.json: rope_scaling (yarn) lacks 'factor' or 'original_max_position_embeddings'"
             )
-        except KeyError as e:
-            raise HetquantError(f"config.json: rope_scaling (yarn) lacks {e.args[0]!r}") from None
+        yarn = YarnSpec(
+            factor=scaling.number("factor", positive=True),
+            original_max_position_embeddings=scaling.integer("original_max_position_embeddings"),
+            beta_fast=scaling.number("beta_fast", 32.0),
+            beta_slow=scaling.number("beta_slow", 1.0),
+            mscale=scaling.number("mscale", 1.0),
+            mscale_all_dim=scaling.number("mscale_all_dim", 0.0),
+        )
         return cls(dim, theta, yarn)
 
     @property

@@ -411,6 +411,63 @@ def test_resolve_source_errors_and_local_paths(
     assert hub.requests  # the last one did ask the (fake) Hub
 
 
+def _dead_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point the client at a closed loopback port: the Hub cannot be reached."""
+    from huggingface_hub import constants
+
+    dead = "http://127.0.0.1:9"
+    monkeypatch.setenv("HF_ENDPOINT", dead)
+    monkeypatch.setattr(constants, "ENDPOINT", dead)
+
+
+def test_unreachable_hub_refuses_a_download_dir_unless_offline(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from support import run_cli
+
+    sha = _seed_source(hub, "acme/src")
+    dl, out = tmp_path / "dl", tmp_path / "out"
+    assert resolve_source("acme/src", dl, TOKEN) == (dl, sha)
+    _dead_hub(monkeypatch)
+    with pytest.raises(HetquantError, match=r"could not be reached.*HF_HUB_OFFLINE=1 to convert the copy in"):  # fmt: skip
+        resolve_source("acme/src", dl, TOKEN)
+    with pytest.raises(HetquantError, match="HF_HUB_OFFLINE=1 to convert the cached copy"):
+        resolve_source("acme/src", None, TOKEN)
+    res = run_cli("convert", "acme/src", out, "--recipe", "bf16", "--download-dir", dl)
+    lines = [x for x in res.stderr.splitlines() if not x.startswith("INFO ")]
+    assert res.exit_code == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: acme/src@main: the Hub could not be reached"), lines
+    assert not out.exists()
+    # asked for explicitly: the copy as it is, with the revision recorded beside it
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_source("acme/src", dl, TOKEN) == (dl, sha)
+    res = run_cli("convert", "acme/src", out, "--recipe", "bf16", "--download-dir", dl)
+    assert res.exit_code == 0, res.stderr
+    source = json.loads((out / MANIFEST_NAME).read_text())["source"]
+    assert (source["repo_id"], source["revision"]) == ("acme/src", sha)
+    with pytest.raises(HetquantError, match=f"holds commit {sha}, not the requested {'0' * 40}"):
+        resolve_source(f"acme/src@{'0' * 40}", dl, TOKEN)
+
+
+def test_offline_download_dir_must_record_one_commit(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    by_hand = tmp_path / "by-hand"
+    shutil.copytree(TINY, by_hand)  # the files, but no record of where they came from
+    with pytest.raises(HetquantError, match=r"no record of the commit .* local directory SOURCE"):
+        resolve_source("acme/src", by_hand, TOKEN)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    _seed_source(hub, "acme/src")
+    dl = tmp_path / "dl"
+    resolve_source("acme/src", dl, TOKEN)
+    meta = dl / ".cache" / "huggingface" / "download" / "model-00002-of-000005.safetensors.metadata"
+    meta.write_text("f" * 40 + meta.read_text()[40:])  # a shard left from another commit
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HetquantError, match=r"mixes revisions: model-00002-of-000005\.safetensors"):
+        resolve_source("acme/src", dl, TOKEN)
+
+
 def test_parse_repo_spec() -> None:
     assert parse_repo_spec("deepseek-ai/DeepSeek-V3") == ("deepseek-ai/DeepSeek-V3", None)
     assert parse_repo_spec("org/name@refs/pr/3") == ("org/name", "refs/pr/3")
