@@ -33,7 +33,7 @@ from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
 from .diskspace import free_bytes, space_error, space_needed
 from .execute import Stopped, run_jobs, sigbus_exits, stop_on_signals
-from .finalize import build, carried_files, json_size, metadata_docs, move_in
+from .finalize import artifact_names, build, carried_files, json_size, metadata_docs, move_in
 from .hashing import FileHashes, fill_order, hash_threads
 from .os_errors import DISK_FULL, os_error
 from .output_lock import LOCK_NAME, OutputLock
@@ -41,6 +41,7 @@ from .plan import Plan, plan_for
 from .recipes import Recipe
 from .source import SourceCheckpoint
 from .source_guard import SourceGuard, job_files
+from .transaction import check_target
 from .workdir import JOURNAL, WorkDir
 
 __all__ = [
@@ -184,8 +185,9 @@ class _Run:
         if finished is not None:
             self.work.clear()  # scratch left by a kill after the manifest was written
             return ConvertResult(self.plan, finished, len(self.plan.jobs), already_complete=True)
-        if not (self.work.path / MANIFEST_NAME).exists():
-            self._check_space()  # before anything is written
+        if not (self.work.path / MANIFEST_NAME).exists():  # before anything is written:
+            check_target(self.out, self.work.path, artifact_names(self.plan, self.source))
+            self._check_space()
         done = self._resume_or_start(digest, overwrite, guard)
         if not (self.work.path / MANIFEST_NAME).exists():  # else only the move into OUTPUT is left
             done = self.work.open_files(self.plan, done)
