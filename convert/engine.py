@@ -31,7 +31,7 @@ from typing import Any
 from hetquant.formats import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
-from .diskspace import free_bytes, space_error, space_needed
+from .diskspace import free_bytes, free_inodes, inode_error, space_error, space_needed
 from .execute import Stopped, run_jobs, sigbus_exits, stop_on_signals
 from .finalize import artifact_names, build, carried_files, json_size, metadata_docs, move_in
 from .hashing import FileHashes, fill_order, hash_threads
@@ -57,6 +57,7 @@ __all__ = [
 
 log = logging.getLogger("hetquant.convert")
 _MANIFEST_BYTES_PER_FILE = 256  # a file's entry in hetquant.json, with room to spare
+_SCRATCH_FILES = 8  # manifest, journal, source ids, owned list, temporary names, a probe
 
 
 @dataclass
@@ -267,16 +268,27 @@ class _Run:
         extra.append(_MANIFEST_BYTES_PER_FILE * (len(self.plan.files) + len(extra)) + (64 << 10))
         return space_needed(self.plan.files, self.work.path, extra)
 
+    def files_needed(self) -> int:
+        """Files (inodes) still to create: the artifact's, and the work directory's own."""
+        names = artifact_names(self.plan, self.source)
+        return sum(not (self.work.path / n).exists() for n in names) + _SCRATCH_FILES
+
     def _check_space(self) -> None:
         need, free = self.space_needed(), free_bytes(self.work.path)
         if need > free:
             raise space_error(self.out, need, free, early=True)
+        files, inodes = self.files_needed(), free_inodes(self.work.path)
+        if inodes is not None and files > inodes:
+            raise inode_error(self.out, files, inodes, early=True)
 
     def disk_full(self) -> HetquantError:
         try:
             need, free = self.space_needed(), free_bytes(self.work.path)
+            files, inodes = self.files_needed(), free_inodes(self.work.path)
         except OSError:
             return HetquantError(f"OUTPUT {self.out}: no space left on the device; free some and re-run the same command to resume")  # fmt: skip
+        if inodes is not None and (inodes == 0 or (need <= free and files > inodes)):
+            return inode_error(self.out, files, inodes, early=False)
         return space_error(self.out, need, free, early=False)
 
 

@@ -26,6 +26,7 @@ from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
 
 from .aux_files import AuxFiles, aux_files
 from .manifest import build_manifest, digest_files, write_json_atomic
+from .os_errors import naming
 from .plan import Plan
 from .recipes import ROOT
 from .recipes.metadata import artifact_metadata
@@ -86,7 +87,7 @@ def build(
     digests = dict(digests or {})
     for f in plan.files:
         if f.name not in digests:
-            with open(work / f.name, "rb+") as fh:
+            with naming(work / f.name), open(work / f.name, "rb+") as fh:
                 os.fsync(fh.fileno())
     docs = metadata_docs(plan, source)
     for name, doc in docs.items():
@@ -97,7 +98,8 @@ def build(
     aux = carried.names
     for n in aux:
         tmp = work / f".{n}.tmp"
-        shutil.copyfile(source.root / n, tmp)
+        with naming(tmp):  # a write's EFBIG, ENOSPC: no path
+            shutil.copyfile(source.root / n, tmp)
         os.replace(tmp, work / n)
     guard.check()  # the last moment a changed source can still be refused
     names = [f.name for f in plan.files] + [*docs, *aux]

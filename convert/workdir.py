@@ -21,6 +21,7 @@ from pathlib import Path
 
 from hetquant.formats.filenames import MANIFEST_NAME
 
+from .os_errors import naming
 from .output_lock import LOCK_NAME
 from .plan import Plan
 from .source_guard import Identity
@@ -94,7 +95,7 @@ class WorkDir:
 
     def _write(self, name: str, text: str) -> None:
         tmp = self.path / f".{name}.tmp"
-        with open(tmp, "w") as f:
+        with naming(tmp), open(tmp, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
