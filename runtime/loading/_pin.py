@@ -19,6 +19,7 @@ artifact (``open_artifact`` first tries again: a replacement is brief).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import weakref
@@ -54,6 +55,8 @@ class ManifestPin:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
+            if stat.S_ISDIR(st.st_mode):  # what reading it would say
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(self.path))
             raise HetquantError(f"{self.path}: not a regular file; not a hetquant artifact")
         self.fd, self.generation = fd, (st.st_dev, st.st_ino)
         self._closer = weakref.finalize(self, os.close, fd)
