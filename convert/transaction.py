@@ -48,8 +48,15 @@ def owned_files(out: Path) -> set[str]:
     for path in (out / MANIFEST_NAME, out / PARTIAL_DIR / OWNED):
         files = _listed(path)
         if files is not None:
-            return files | {MANIFEST_NAME}
+            return {n for n in files if _relative(n)} | {MANIFEST_NAME}
     return {MANIFEST_NAME}
+
+
+def _relative(name: str) -> bool:
+    """Whether ``name`` (from a manifest: untrusted) names a path below OUTPUT: not absolute,
+    no ``..``."""
+    rel = Path(name)
+    return bool(rel.parts) and not rel.is_absolute() and ".." not in rel.parts
 
 
 def _listed(path: Path) -> set[str] | None:
@@ -153,9 +160,12 @@ def move_in(out: Path, work: Path) -> dict[str, Any]:
 
 def _remove(out: Path, names: set[str]) -> None:
     """Delete the files ``names`` and hetquant's temporary names of them, then the directories
-    this left empty (a directory holding a file of the user's stays)."""
-    dirs = set()
+    this left empty (a directory holding a file of the user's stays); nothing where a linked
+    directory leads out of ``out``."""
+    dirs, root = set(), out.resolve()
     for name in sorted(names):
+        if not (out / name).parent.resolve().is_relative_to(root):
+            continue  # a linked directory leads out of OUTPUT: never delete there
         for p in (out / name, (out / name).with_name(f".{Path(name).name}.tmp")):
             if p.is_symlink() or p.is_file():
                 p.unlink()

@@ -4,6 +4,7 @@ lost, and nothing is destroyed before the move is known to work. (Issue 25 §4, 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
@@ -161,3 +162,19 @@ def _sha(text: str) -> str:
     import hashlib
 
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_a_manifest_naming_files_outside_output_deletes_none_of_them(
+    cli, tiny_ro: Path, artifact_copy: Path, tmp_path: Path
+) -> None:
+    """The old manifest is untrusted (a download): ``..`` or an absolute path in its ``files``
+    is not the artifact's to remove."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours\n")
+    manifest = read_json(artifact_copy / MANIFEST)
+    manifest["files"]["../victim.txt"] = {"size": 10, "sha256": "0" * 64}
+    manifest["files"][str(victim)] = {"size": 10, "sha256": "0" * 64}
+    (artifact_copy / MANIFEST).write_text(json.dumps(manifest))
+    res = cli("convert", tiny_ro, artifact_copy, *BF16, "--overwrite")
+    assert res.exit_code == 0, res.stderr
+    assert victim.read_text() == "not yours\n"
