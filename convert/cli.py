@@ -313,7 +313,7 @@ def inspect(path: Path) -> None:
 def verify(artifact: Path) -> None:
     """Check every file of ARTIFACT against its manifest; exit 1 if anything is off."""
     must_exist(artifact)
-    from .verify import artifact_files, count_files, load_manifest, verify_artifact
+    from .verify import artifact_files, count_files, load_manifest, user_docs, verify_artifact
 
     problems = verify_artifact(artifact)
     for p in problems:
@@ -321,7 +321,10 @@ def verify(artifact: Path) -> None:
     if problems:
         click.echo(f"{artifact}: {len(problems)} problem(s)")
         sys.exit(1)
-    click.echo(f"{artifact}: OK ({count_files(artifact_files(artifact, load_manifest(artifact)))})")
+    manifest = load_manifest(artifact)
+    click.echo(f"{artifact}: OK ({count_files(artifact_files(artifact, manifest))})")
+    if docs := user_docs(artifact, manifest):
+        click.echo(f"beside it, not part of it (not checked): {', '.join(docs)}")
 
 
 @main.command()

@@ -36,6 +36,8 @@ from hetquant.formats import HetquantError, TensorMeta
 from hetquant.formats.safe_paths import open_binary
 from hetquant.formats.safetensors_io import build_header, read_header
 
+from .os_errors import naming
+
 __all__ = [
     "CONTAINERS",
     "Container",
@@ -93,7 +95,7 @@ class Container:
     def create(self, path: Path) -> None:
         """Create ``path`` at its final size, ``header`` first, space reserved where possible."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as fh:
+        with naming(path), open(path, "wb") as fh:  # EFBIG (ulimit -f) from allocate: no path
             fh.write(self.header)
             fh.flush()
             allocate(fh.fileno(), self.size)

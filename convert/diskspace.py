@@ -1,4 +1,5 @@
-"""Disk space: what a convert still needs, from the plan's exact sizes, against what is free.
+"""Disk space: what a convert still needs, from the plan's exact sizes, against what is free —
+in bytes, and in inodes (files), which a file system can run out of with bytes to spare.
 
 Checked before any job runs (files are then created with ``fallocate``, which reserves their
 blocks, see ``containers.allocate``), and again when the disk fills anyway (another writer, a
@@ -11,12 +12,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetquant.formats import HetquantError
 
-from .containers import Container
+if TYPE_CHECKING:
+    from .containers import Container
 
-__all__ = ["free_bytes", "space_error", "space_needed"]
+__all__ = ["free_bytes", "free_inodes", "inode_error", "space_error", "space_needed"]
 
 _MIB = 1 << 20
 
@@ -25,6 +28,13 @@ def free_bytes(path: Path) -> int:
     """Bytes an unprivileged writer may still use on the file system of ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def free_inodes(path: str | os.PathLike[str]) -> int | None:
+    """Files an unprivileged writer may still create on the file system of ``path``; None where
+    it sets no such limit (``f_files`` 0: btrfs, some network file systems)."""
+    st = os.statvfs(path)
+    return st.f_favail if st.f_files else None
 
 
 def space_needed(files: Iterable[Container], work: Path, extra: Iterable[int]) -> int:
@@ -44,6 +54,15 @@ def space_error(out: Path, need: int, free: int, *, early: bool) -> HetquantErro
         f"OUTPUT {out}: not enough disk space{when}: the artifact needs {need:,} more bytes, "
         f"{free:,} free; free some space or choose another OUTPUT, then re-run the same command "
         "(finished work is kept and resumed)"
+    )
+
+
+def inode_error(out: Path, need: int, free: int, *, early: bool) -> HetquantError:
+    when = "" if early else " (they ran out during the run)"
+    return HetquantError(
+        f"OUTPUT {out}: no free inodes{when}: its file system can create {free:,} more files, "
+        f"the artifact needs {need:,} (bytes are not the problem); delete files there or choose "
+        "another OUTPUT, then re-run the same command (finished work is kept and resumed)"
     )
 
 

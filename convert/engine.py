@@ -32,9 +32,9 @@ from hetquant.formats import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 from hetquant.formats.manifest_schema import read_manifest
 
-from .diskspace import free_bytes, space_error, space_needed
+from .diskspace import free_bytes, free_inodes, inode_error, space_error, space_needed
 from .execute import Stopped, run_jobs, sigbus_exits, stop_on_signals
-from .finalize import build, carried_files, json_size, metadata_docs, move_in
+from .finalize import artifact_names, build, carried_files, json_size, metadata_docs, move_in
 from .hashing import FileHashes, fill_order, hash_threads
 from .os_errors import DISK_FULL, os_error
 from .output_lock import LOCK_NAME, OutputLock
@@ -42,6 +42,7 @@ from .plan import Plan, plan_for
 from .recipes import Recipe
 from .source import SourceCheckpoint
 from .source_guard import SourceGuard, job_files
+from .transaction import check_target
 from .workdir import JOURNAL, WorkDir
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
 
 log = logging.getLogger("hetquant.convert")
 _MANIFEST_BYTES_PER_FILE = 256  # a file's entry in hetquant.json, with room to spare
+_SCRATCH_FILES = 8  # manifest, journal, source ids, owned list, temporary names, a probe
 
 
 @dataclass
@@ -198,8 +200,9 @@ class _Run:
         if finished is not None:
             self.work.clear()  # scratch left by a kill after the manifest was written
             return ConvertResult(self.plan, finished, len(self.plan.jobs), already_complete=True)
-        if not (self.work.path / MANIFEST_NAME).exists():
-            self._check_space()  # before anything is written
+        if not (self.work.path / MANIFEST_NAME).exists():  # before anything is written:
+            check_target(self.out, self.work.path, artifact_names(self.plan, self.source))
+            self._check_space()
         done = self._resume_or_start(digest, overwrite, guard)
         if not (self.work.path / MANIFEST_NAME).exists():  # else only the move into OUTPUT is left
             done = self.work.open_files(self.plan, done)
@@ -279,16 +282,27 @@ class _Run:
         extra.append(_MANIFEST_BYTES_PER_FILE * (len(self.plan.files) + len(extra)) + (64 << 10))
         return space_needed(self.plan.files, self.work.path, extra)
 
+    def files_needed(self) -> int:
+        """Files (inodes) still to create: the artifact's, and the work directory's own."""
+        names = artifact_names(self.plan, self.source)
+        return sum(not (self.work.path / n).exists() for n in names) + _SCRATCH_FILES
+
     def _check_space(self) -> None:
         need, free = self.space_needed(), free_bytes(self.work.path)
         if need > free:
             raise space_error(self.out, need, free, early=True)
+        files, inodes = self.files_needed(), free_inodes(self.work.path)
+        if inodes is not None and files > inodes:
+            raise inode_error(self.out, files, inodes, early=True)
 
     def disk_full(self) -> HetquantError:
         try:
             need, free = self.space_needed(), free_bytes(self.work.path)
+            files, inodes = self.files_needed(), free_inodes(self.work.path)
         except OSError:
             return HetquantError(f"OUTPUT {self.out}: no space left on the device; free some and re-run the same command to resume")  # fmt: skip
+        if inodes is not None and (inodes == 0 or (need <= free and files > inodes)):
+            return inode_error(self.out, files, inodes, early=False)
         return space_error(self.out, need, free, early=False)
 
 

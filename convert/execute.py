@@ -35,6 +35,7 @@ from hetquant.formats.native import load_defined
 from . import workers as W
 from .jobs import JobRunner
 from .native_jobs import needs_torch
+from .os_errors import naming
 from .plan import Job, Plan
 from .source import SourceCheckpoint
 from .source_guard import SourceGuard
@@ -131,11 +132,13 @@ def _run_pool(
         args = (str(source.root), source.revision, plan.recipe, plan.max_shard_size, str(work))
         args += (os.getpid(), guard.ids)
     t0 = time.time()
-    pool = ProcessPoolExecutor(workers, mp_context=get_context(method), initializer=init, initargs=args)  # fmt: skip
+    with naming(f"(starting {workers} worker processes)"):  # EMFILE from its pipes: no path
+        pool = ProcessPoolExecutor(workers, mp_context=get_context(method), initializer=init, initargs=args)  # fmt: skip
     procs: list[Any] = []
     finished_all = False
     try:
-        futures = [pool.submit(W.run, j) for j in todo]  # forks (or spawns) the workers
+        with naming(f"(starting {workers} worker processes)"):  # EMFILE, EAGAIN: no path
+            futures = [pool.submit(W.run, j) for j in todo]  # forks (or spawns) the workers
         procs = list(pool._processes.values())  # kept to report their deaths
         W.inherit(None)
         if on_start:
@@ -152,7 +155,7 @@ def _run_pool(
     finally:
         W.inherit(None)
         if not finished_all:  # an error, a signal, or the caller stopped: no job may go on
-            for p in procs:
+            for p in procs or list((pool._processes or {}).values()):  # some, if start failed
                 p.kill()
         pool.shutdown(wait=True, cancel_futures=True)
 

@@ -39,12 +39,12 @@ from .diskspace import free_bytes, space_error, space_needed
 from .engine import check_paths, finished_manifest, only_lock_left, refuse_foreign
 from .execute import Stopped, stop_on_signals
 from .exporters import ExpertLayer, Exporter, get_exporter
-from .finalize import move_in
 from .manifest import SCHEMA_VERSION, digest_files, hetquant_version, write_json_atomic
 from .os_errors import os_error
 from .output_lock import OutputLock
 from .plan import OutPiece
 from .source_guard import SourceGuard
+from .transaction import check_target, move_in
 from .workdir import JOURNAL, WorkDir
 from .writer import PieceWriter
 
@@ -187,6 +187,7 @@ class _Run:
 
     def execute(self, overwrite: bool) -> ExportResult:
         if not (self.work.path / MANIFEST_NAME).exists():
+            check_target(self.out, self.work.path, dict.fromkeys(f.name for f in self.plan.files))
             need = space_needed(self.plan.files, self.work.path, [64 << 10])
             if need > (free := free_bytes(self.work.path)):
                 raise space_error(self.out, need, free, early=True)

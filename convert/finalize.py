@@ -5,11 +5,12 @@ index, config.json, the recipe's extra JSON files and the source's small non-wei
 (tokenizers, chat templates, remote code, licences) beside them, checks that the source did not
 change, hashes every
 file and writes the manifest — all inside ``OUTPUT/.hetquant-partial/``, so a previous artifact
-in OUTPUT stays whole and valid while this happens (``--overwrite``). ``move_in`` then replaces
-it: the old manifest goes first (OUTPUT stops claiming to be an artifact), the new files are
-renamed in, files of the old artifact that the new one lacks are removed, and the new manifest
-comes last. A kill during ``move_in`` leaves the complete new artifact split between the work
-directory and OUTPUT; re-running the same command finishes the move.
+in OUTPUT stays whole and valid while this happens (``--overwrite``). ``move_in``
+(``transaction.py``) then replaces it: the old manifest goes first (OUTPUT stops claiming to be
+an artifact), the new files are renamed in, files of the old artifact that the new one lacks are
+removed (files hetquant did not write are kept), and the new manifest comes last. A kill during
+``move_in`` leaves the complete new artifact split between the work directory and OUTPUT;
+re-running the same command finishes the move.
 """
 
 from __future__ import annotations
@@ -21,18 +22,19 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME, PARTIAL_DIR
-from hetquant.formats.json_io import load_json
+from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
 
 from .aux_files import AuxFiles, aux_files
 from .manifest import build_manifest, digest_files, write_json_atomic
+from .os_errors import naming
 from .plan import Plan
 from .recipes import ROOT
 from .recipes.metadata import artifact_metadata
 from .source import SourceCheckpoint
 from .source_guard import SourceGuard
+from .transaction import move_in
 
-__all__ = ["ARTIFACT_CARD", "build", "carried_files", "metadata_docs", "move_in"]
+__all__ = ["ARTIFACT_CARD", "artifact_names", "build", "carried_files", "metadata_docs", "move_in"]
 
 ARTIFACT_CARD = "README.md"  # the artifact's model card: ``hetquant publish`` writes its own
 log = logging.getLogger("hetquant.convert")
@@ -65,6 +67,14 @@ def carried_files(plan: Plan, source: SourceCheckpoint) -> AuxFiles:
     return aux_files(source.root, reserved=reserved | {MANIFEST_NAME, ARTIFACT_CARD})
 
 
+def artifact_names(plan: Plan, source: SourceCheckpoint) -> dict[str, Path | None]:
+    """Every file the artifact of ``plan`` will have but its manifest → the source file it is a
+    copy of (None: the convert writes it)."""
+    names: dict[str, Path | None] = {f.name: None for f in plan.files}
+    names |= dict.fromkeys(metadata_docs(plan, source))
+    return names | {n: source.root / n for n in carried_files(plan, source).names}
+
+
 def build(
     source: SourceCheckpoint, plan: Plan, work: Path, digest: str,
     calibration: dict[str, Any] | None, guard: SourceGuard,
@@ -77,7 +87,7 @@ def build(
     digests = dict(digests or {})
     for f in plan.files:
         if f.name not in digests:
-            with open(work / f.name, "rb+") as fh:
+            with naming(work / f.name), open(work / f.name, "rb+") as fh:
                 os.fsync(fh.fileno())
     docs = metadata_docs(plan, source)
     for name, doc in docs.items():
@@ -88,7 +98,8 @@ def build(
     aux = carried.names
     for n in aux:
         tmp = work / f".{n}.tmp"
-        shutil.copyfile(source.root / n, tmp)
+        with naming(tmp):  # a write's EFBIG, ENOSPC: no path
+            shutil.copyfile(source.root / n, tmp)
         os.replace(tmp, work / n)
     guard.check()  # the last moment a changed source can still be refused
     names = [f.name for f in plan.files] + [*docs, *aux]
@@ -112,39 +123,3 @@ def build(
         manifest["calibration"] = calibration
     write_json_atomic(work / MANIFEST_NAME, manifest)
     return manifest
-
-
-def move_in(out: Path, work: Path) -> dict[str, Any]:
-    """Replace whatever artifact ``out`` holds by the complete one in ``work``."""
-    manifest = load_json(work / MANIFEST_NAME)
-    names = set(manifest["files"])
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
-    for name in sorted(names):
-        if (work / name).exists():  # else moved by an interrupted earlier move_in
-            (out / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(work / name, out / name)
-    _remove_others(out, names)
-    os.replace(work / MANIFEST_NAME, out / MANIFEST_NAME)
-    _fsync_dir(out)
-    return manifest
-
-
-def _remove_others(out: Path, keep: set[str]) -> None:
-    """Delete what the previous artifact had and the new one lacks (the work dir excepted)."""
-    for p in sorted(out.rglob("*"), reverse=True):  # children before their directories
-        rel = p.relative_to(out)
-        if rel.parts[0] == PARTIAL_DIR or str(rel) in keep:
-            continue
-        if p.is_dir() and not p.is_symlink():
-            if not any(p.iterdir()):
-                p.rmdir()
-        else:
-            p.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -30,6 +30,7 @@ from typing import Any
 
 from .containers import Container
 from .manifest import HASH_READ, hash_threads
+from .os_errors import naming
 from .plan import Job, Plan
 
 __all__ = ["FileHashes", "fill_order", "hash_threads"]
@@ -177,7 +178,8 @@ class FileHashes:
         """Hash ``f`` up to its complete prefix, as long as that grows; fsync it when whole."""
         try:
             if f.fd is None:
-                f.fd = os.open(f.path, os.O_RDONLY)
+                with naming(f.path):
+                    f.fd = os.open(f.path, os.O_RDONLY)
             buf = bytearray(HASH_READ)
             while True:
                 with self._lock:

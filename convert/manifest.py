@@ -25,6 +25,7 @@ from hetquant.formats.filenames import MANIFEST_NAME
 from hetquant.formats.manifest_schema import READABLE_SCHEMAS
 from hetquant.formats.safe_paths import open_binary
 
+from .os_errors import naming
 from .plan import Plan
 from .recipes import COPY, ROOT
 
@@ -92,7 +93,7 @@ def digest_files(
 def write_json_atomic(path: Path, doc: Any) -> None:
     """Write JSON under a temporary name, fsync, rename: readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
+    with naming(tmp), open(tmp, "w") as f:  # EFBIG, ENOSPC from a write: no path
         json.dump(doc, f, indent=2, sort_keys=False)
         f.write("\n")
         f.flush()

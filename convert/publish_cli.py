@@ -97,7 +97,13 @@ def _publish(
     from .hub import check_credentials, check_hub_limits, parse_repo_spec, upload_artifact
     from .manifest import MANIFEST_NAME
     from .model_card import CardInputs, base_model_from, render_card
-    from .verify import artifact_files, count_files, load_manifest, verify_artifact
+    from .verify import (
+        artifact_files,
+        count_files,
+        licence_files,
+        load_manifest,
+        verify_artifact,
+    )
 
     if parse_repo_spec(repo_id) != (repo_id, None):
         raise HetquantError(f"{repo_id}: REPO_ID must be a Hub repo id, org/name")
@@ -117,8 +123,12 @@ def _publish(
         sys.exit(1)
     manifest = load_manifest(artifact)
     sizes = {f: n for f, n in artifact_files(artifact, manifest).items() if f != "README.md"}
-    files = [*(f for f in sizes if f != MANIFEST_NAME), MANIFEST_NAME]  # the manifest last
     click.echo(f"verified {artifact}: {count_files(sizes)} OK")
+    licences = licence_files(artifact, manifest)  # the user's, beside it: they travel too
+    if licences:
+        click.echo(f"with {', '.join(licences)} (not part of the artifact: not verified)")
+    sizes |= {n: (artifact / n).stat().st_size for n in licences}
+    files = [*(f for f in sizes if f != MANIFEST_NAME), MANIFEST_NAME]  # the manifest last
 
     config = _read_json(artifact / "config.json")
     note = None

@@ -35,6 +35,7 @@ from hetquant.formats.safe_paths import inside
 from hetquant.formats.safetensors_io import HeaderEntry, MappedFile, read_header
 
 from ._source_roles import PLAIN, attach_roles
+from .os_errors import naming
 
 __all__ = ["INDEX_NAME", "PLAIN", "SINGLE_NAME", "SourceCheckpoint", "SourceTensor"]
 
@@ -119,7 +120,8 @@ class SourceCheckpoint:
     def _mapped(self, file: str) -> MappedFile:
         mapped = self._maps.get(path := self.root / file)
         if mapped is None:
-            mapped = self._maps[path] = MappedFile(path)
+            with naming(path):  # ENOMEM, EMFILE from mmap: no path of their own
+                mapped = self._maps[path] = MappedFile(path)
         return mapped
 
     def read(self, file: str, entry: HeaderEntry) -> torch.Tensor:

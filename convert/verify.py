@@ -1,7 +1,9 @@
 """``hetquant verify``: an artifact checked against its manifest, byte for byte and shape for shape.
 
 Checks, each reported as a line: the manifest is complete and of a known schema; every listed file
-exists with its size and sha256; nothing unlisted lies beside them; every safetensors header is
+exists with its size and sha256; nothing unlisted lies beside them but the user's documents
+(``USER_DOCS``: a LICENSE, NOTES.txt, a README… — kept by ``convert --overwrite``, not part of the
+artifact; ``publish`` uploads the licence files among them); every safetensors header is
 valid; the index maps exactly the root shards' tensors; and every file's header is byte-identical
 to the one the plan — replayed from config.json and the manifest's recipe and source dtypes —
 prescribes, which proves every tensor's name, dtype, shape and offset — and every file that plan
@@ -28,11 +30,14 @@ from .recipes import get_recipe
 from .source import INDEX_NAME, PLAIN
 
 __all__ = [
+    "USER_DOCS",
     "artifact_files",
     "count_files",
+    "licence_files",
     "listed_files",
     "load_manifest",
     "replay_plan",
+    "user_docs",
     "verify_artifact",
 ]
 
@@ -43,6 +48,31 @@ HUB_FILES = {"README.md", ".gitattributes"}
 # ... and the engine's scratch directory, which a kill between writing the manifest and removing
 # it can leave behind (the next convert into OUTPUT removes it).
 IGNORED_DIRS = (".cache/huggingface/", f"{PARTIAL_DIR}/")
+# Documents a user keeps beside the artifact, by how their name starts (case-insensitive, in any
+# folder): not part of it, not checked, kept by ``convert --overwrite``. The licence ones travel
+# with a publish.
+LICENCE_STEMS = ("LICENSE", "LICENCE", "COPYING", "NOTICE")
+USER_DOCS = (*LICENCE_STEMS, "README", "NOTES", "AUTHORS", "CITATION", "CHANGELOG")
+
+
+def _is_doc(name: str, stems: tuple[str, ...] = USER_DOCS) -> bool:
+    return Path(name).name.upper().startswith(stems)
+
+
+def user_docs(root: Path, manifest: dict[str, Any]) -> list[str]:
+    """The user's documents beside the artifact in ``root``: unlisted, named ``USER_DOCS*``."""
+    return sorted(n for n in _unlisted(root, manifest) if _is_doc(n))
+
+
+def licence_files(root: Path, manifest: dict[str, Any]) -> list[str]:
+    """The user's licence files beside the artifact (``LICENSE*``, ``COPYING*``, ...)."""
+    return [n for n in user_docs(root, manifest) if _is_doc(n, LICENCE_STEMS)]
+
+
+def _unlisted(root: Path, manifest: dict[str, Any]) -> set[str]:
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    on_disk = {n for n in on_disk if n not in HUB_FILES and not n.startswith(IGNORED_DIRS)}
+    return on_disk - {MANIFEST_NAME} - set(manifest.get("files", {}))
 
 
 def load_manifest(root: Path) -> dict[str, Any]:
@@ -126,10 +156,8 @@ def verify_artifact(root: Path) -> list[str]:
             problems.append(f"{name}: size {got['size']} != {want['size']} in the manifest")
         elif got["sha256"] != want["sha256"]:
             problems.append(f"{name}: sha256 differs from the manifest (corrupt or modified)")
-    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
-    on_disk = {n for n in on_disk if n not in HUB_FILES and not n.startswith(IGNORED_DIRS)}
-    on_disk -= {MANIFEST_NAME}
-    problems += [f"{n}: not listed in the manifest" for n in sorted(on_disk - set(listed))]
+    unlisted = sorted(n for n in _unlisted(root, manifest) if not _is_doc(n))
+    problems += [f"{n}: not listed in the manifest" for n in unlisted]
     problems += _check_structure(root, manifest)
     return problems
 

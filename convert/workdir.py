@@ -7,7 +7,9 @@
 - ``source.json``: each source file's ``[size, mtime_ns, inode]`` when the work began.
 - the containers, created at their final size and filled by jobs; then the artifact's other
   files and, last, its manifest: a complete artifact waiting to be moved into OUTPUT.
-- ``lock`` (``output_lock.py``), which clearing the work directory keeps.
+- ``lock`` (``output_lock.py``), which clearing the work directory keeps; and ``owned.json``
+  (``transaction.py``) while OUTPUT has no manifest: the files an unfinished move must still
+  remove.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ import os
 import shutil
 from pathlib import Path
 
+from hetquant.formats.filenames import MANIFEST_NAME
+
+from .os_errors import naming
 from .output_lock import LOCK_NAME
 from .plan import Plan
 from .source_guard import Identity
+from .transaction import OWNED
 
 __all__ = ["JOURNAL", "WorkDir"]
 
@@ -48,8 +54,9 @@ class WorkDir:
         self._write(SOURCE_IDS, json.dumps(ids, sort_keys=True) + "\n")
 
     def clear(self) -> None:
+        keep = {LOCK_NAME} if (self.path.parent / MANIFEST_NAME).exists() else {LOCK_NAME, OWNED}
         for p in self.path.iterdir():
-            if p.name == LOCK_NAME:
+            if p.name in keep:
                 continue
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
@@ -88,7 +95,7 @@ class WorkDir:
 
     def _write(self, name: str, text: str) -> None:
         tmp = self.path / f".{name}.tmp"
-        with open(tmp, "w") as f:
+        with naming(tmp), open(tmp, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -23,6 +23,7 @@ from typing import Any
 from hetquant.formats.safetensors_io import byte_view, write_at
 
 from .containers import Container
+from .os_errors import naming
 
 __all__ = ["PieceWriter"]
 
@@ -45,14 +46,15 @@ class PieceWriter:
         """Write ``data`` (bytes, a numpy array or a CPU tensor: ``safetensors_io.byte_view``)
         at ``offset`` bytes past the start of output tensor ``tensor``."""
         file, start = self._where[tensor]
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(self.work_dir / file, os.O_RDWR)
-        pos = start + offset
-        src = byte_view(data)
-        if self.mapped and src.nbytes and self._store(file, fd, pos, src):
-            return
-        write_at(fd, pos, src)
+        with naming(self.work_dir / file):  # ENOMEM (mmap), EFBIG (ulimit -f), EMFILE: no path
+            fd = self._fds.get(file)
+            if fd is None:
+                fd = self._fds[file] = os.open(self.work_dir / file, os.O_RDWR)
+            pos = start + offset
+            src = byte_view(data)
+            if self.mapped and src.nbytes and self._store(file, fd, pos, src):
+                return
+            write_at(fd, pos, src)
 
     def _store(self, file: str, fd: int, pos: int, src: memoryview) -> bool:
         """Copy ``src`` into the mapping of ``file`` at ``pos``; False where it cannot."""

@@ -335,10 +335,14 @@ def error_line(stderr: str) -> str:
 
 
 @contextmanager
-def tmpfs(path: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``path`` (created), or a skip saying why it cannot be."""
+def tmpfs(
+    path: Path, size: str, *, read_only: bool = False, inodes: int | None = None
+) -> Iterator[Path]:
+    """A tmpfs of ``size`` (and at most ``inodes`` files) mounted at ``path`` (created), or a
+    skip saying why it cannot be."""
     path.mkdir()
     opts = f"size={size}" + (",ro" if read_only else "")
+    opts += f",nr_inodes={inodes}" if inodes else ""
     try:
         res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)  # fmt: skip
     except FileNotFoundError:

@@ -65,6 +65,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.int4_cpu import LAYER_KEYS
 
 from ..kernels.int4_gemv import BACKENDS, PRECISIONS
+from ..loading._pin import ManifestPin
 
 # ``X as X``: names defined here before the split into _expert_files.py and _subpool.py
 from ._expert_files import MANIFEST as MANIFEST
@@ -140,6 +141,7 @@ class CpuExpertPool:
             )
         cpu_sets = _cpu_sets(cpus, subpools)
         artifact = Path(artifact_dir)
+        pin = ManifestPin(artifact)  # the files mapped are all of one artifact (loading/_pin.py)
         infos = _select_layers(artifact, layers)
         _check_split(infos, subpools, split)
 
@@ -157,6 +159,7 @@ class CpuExpertPool:
             for info in pool._infos.values():
                 if info.path not in pool._maps:
                     pool._maps[info.path] = _Mapping(info.path)
+            pin.check("while its CPU experts were being opened")
             pool._subpools = [_Subpool(s, cpu_sets[s]) for s in range(subpools)]
             args = (pool._infos, pool._layer_views, subpools, split, materialize)
             futures = [sp.submit(sp.prepare, *args) for sp in pool._subpools]
@@ -169,6 +172,8 @@ class CpuExpertPool:
         except BaseException:
             pool.close()
             raise
+        finally:
+            pin.close()
         return pool
 
     def _layer_views(self, info: ExpertLayerInfo) -> dict[str, torch.Tensor]:

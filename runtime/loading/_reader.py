@@ -22,10 +22,11 @@ file's private memory map, which faults in only the pages that hold wanted bytes
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,11 +83,14 @@ def read_spans(
     stats: LoadStats,
     *,
     copy: bool = False,
+    opened: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``(name, file relative to root, span)`` → {name: uint8 bytes on ``target``}.
 
     For CUDA the copies are asynchronous: synchronize before using the tensors. On the CPU,
-    ``copy=False`` returns views of the files' memory maps where a span allows it.
+    ``copy=False`` returns views of the files' memory maps where a span allows it. Every file
+    is opened before any is read; ``opened`` is called then (the loader's check that they are
+    all of one artifact, ``_pin``).
     """
     if target.type == "cuda" and not torch.cuda.is_available():
         raise HetquantError(f"device {target} requested but CUDA is not available here")
@@ -94,20 +98,29 @@ def read_spans(
     for name, file, span in items:
         by_file.setdefault(file, []).append((name, span))
     out: dict[str, torch.Tensor] = {}
-    for file, spans in by_file.items():
-        with _Source(root / file, stats) as src:
-            if target.type == "cuda":
-                out.update(_to_cuda(src, spans, target))
-                continue
-            if target.type == "cpu" and not copy:
-                views = src.mapped_views([(n, s) for n, s in spans if _mappable(s)])
-                out.update(views)
-                spans = [(n, s) for n, s in spans if n not in views]
-            bufs = {name: torch.empty(s.nbytes, dtype=torch.uint8) for name, s in spans}
-            src.read_many([(s, bufs[name]) for name, s in spans])
-            for name, buf in bufs.items():
-                out[name] = buf if target.type == "cpu" else buf.to(target)
+    with contextlib.ExitStack() as stack:
+        sources = {f: stack.enter_context(_Source(root / f, stats)) for f in by_file}
+        if opened is not None:
+            opened()
+        for file, spans in by_file.items():
+            out.update(_read_file(sources[file], spans, target, copy))
     stats.tensors += len(out)
+    return out
+
+
+def _read_file(
+    src: _Source, spans: list[tuple[str, Span]], target: torch.device, copy: bool
+) -> dict[str, torch.Tensor]:
+    if target.type == "cuda":
+        return _to_cuda(src, spans, target)
+    out = {}
+    if target.type == "cpu" and not copy:
+        out = src.mapped_views([(n, s) for n, s in spans if _mappable(s)])
+        spans = [(n, s) for n, s in spans if n not in out]
+    bufs = {name: torch.empty(s.nbytes, dtype=torch.uint8) for name, s in spans}
+    src.read_many([(s, bufs[name]) for name, s in spans])
+    for name, buf in bufs.items():
+        out[name] = buf if target.type == "cpu" else buf.to(target)
     return out
 
 

@@ -18,6 +18,7 @@ the tensor bytes read from files (headers not included).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -33,8 +34,8 @@ from hetquant.formats.dtypes import itemsize, torch_dtype
 from hetquant.formats.errors import HetquantError
 from hetquant.formats.families import parse_config
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
-from hetquant.formats.json_io import load_json
-from hetquant.formats.manifest_schema import read_manifest
+from hetquant.formats.json_io import load_json, parse_json
+from hetquant.formats.manifest_schema import check_manifest
 from hetquant.formats.safe_paths import inside
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
@@ -49,12 +50,14 @@ from ..parallel.shard_rules import (
     shard_pieces,
     split_range,
 )
+from ._pin import ManifestPin, Replaced, open_pinned
 from ._reader import LoadStats, Span, read_spans
 from .conformance import check_conforms
 
 __all__ = ["Artifact", "LoadStats", "Span", "TensorRead", "open_artifact"]
 
 MANIFEST, INDEX = MANIFEST_NAME, INDEX_NAME
+_SINCE = "since it was opened"
 Repack = Callable[[str, WeightFormat | None, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
@@ -138,6 +141,7 @@ class Artifact:
     modules: dict[str, ModuleInfo]  # module id (prefix, or prefix.key for extras) → info
     bytes_read: int = 0
     last_load: LoadStats | None = None
+    pin: ManifestPin | None = field(default=None, repr=False)  # the manifest it was opened with
     facts: ModelFacts = field(init=False)
     placements: dict[str, Placement] = field(init=False)  # module id → role (shard_rules)
 
@@ -145,6 +149,18 @@ class Artifact:
         self.facts = ModelFacts.from_config(self.config)
         fam = self.facts.family
         self.placements = {mid: place(info.prefix, fam) for mid, info in self.modules.items()}
+
+    @property
+    def generation(self) -> tuple[int, int] | None:
+        """(device, inode) of the manifest it was opened with: which artifact, while it is open."""
+        return self.pin.generation if self.pin is not None else None
+
+    def _check(self) -> None:
+        if self.pin is not None:
+            self.pin.check(_SINCE)
+
+    def _explaining(self) -> contextlib.AbstractContextManager[None]:
+        return self.pin.explaining(_SINCE) if self.pin is not None else contextlib.nullcontext()
 
     @property
     def cpu_expert_files(self) -> dict[int, Path]:
@@ -160,7 +176,14 @@ class Artifact:
             CpuExpertPool,  # lazily: only artifacts with a pool need it
         )
 
-        return CpuExpertPool.open(self.root, subpools, **options)
+        with self._explaining():
+            pool = CpuExpertPool.open(self.root, subpools, **options)
+        try:
+            self._check()  # its files were opened after this artifact's: the same ones?
+        except HetquantError:
+            pool.close()
+            raise
+        return pool
 
     def plan(self, layout: ParallelLayout, *, mtp: bool = False) -> list[TensorRead]:
         """This rank's reads, shape-only, in file order; ``mtp`` adds the MTP layers (last stage)."""
@@ -237,7 +260,8 @@ class Artifact:
         reads, stats = self.plan(layout, mtp=mtp), LoadStats()
         target = torch.device(device)
         items = [(r.name, r.file, r.span) for r in reads]
-        flat = read_spans(self.root, items, target, stats, copy=copy)
+        with self._explaining():
+            flat = read_spans(self.root, items, target, stats, copy=copy, opened=self._check)
         out: dict[str, torch.Tensor] = {}
         for r in reads:
             out[r.name] = flat.pop(r.name).view(torch_dtype(r.dtype)).reshape(r.shape)
@@ -265,13 +289,27 @@ def _finish_modules(
         out.update({f"{info.prefix}.{k}": t for k, t in local.items()})
 
 
-def open_artifact(path: str | os.PathLike[str]) -> Artifact:
+def open_artifact(
+    path: str | os.PathLike[str], *, generation: tuple[int, int] | None = None
+) -> Artifact:
     """Open the artifact at ``path``: manifest, config.json, index and headers; no tensor data.
 
     Refuses an artifact whose stored tensors (root shards and ``cpu_experts/``) are not the ones
-    its config.json implies, shape for shape (``conformance``)."""
+    its config.json implies, shape for shape (``conformance``). All of one artifact (``_pin``):
+    tried again if a convert replaced it meanwhile. ``generation``: refuse any other than that
+    ``Artifact.generation`` (the ranks of a run).
+    """
     root = Path(path)
-    manifest, config = read_manifest(root), _json(root / "config.json")
+    art = open_pinned(root, lambda pin: _open(root, pin))
+    if generation is not None and art.generation != tuple(generation):
+        raise Replaced(f"{root}: the artifact was replaced since the run checked it; run again")
+    return art
+
+
+def _open(root: Path, pin: ManifestPin) -> Artifact:
+    manifest = parse_json(pin.read(), str(root / MANIFEST))
+    check_manifest(manifest, str(root / MANIFEST))
+    config = _json(root / "config.json")
     if manifest.get("complete") is not True:
         raise HetquantError(
             f"{root}: {MANIFEST} is not marked complete; the conversion did not finish"
@@ -304,7 +342,7 @@ def open_artifact(path: str | os.PathLike[str]) -> Artifact:
     order = sorted(modules, key=lambda m: min((f, e.start) for f, e in modules[m].entries.values()))
     pool = _select_layers(root, None, check=False) if manifest["parts"].get("cpu_experts") else {}
     check_conforms(root, parse_config(config, str(root / "config.json")), modules, pool)
-    return Artifact(root, manifest, config, {m: modules[m] for m in order})
+    return Artifact(root, manifest, config, {m: modules[m] for m in order}, pin=pin)
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,7 +41,9 @@ __all__ = [
     "Comm",
     "choose_backend",
     "init_groups",
+    "join_store",
     "rank_device",
+    "rendezvous",
     "wire",
 ]
 
@@ -100,6 +103,8 @@ def _one_device_per_rank(kind: str, count: int, world: int) -> str | None:
     return None
 
 
+_HOST = "127.0.0.1"  # every rank runs on this host
+_JOINED = "hetquant/joined/"  # store key of a rank that has joined, + its rank
 _TO_GLOO = "use --dist-backend gloo (dist_backend='gloo': collectives through host copies)"
 BACKENDS: dict[str, CollectiveBackend] = {
     b.name: b
@@ -212,27 +217,72 @@ def rank_device(
     return torch.device("cpu")
 
 
+def rendezvous(timeout_s: float) -> Any:
+    """Where a run's ranks meet: a TCP store served by this (the parent) process on a port the
+    OS picks — no free port to guess, none another process can take before a rank binds it —
+    alive as long as the returned store; ``.port`` tells the ranks where it is."""
+    import torch.distributed as dist
+
+    wait = timedelta(seconds=timeout_s)
+    return dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False, timeout=wait)
+
+
+def join_store(port: int, timeout_s: float, rank: int, world: int) -> Any:
+    """Rank ``rank``'s connection to ``rendezvous``'s store, once all ``world`` ranks have
+    connected: a rank that never comes (it died or hangs before joining) or a store that is not
+    there ends in one ``HetquantError`` line after ``timeout_s``, not torch's 30 minutes."""
+    import torch.distributed as dist
+
+    wait = timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(_HOST, port, is_master=False, timeout=wait)
+        store.set(f"{_JOINED}{rank}", "1")
+    except (RuntimeError, ValueError) as e:  # torch's DistError family
+        raise HetquantError(f"run: rank {rank} of {world} cannot reach the ranks' store on {_HOST}:{port}: {_line(e)}") from None  # fmt: skip
+    try:
+        store.wait([f"{_JOINED}{r}" for r in range(world)])
+    except (RuntimeError, ValueError):
+        late = [r for r in range(world) if not store.check([f"{_JOINED}{r}"])]
+        raise HetquantError(
+            f"run: rank {rank} of {world}: rank(s) {late} did not join within {timeout_s:g} s "
+            "(did one die or hang on its way?)"
+        ) from None
+    return store
+
+
 def init_groups(
     backend: CollectiveBackend,
-    port: int,
+    store: Any,
     rank: int,
     stages: int,
     size: int,
     device: torch.device,
 ) -> tuple[Comm, torch.device]:
-    """The world's process group (``stages × size`` ranks, rendezvous on 127.0.0.1:``port``)
-    and one group per stage over ``backend``. Returns rank ``rank``'s stage ``Comm`` and where
-    tensors crossing ranks live (``wire``: ``device`` for a device-native backend, else the
-    host). A stage of one rank among several gets no collectives; a run of one rank alone runs
-    them through its one-rank group, so the backend it named is the one exercised."""
+    """The world's process group (``stages × size`` ranks, rendezvous through ``store``, see
+    ``join_store``) and one group per stage over ``backend``. Returns rank ``rank``'s stage
+    ``Comm`` and where tensors crossing ranks live (``wire``: ``device`` for a device-native
+    backend, else the host). A stage of one rank among several gets no collectives; a run of
+    one rank alone runs them through its one-rank group, so the backend it named is the one
+    exercised. torch's refusals (a backend's own failure to connect) are one ``HetquantError``
+    line."""
     import torch.distributed as dist
 
     world = stages * size
     bind = {"device_id": device} if backend.native and device.type == backend.wire else {}
-    dist.init_process_group(
-        backend.name, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **bind
-    )
-    groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
+    try:
+        dist.init_process_group(backend.name, store=store, rank=rank, world_size=world, **bind)
+        groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
+    except (RuntimeError, ValueError) as e:  # torch's DistError family: a timeout, a refusal
+        raise HetquantError(
+            f"run: rank {rank} of {world} could not join the {backend.name} process group: "
+            f"{_line(e)}"
+        ) from None
     stage, grank = divmod(rank, size)
     comm = Comm(groups[stage], size, grank) if size > 1 or world == 1 else Comm()
     return comm, wire(None, device)
+
+
+def _line(e: BaseException) -> str:
+    """The first line of ``e``'s message, at most 200 characters."""
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import pickle
-import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -32,11 +31,12 @@ import torch
 from hetquant.formats import HetquantError
 from hetquant.formats.families import parse_config
 
-from .collectives import CollectiveBackend, choose_backend
+from .collectives import CollectiveBackend, choose_backend, rendezvous
 
 __all__ = ["RunSpec", "local_model", "run_artifact"]
 
 log = logging.getLogger("hetquant.run")
+_Where = tuple[int, Any]  # (port of the ranks' store, the artifact's generation)
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class RunSpec:
     generate: int = 0
     dtype: str | None = None  # activations; default float32, bfloat16 on npu (as vllm-ascend)
     dist_backend: str | None = None  # torch.distributed backend; default the device's own
+    join_timeout: float = 180.0  # seconds a rank waits for the store and the other ranks
 
     @property
     def world(self) -> int:
@@ -86,18 +87,20 @@ def run_artifact(
     process. ``timings``, when given, receives one dict per rank (``RankTiming``).
     """
     world = spec.world
-    backend = _check_inputs(spec, world)
+    backend, art = _check_inputs(spec, world)  # ``art`` pins the artifact the ranks must load
     log.info(
         "starting %d rank(s) (tp=%d pp=%d ep=%d, %s) on this host",
         world, spec.tp, spec.pp, spec.ep, backend.name if backend else "no process group",
     )  # fmt: skip
     level = logging.getLogger("hetquant").getEffectiveLevel()
+    store = rendezvous(spec.join_timeout) if backend is not None else None
+    where = (store.port if store is not None else 0, art.generation)
     with tempfile.TemporaryDirectory(prefix="hetquant-run-") as tmp:
         out = Path(tmp)
         if backend is None:
-            _rank_main(0, spec, 1, _free_port(), out, time.time())
+            _rank_main(0, spec, 1, where, out, time.time())
         else:
-            _spawn(spec, world, out, level)
+            _spawn(spec, world, where, out, level)
         logits = np.load(out / "logits.npy")
         generated = [int(x) for x in np.load(out / "generated.npy")]
         if timings is not None:
@@ -105,10 +108,11 @@ def run_artifact(
     return logits, generated
 
 
-def _check_inputs(spec: RunSpec, world: int) -> CollectiveBackend | None:
+def _check_inputs(spec: RunSpec, world: int) -> tuple[CollectiveBackend | None, Any]:
     """Refuse what a rank would: no tokens, a backend that cannot run here, ids outside the
     vocab, a layout the shapes do not allow, a missing or truncated file (every header is read,
-    cpu_experts/ included). Returns the ranks' backend (None: one rank, no process group)."""
+    cpu_experts/ included). Returns the ranks' backend (None: one rank, no process group) and
+    the opened artifact, which every rank must load (``open_artifact(generation=)``)."""
     if not spec.tokens:
         raise HetquantError("run: give at least one token id (--tokens 5,17,42)")
     backend = spec.collective_backend()
@@ -136,17 +140,20 @@ def _check_inputs(spec: RunSpec, world: int) -> CollectiveBackend | None:
         len({f for m in art.modules.values() for f, _ in m.entries.values()}),
         len(experts),
     )
-    return backend
+    return backend, art
 
 
-def _spawn(spec: RunSpec, world: int, out: Path, level: int) -> None:
-    """``world`` ranks via torch.multiprocessing; a failed rank's error is raised here."""
+def _spawn(spec: RunSpec, world: int, where: _Where, out: Path, level: int) -> None:
+    """``world`` ranks via torch.multiprocessing; a failed rank's error is raised here (one
+    line: its HetquantError or OSError, its death, or the last line of its traceback)."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
+    quiet = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process …": the
+    saved = quiet.level  # others, once one failed; the error line says which (-v: kept)
+    quiet.setLevel(max(saved, logging.ERROR) if level > logging.DEBUG else saved)
     try:
-        args = (spec, world, _free_port(), out, level, time.time())
-        mp.spawn(_rank_entry, args=args, nprocs=world)
+        mp.spawn(_rank_entry, args=(spec, world, where, out, level, time.time()), nprocs=world)
     except ProcessException as e:
         failed = sorted(out.glob("error-*.pkl"), key=lambda p: int(p.stem.split("-")[1]))
         if failed:
@@ -154,36 +161,35 @@ def _spawn(spec: RunSpec, world: int, out: Path, level: int) -> None:
         if isinstance(e, ProcessExitedException):  # killed (OOM killer, a signal)
             how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
             raise HetquantError(f"run: rank {e.error_index} of {world} died ({how})") from None
-        raise
+        log.debug("rank %d of %d: %s", e.error_index, world, e.msg)  # its traceback, with -v
+        last = [x for x in str(e.msg).splitlines() if x.strip()][-1:] or ["?"]
+        raise HetquantError(f"run: rank {e.error_index} of {world} failed: {last[0]}") from None
+    finally:
+        quiet.setLevel(saved)
 
 
 def _rank_entry(
-    rank: int, spec: RunSpec, world: int, port: int, out: Path, level: int, t0: float
+    rank: int, spec: RunSpec, world: int, where: _Where, out: Path, level: int, t0: float
 ) -> None:
     """A spawned rank: logs like the parent; a HetquantError / OSError goes back to it."""
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        _rank_main(rank, spec, world, port, out, t0)
+        _rank_main(rank, spec, world, where, out, t0)
     except (HetquantError, OSError) as e:
         (out / f"error-{rank}.pkl").write_bytes(pickle.dumps(e))
         raise SystemExit(2) from None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: float) -> None:
-    """Rank ``rank`` of ``world``: load its shards, run the stages; ``t0``: when the ranks were
+def _rank_main(rank: int, spec: RunSpec, world: int, where: _Where, out: Path, t0: float) -> None:
+    """Rank ``rank`` of ``world``: load its shards, run the stages; ``where``: the port of the
+    ranks' store and the artifact's generation the parent checked; ``t0``: when the ranks were
     started (time.time()), for the progress log. Writes the logits and generated ids (last
     stage's group rank 0) and its ``RankTiming`` into ``out``."""
     import torch.distributed as dist
 
     from ..forward.references import reference_for
     from ..loading.loader import open_artifact
-    from .collectives import Comm, init_groups, rank_device
+    from .collectives import Comm, init_groups, join_store, rank_device
     from .pipeline import RankTiming, StagePlace, generate
     from .rank import RankWeights
 
@@ -193,11 +199,13 @@ def _rank_main(rank: int, spec: RunSpec, world: int, port: int, out: Path, t0: f
     device = rank_device(spec.device, rank, place.grank, backend)
     tick = time.perf_counter()
     comm, link = Comm(), device
+    port, generation = where
     if backend is not None:
-        comm, link = init_groups(backend, port, rank, spec.pp, spec.group, device)
+        store = join_store(port, spec.join_timeout, rank, world)
+        comm, link = init_groups(backend, store, rank, spec.pp, spec.group, device)
     init_s, tick = time.perf_counter() - tick, time.perf_counter()
     layout = _layout(spec, rank)
-    art = open_artifact(spec.artifact)
+    art = open_artifact(spec.artifact, generation=generation)
     cfg = parse_config(art.config)
     tensors = art.load(layout, device=device)
     pool = art.cpu_expert_pool(subpools=spec.subpools) if art.cpu_expert_files else None

@@ -10,6 +10,8 @@ this file too). Test code only: hetquant itself is unchanged.
 - ``HETQUANT_TEST_TRUNCATE=path``: the first job that reads source file ``path`` maps it, then
   empties it just before reading (after the engine's own check of the source), so that the read
   hits a memory map past the end of its file: SIGBUS.
+- ``HETQUANT_TEST_RANK=N:hang`` / ``N:raise``: rank N of a ``hetquant run`` never joins the
+  ranks' store (sleeps) / raises a RuntimeError where it would join it.
 """
 
 import multiprocessing
@@ -42,3 +44,20 @@ if _DELAY or _TRUNCATE or _KILL:
         return n
 
     jobs.JobRunner.run = _hooked_run
+
+
+_RANK = os.environ.get("HETQUANT_TEST_RANK")
+if _RANK:
+    from hetquant.runtime.serving import collectives
+
+    _join_store = collectives.join_store
+    _which, _how = _RANK.split(":")
+
+    def _hooked_join_store(port, timeout_s, rank, world):
+        if rank == int(_which):
+            if _how == "hang":
+                time.sleep(3600)
+            raise RuntimeError("a fault the test hook made")
+        return _join_store(port, timeout_s, rank, world)
+
+    collectives.join_store = _hooked_join_store

@@ -330,13 +330,15 @@ def test_output_holding_an_artifact_needs_overwrite(
     cli, tiny_src: Path, artifact_copy: Path
 ) -> None:
     before_src, before_out = tree_hashes(tiny_src), tree_hashes(artifact_copy)
-    (artifact_copy / "stray.txt").write_text("x")  # --overwrite replaces the whole directory
+    (artifact_copy / "stray.txt").write_text("x")  # the user's: --overwrite keeps it
     res = cli("convert", tiny_src, artifact_copy, "--recipe", "bf16")
     assert_refused(res, tiny_src, artifact_copy.parent / "none", before_src, "already holds an artifact", "--overwrite")  # fmt: skip
     assert (artifact_copy / "stray.txt").exists()
     res = cli("convert", tiny_src, artifact_copy, "--recipe", "bf16", "--overwrite")
     assert res.exit_code == 0, res.stderr
     after = tree_hashes(artifact_copy)
+    assert (artifact_copy / "stray.txt").read_text() == "x"
+    del after["stray.txt"]
     assert after.keys() == before_out.keys()
     assert {k for k in after if after[k] != before_out[k]} == {MANIFEST}  # source path differs
     assert tree_hashes(tiny_src) == before_src

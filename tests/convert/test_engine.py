@@ -339,7 +339,7 @@ class _Calibrated:
         from hetquant.calib import AwqOptions
 
         self.options = AwqOptions(**options)
-        self.stats = {"tokens": 64}
+        self.stats = {"tokens": 64, "device": "cpu", "dtype": "float64"}
         self.quantized = ["model.layers.1.mlp.experts.0.up_proj.weight"]
 
     def quantizer(self, name: str) -> object:
@@ -362,3 +362,22 @@ def test_calibration_record_says_what_ran(options: dict, present: set, absent: s
     recorded = calibration_record(_Calibrated(**options))["options"]
     assert present <= recorded.keys() and not absent & recorded.keys()
     assert recorded["grid"] == 20 and recorded.get("gptq", True)  # the rest as before
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "same"),
+    [("cpu", "float64", True), ("cpu", "float32", False), ("cuda:0", "bfloat16", False)],
+)
+def test_calibration_record_says_where_it_ran(device: str, dtype: str, same: bool) -> None:
+    """``calibration.compute``: only the CPU in float64 gives the same bytes on every CPU
+    (calib/awq.py, "Reproducibility")."""
+    from hetquant.convert.engine import calibration_record
+
+    cal = _Calibrated()
+    cal.stats = {**cal.stats, "device": device, "dtype": dtype}
+    compute = calibration_record(cal)["compute"]
+    assert compute == {
+        "device": device.split(":")[0],
+        "dtype": dtype,
+        "same_bytes_on_every_cpu": same,
+    }

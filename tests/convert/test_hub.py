@@ -278,6 +278,22 @@ def test_publish_nested_parts(hub: FakeHub, tmp_path: Path) -> None:
     assert "without** the tensors in `cpu_experts/`" in card and "cpu_expert_pool" in card
 
 
+def test_publish_uploads_the_users_licence_that_verify_accepts(
+    hub: FakeHub, artifact: Path, tmp_path: Path
+) -> None:
+    """A LICENSE kept beside the artifact (``convert --overwrite`` keeps it) passes verify, gives
+    the card its licence and goes up with the artifact; NOTES.txt stays home. (Issue 25 §4.)"""
+    art = tmp_path / "art"
+    shutil.copytree(artifact, art)
+    (art / "LICENSE").write_text("MIT License\n\nCopyright (c) 2025 someone\n")
+    (art / "NOTES.txt").write_text("mine\n")
+    res = _run(str(art), "acme/lic", "--token", TOKEN)  # no --license: the file says it
+    assert res.exit_code == 0, res.output
+    remote = hub.files("acme/lic")
+    assert remote["LICENSE"] == (art / "LICENSE").read_bytes() and "NOTES.txt" not in remote
+    assert parse_front_matter(remote["README.md"].decode())["license"] == "mit"
+
+
 def test_dry_run_prints_card_and_files_and_sends_nothing(hub: FakeHub, artifact: Path) -> None:
     res = _run(str(artifact), "acme/dry", "--dry-run", "--license", "mit", "--token", TOKEN)
     assert res.exit_code == 0, res.output

@@ -314,7 +314,7 @@ def test_process_groups(
     monkeypatch.setattr(dist, "get_backend", lambda group=None: name)
     rank = stages * size - 1
     device = torch.device("cuda", rank) if name == "nccl" else torch.device("cpu")
-    comm, link = init_groups(BACKENDS[name], 1234, rank, stages, size, device)
+    comm, link = init_groups(BACKENDS[name], dist.HashStore(), rank, stages, size, device)
     (args, kwargs) = made[0]
     assert args == (name,) and kwargs["world_size"] == stages * size and kwargs["rank"] == rank
     assert kwargs.get("device_id") == (device if name == "nccl" else None)
