@@ -21,6 +21,7 @@ Messages name the file that gave the name and the fix, never bytes of the file.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -118,6 +119,8 @@ def read_regular(path: str | os.PathLike[str]) -> bytes:
 def _require_regular(path: str | os.PathLike[str], mode: int) -> None:
     if stat.S_ISREG(mode):
         return
+    if stat.S_ISDIR(mode):  # the OS's own error, one line in every command (cli_base)
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     kind = next((k for test, k in _KINDS.items() if test(mode)), "a special file")
     raise HetquantError(
         f"{path}: is {kind}, not a regular file; only regular files are read — put the file "

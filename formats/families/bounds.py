@@ -14,6 +14,9 @@ it. ``check_index_holds`` compares, cheapest first and in time linear in the ind
 3. the number of names the expansion would yield, computed per layer without expanding experts,
    at most the number of names in the index.
 
+Before them, a name the family refuses (``ModelFamily.refusal``: a layout it does not read, such as
+fused 3-D experts, whose one tensor stands for every expert) is refused with its own reason.
+
 A config claiming *fewer* layers or experts than the index holds is left to the role matching
 (``convert/_source_roles.py``), which names the first tensor no role takes.
 """
@@ -61,6 +64,9 @@ def _disagree(origin: str, claim: str, held: str) -> HetquantError:
 def check_index_holds(cfg: ModelConfig, names: Collection[str], origin: str) -> None:
     """Refuse ``cfg`` when the index ``origin`` (its tensor ``names``) cannot hold what it claims
     (module docstring); time and memory linear in ``len(names)``, whatever the config says."""
+    for name in names:  # a layout the family does not read: its own reason, not a count
+        if (why := cfg.family.refusal(name)) is not None:
+            raise HetquantError(f"tensor {name!r}: {why}")
     n, layers = len(names), cfg.total_layers
     what = f"{layers} decoder layers ({cfg.num_hidden_layers} + {cfg.num_mtp_layers} MTP)"
     if layers > n:

@@ -95,7 +95,6 @@ def _special(kind: str, path: Path) -> Path:
     ("kind", "words"),
     [
         ("fifo", r"is a FIFO \(named pipe\)"),
-        ("directory", "is a directory"),
         ("device", "is a character device"),
     ],
 )
@@ -104,6 +103,14 @@ def test_only_regular_files_are_opened(tmp_path: Path, kind: str, words: str) ->
     for read in (read_regular, read_header, MappedFile):
         with no_hang(), pytest.raises(HetquantError, match=f"model.safetensors: {words}, not a"):
             read(path)
+
+
+def test_a_directory_is_the_os_error_every_command_prints(tmp_path: Path) -> None:
+    path = _special("directory", tmp_path / "model.safetensors")
+    for read in (read_regular, read_header, MappedFile):
+        with pytest.raises(IsADirectoryError) as e:
+            read(path)
+        assert e.value.filename == str(path)
 
 
 def test_open_binary_reads_a_regular_file_blocking(tmp_path: Path) -> None:

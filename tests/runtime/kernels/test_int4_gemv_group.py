@@ -5,7 +5,6 @@ float64 reference (``gemv_reference.py``), strided rows and scale rows, subpools
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -201,10 +200,28 @@ def _group_artifact(root: Path, layers=(1, 2), experts=8, hidden=256, inter=256,
         prefix = f"model.layers.{layer}.mlp.experts"
         save_file({f"{prefix}.{k}": v for k, v in tensors[layer].items()}, root / rel)
         files.append(rel)
-    manifest = {"complete": True, "parts": {"cpu_experts": {"files": files}}}
-    (root / "hetquant.json").write_text(json.dumps(manifest))
-    shutil.copy(TINY_CONFIG, root / "config.json")  # the model family names the layers
+    (root / "hetquant.json").write_text(json.dumps(_manifest(root, files)))
+    config = json.loads(TINY_CONFIG.read_text())  # the model family names the layers
+    config.update(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts)
+    (root / "config.json").write_text(json.dumps(config))  # ... and the pool checks its shapes
     return tensors
+
+
+def _manifest(root: Path, files: list[str]) -> dict:
+    """A manifest of the schema (formats/manifest_schema.py) listing the cpu_experts ``files``."""
+    sizes = {f: {"size": (root / f).stat().st_size, "sha256": "0" * 64} for f in files}
+    group = {"name": "experts", "format": "int4_cpu_group_experts", "params": 1, "bytes": 1,
+             "bits_per_weight": 4.5}  # fmt: skip
+    return {
+        "schema_version": 2,
+        "complete": True,
+        "recipe": {"name": "ascend-hybrid", "options": {}},
+        "source": {"path": str(root), "fingerprint": "0", "dtypes": {}},
+        "max_shard_size": 5 * 10**9,
+        "parts": {"cpu_experts": {"files": files}},
+        "files": sizes,
+        "precision": {"groups": [group], "params": 1, "bytes": 1, "effective_bits_per_weight": 4.5},
+    }
 
 
 @pytest.mark.parametrize(
