@@ -21,7 +21,7 @@ from typing import Any
 
 from hetquant.formats import get_format
 from hetquant.formats.base import identify
-from hetquant.formats.filenames import MANIFEST_NAME
+from hetquant.formats.filenames import MANIFEST_NAME, READABLE_SCHEMAS
 
 from .plan import Plan
 from .recipes import COPY, ROOT
@@ -40,7 +40,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)  # what verify and the loader accept
 # Hashing reads into one buffer that stays in the core's L2 cache while sha256 reads it back:
 # beside 16 processes streaming memory one stream did 0.63 GB/s with 8 MB reads, 0.91 with 256 KB
 # (benchmarks/probes/sha_speed.py, 16-core host; the convert's own tail did not move measurably).

@@ -1,0 +1,109 @@
+"""Linear methods for ``--quantization hetquant``: one per stored format, vLLM's kernel where it
+has one for the format on this device, ours (``runtime/kernels/ops.py``) otherwise.
+
+``LINEAR_METHODS`` maps a format name to a method factory; a format it does not name runs through
+:class:`HetquantLinearMethod`, which covers every registered format on the CPU (bf16, w8a8_dynamic,
+w8a8, w4a8_dynamic, awq_w4a16, ct_pack_quantized, int4_cpu, nvfp4, nvfp4_ascend; the table in
+``ops.py`` says what each runs). A fused vLLM layer whose parts are stored in different formats
+runs through ours too.
+
+vLLM's interface: ``LinearMethodBase`` (``vllm/model_executor/layers/linear.py:123``):
+``create_weights`` gets this rank's ``input_size_per_partition`` and ``output_partition_sizes``
+(one per fused part); ``apply(layer, x, bias)`` returns ``x @ Wᵀ (+ bias)``;
+``process_weights_after_loading`` runs once after the loader (``base_config.py:80``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import (
+    LinearMethodBase,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+
+from hetquant.formats import HetquantError
+
+from ..kernels.ops import QuantLinear
+from .sources import Source, expect, take
+
+__all__ = ["LINEAR_METHODS", "HetquantLinearMethod", "linear_method"]
+
+
+class HetquantLinearMethod(LinearMethodBase):
+    """Our kernels: one ``QuantLinear`` per stored part, outputs concatenated in part order."""
+
+    def __init__(self, sources: Sequence[Source], prefix: str) -> None:
+        self.sources, self.prefix = tuple(sources), prefix
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        if len(output_partition_sizes) != len(self.sources):
+            raise HetquantError(
+                f"{self.prefix}: vLLM fuses {len(output_partition_sizes)} parts here, the "
+                f"artifact stores {[s.prefix for s in self.sources]}"
+            )
+        expect(layer, self.sources)
+        layer.hetquant_shape = (tuple(output_partition_sizes), input_size_per_partition)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        tensors = take(layer, self.prefix)
+        rank = getattr(layer, "tp_rank", 0) if isinstance(layer, RowParallelLinear) else 0
+        outs, k = layer.hetquant_shape
+        ops = []
+        for src, n in zip(self.sources, outs, strict=True):
+            assert src.fmt is not None
+            op = QuantLinear.from_stored(
+                src.fmt, tensors[src.prefix], backend="cpu", params=src.params, tp_rank=rank
+            )
+            if (op.out_features, op.in_features) != (n, k):
+                raise HetquantError(
+                    f"{src.prefix}: this rank's stored weight is [{op.out_features}, "
+                    f"{op.in_features}], vLLM's layer wants [{n}, {k}]"
+                )
+            ops.append(op)
+        layer.hetquant_ops = ops
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        ys = [op(x) for op in layer.hetquant_ops]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y if bias is None else y + bias
+
+
+LinearFactory = Callable[[Sequence[Source], str], LinearMethodBase]
+
+
+def _vllm_unquantized(sources: Sequence[Source], prefix: str) -> LinearMethodBase:
+    return UnquantizedLinearMethod()  # vLLM loads it from our tensors (loader.py)
+
+
+LINEAR_METHODS: dict[str, LinearFactory] = {"bf16": _vllm_unquantized}
+"""Format → method factory, where one other than ours serves it (vLLM's own kernels)."""
+
+
+def linear_method(sources: Sequence[Source], prefix: str) -> LinearMethodBase:
+    """The method of the vLLM linear layer ``prefix`` whose stored parts are ``sources``."""
+    stored = [s for s in sources if s.stored]
+    if not stored:  # a layer the artifact does not store: the loader's fill check names it
+        return UnquantizedLinearMethod()
+    if len(stored) != len(sources):
+        missing = [s.prefix for s in sources if not s.stored]
+        raise HetquantError(f"{prefix}: the artifact does not store {', '.join(missing)}")
+    fmts = {(s.fmt, tuple(sorted(s.params.items()))) for s in sources}
+    factory = HetquantLinearMethod
+    if len(fmts) == 1:
+        factory = LINEAR_METHODS.get(str(sources[0].fmt), HetquantLinearMethod)
+    return factory(sources, prefix)
