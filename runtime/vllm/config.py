@@ -16,7 +16,6 @@ layer such as ``gate_up_proj`` to ``gate_proj`` + ``up_proj``, through the model
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,34 +27,15 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 
 from hetquant.formats import HetquantError
-from hetquant.formats.filenames import MANIFEST_NAME, READABLE_SCHEMAS
+from hetquant.formats.filenames import MANIFEST_NAME
 
-from ..loading.loader import Artifact, open_artifact
+from ..loading.loader import Artifact
 from .linear import linear_method
 from .moe import moe_method
+from .served import NAME, open_served
 from .sources import Source, layer_sources
 
 __all__ = ["NAME", "HetquantConfig", "open_served"]
-
-NAME = "hetquant"
-
-
-def open_served(model: str | Path) -> Artifact:
-    """The artifact vLLM was pointed at, or one line saying why it is not one we serve."""
-    root = Path(model)
-    if not (root / MANIFEST_NAME).is_file():
-        raise HetquantError(
-            f"--quantization {NAME}: {model} is not a hetquant artifact (no {MANIFEST_NAME}); "
-            "give the OUTPUT directory of `hetquant convert` (a local path)"
-        )
-    art = open_artifact(root)
-    schema = art.manifest.get("schema_version")
-    if schema not in READABLE_SCHEMAS:
-        raise HetquantError(
-            f"--quantization {NAME}: {root / MANIFEST_NAME} has schema_version {schema!r}; "
-            f"this hetquant reads {', '.join(map(str, READABLE_SCHEMAS))} (convert it again)"
-        )
-    return art
 
 
 class HetquantConfig(QuantizationConfig):

@@ -41,8 +41,8 @@ from hetquant.formats import HetquantError
 
 from ..loading.loader import Artifact
 from ..parallel.layout import ParallelLayout
-from .config import NAME, open_served
 from .moe import POOL
+from .served import NAME, open_served
 from .sources import SOURCES, TENSORS
 
 __all__ = ["HetquantModelLoader", "pool_options"]
