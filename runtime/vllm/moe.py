@@ -146,8 +146,7 @@ def moe_method(art: Artifact, prefix: str, moe: Any) -> FusedMoEMethodBase:
         if layer_no in art.cpu_expert_files:
             return CpuPoolMoEMethod(moe, int(layer_no), prefix)
         raise HetquantError(f"{prefix}: the artifact stores no routed experts for this layer")
-    fmts = {(s.fmt, tuple(sorted(s.params.items()))) for s in sources}
-    if len(fmts) != 1:
-        raise HetquantError(f"{prefix}: its experts are stored in several formats {sorted(fmts)}")
-    factory = MOE_METHODS.get(str(sources[0].fmt), StoredExpertsMoEMethod)
+    factory: MoEFactory = StoredExpertsMoEMethod  # ours takes each projection's own params
+    if len({(s.fmt, tuple(sorted(s.params.items()))) for s in sources}) == 1:
+        factory = MOE_METHODS.get(str(sources[0].fmt), StoredExpertsMoEMethod)
     return factory(moe, sources, prefix)
