@@ -30,7 +30,7 @@ from hetquant.formats import HetquantError
 from ..kernels.ops import QuantLinear
 from .sources import Source, expect, take
 
-__all__ = ["LINEAR_METHODS", "HetquantLinearMethod", "linear_method"]
+__all__ = ["LINEAR_METHODS", "ByActivationDtype", "HetquantLinearMethod", "linear_method"]
 
 
 class HetquantLinearMethod(LinearMethodBase):
@@ -90,7 +90,67 @@ def _vllm_unquantized(sources: Sequence[Source], prefix: str) -> LinearMethodBas
     return UnquantizedLinearMethod()  # vLLM loads it from our tensors (loader.py)
 
 
-LINEAR_METHODS: dict[str, LinearFactory] = {"bf16": _vllm_unquantized}
+class ByActivationDtype(LinearMethodBase):
+    """vLLM's method where its kernel takes the layer's activation dtype, ours otherwise: the
+    choice is made in ``create_weights``, where vLLM first tells the dtype."""
+
+    def __init__(
+        self, vllm: Callable[[], LinearMethodBase], dtypes: frozenset[torch.dtype],
+        sources: Sequence[Source], prefix: str,
+    ) -> None:  # fmt: skip
+        self.vllm, self.dtypes, self.sources, self.prefix = vllm, dtypes, sources, prefix
+        self.impl: LinearMethodBase | None = None
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        use_vllm = params_dtype in self.dtypes
+        self.impl = self.vllm() if use_vllm else HetquantLinearMethod(self.sources, self.prefix)
+        layer.hetquant_kernel = "vllm" if use_vllm else "hetquant"
+        self.impl.create_weights(
+            layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+            params_dtype, **extra_weight_attrs,
+        )  # fmt: skip
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        assert self.impl is not None
+        self.impl.process_weights_after_loading(layer)
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        assert self.impl is not None
+        return self.impl.apply(layer, x, bias)
+
+
+HALF = frozenset({torch.bfloat16, torch.float16})
+
+
+def _vllm_awq(sources: Sequence[Source], prefix: str) -> LinearMethodBase:
+    """AutoAWQ GEMM (``qweight`` / ``qzeros`` / ``scales``) through vLLM's own AWQ method for
+    bf16 / fp16 activations: on the CPU that is ``AutoAWQMarlinLinearMethod``
+    (``quantization/auto_awq.py:307``), which repacks to GPTQ order and runs
+    ``CPUWNA16LinearKernel`` (``kernels/linear/mixed_precision/cpu.py:20``,
+    ``ops.cpu_gemm_wna16``, which has no float32 path: ``not implemented for 'Float'``), loaded by
+    vLLM from our tensors (loader.py); float32 runs ours."""
+    from vllm.model_executor.layers.quantization.auto_awq import (
+        AutoAWQConfig,
+        AutoAWQMarlinLinearMethod,
+    )
+
+    group = int(sources[0].params["group_size"])
+    config = AutoAWQConfig(4, group, True, lm_head_quantized=False)
+    return ByActivationDtype(lambda: AutoAWQMarlinLinearMethod(config), HALF, sources, prefix)
+
+
+LINEAR_METHODS: dict[str, LinearFactory] = {"bf16": _vllm_unquantized, "awq_w4a16": _vllm_awq}
 """Format → method factory, where one other than ours serves it (vLLM's own kernels)."""
 
 
