@@ -39,7 +39,7 @@ def layer_sources(
 ) -> tuple[Source, ...]:
     """The stored modules behind the vLLM layer ``prefix``, in output order."""
     parent, _, name = prefix.rpartition(".")
-    parts = packed.get(name, [name])
+    parts = packed.get(name) or _merged_parts(art, parent, name) or [name]
     out = []
     for part in parts:
         stored = f"{parent}.{part}" if parent else part
@@ -47,6 +47,26 @@ def layer_sources(
         fmt = info.fmt if info is not None else None
         out.append(Source(stored, fmt.name if fmt else None, fmt.params if fmt else {}))
     return tuple(out)
+
+
+def _merged_parts(art: Artifact, parent: str, name: str) -> list[str]:
+    """The stored modules under ``parent`` that the family's role table merges into ``name``
+    (``Role.fused``), in table order. vLLM's ``packed_modules_mapping`` can lack a merged layer
+    it builds: Qwen3-MoE adds its dense layers' ``gate_up_proj`` in ``__init__``
+    (``qwen3_moe.py:576``), after ``SupportsQuant.__new__`` copied the mapping into the
+    quantization config (``interfaces.py:1259``) — in a fresh process the first such model's
+    config does not have it."""
+    if name in art.modules:
+        return []
+    family = art.facts.family
+    order = {role.name: i for i, role in enumerate(family.roles)}
+    parts = []
+    for stored in art.modules:
+        head, _, tail = stored.rpartition(".")
+        loc = family.locate(stored) if head == parent else None
+        if loc is not None and loc.role is not None and loc.role.fused == name:
+            parts.append((order[loc.role.name], tail))
+    return [tail for _, tail in sorted(parts)]
 
 
 SOURCES = "hetquant_sources"  # layer attribute: the Sources a hetquant method reads
