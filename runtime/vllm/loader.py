@@ -10,7 +10,8 @@ model, calls ``load_weights(model, model_config)`` and then every layer's
    the shapes do not allow is refused there, naming the legal sizes;
 2. hands the layers our methods serve (``sources.expect``) their stored tensors, and the CPU
    expert pool (``cpu_experts/``) to the layers whose experts live there;
-3. feeds the rest to the model's own ``load_weights`` (its name mapping: fused ``gate_up_proj``,
+3. copies the embedding and LM head rows itself (vLLM's vocab loader cuts a whole vocabulary),
+   and feeds the rest to the model's own ``load_weights`` (its name mapping: fused ``gate_up_proj``,
    ``fused_qkv_a_proj``, stacked experts), marked as already sharded: ``is_sharded_weight`` for the
    v1 loaders (``linear.py:579``) and ``tp_rank = 0`` for ``BasevLLMParameter``s, whose v2
    loaders narrow by ``tp_rank`` (``parameter.py:145``) — a no-op on a tensor that is this rank's;
@@ -47,7 +48,7 @@ from .sources import SOURCES, TENSORS
 
 __all__ = ["HetquantModelLoader", "pool_options"]
 
-log = logging.getLogger("hetquant.vllm")
+log = logging.getLogger("vllm.hetquant")  # under vLLM's logger: printed as vLLM's INFO lines
 
 
 def pool_options(env: Any = os.environ) -> dict[str, int]:
@@ -75,14 +76,15 @@ class HetquantModelLoader(BaseModelLoader):
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         tensors = art.load(ParallelLayout(tp_size=tp, tp_rank=rank))
         log.info(
-            "hetquant: TP rank %d of %d read %.1f MB of %s",
-            rank, tp, art.last_load.bytes_read / 1e6 if art.last_load else 0.0, art.root,
+            "hetquant: TP rank %d of %d read %d bytes of %s",
+            rank, tp, art.last_load.bytes_read if art.last_load else 0, art.root,
         )  # fmt: skip
         by_module = _by_module(tensors)
         _give_hetquant_layers(model, by_module)
         _give_pool(model, art)
         params = dict(model.named_parameters())
         _mark_unfilled(params.values())
+        _load_vocab_shards(model, by_module)
         model.load_weights(_rest(by_module))
         unfilled = [n for n, p in params.items() if _has_nan(p)]
         if unfilled:
@@ -117,6 +119,31 @@ def _give_pool(model: nn.Module, art: Artifact) -> None:
     log.info("hetquant: %r serves the routed experts of %d layers", pool, len(layers))
     for layer in layers:
         setattr(layer, POOL, pool)
+
+
+def _load_vocab_shards(model: nn.Module, by_module: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Embedding and LM head rows, copied here: vLLM's ``VocabParallelEmbedding.weight_loader``
+    takes the whole vocabulary and cuts this rank's rows itself, whatever the weight is marked
+    (``vocab_parallel_embedding.py:515``); ours are this rank's rows already (shard rule
+    ``vocab``), and must be exactly the rows vLLM's ``shard_indices`` give the rank."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for name, layer in model.named_modules():
+        local = by_module.get(name, {})
+        if not isinstance(layer, VocabParallelEmbedding) or "weight" not in local:
+            continue
+        rows, idx = local.pop("weight"), layer.shard_indices
+        want = idx.org_vocab_end_index - idx.org_vocab_start_index
+        if rows.shape != (want, layer.weight.shape[1]):
+            raise HetquantError(
+                f"{name}.weight: this rank's stored rows are {list(rows.shape)}, vLLM's vocab "
+                f"shard wants [{want}, {layer.weight.shape[1]}]"
+            )
+        with torch.no_grad():
+            layer.weight[:want].copy_(rows)
+            layer.weight[want:].fill_(0)  # vLLM's padding rows, as its own loader leaves them
+        if not local:
+            del by_module[name]
 
 
 def _mark_unfilled(params: Any) -> None:
