@@ -30,7 +30,13 @@ from hetquant.formats import HetquantError
 from ..kernels.ops import QuantLinear
 from .sources import Source, expect, take
 
-__all__ = ["LINEAR_METHODS", "ByActivationDtype", "HetquantLinearMethod", "linear_method"]
+__all__ = [
+    "LINEAR_METHODS",
+    "ByActivationDtype",
+    "HetquantLinearMethod",
+    "VllmInt8DynamicMethod",
+    "linear_method",
+]
 
 
 class HetquantLinearMethod(LinearMethodBase):
@@ -130,6 +136,50 @@ class ByActivationDtype(LinearMethodBase):
         return self.impl.apply(layer, x, bias)
 
 
+class VllmInt8DynamicMethod(HetquantLinearMethod):
+    """W8A8_DYNAMIC (symmetric per-channel int8 weights, per-token dynamic int8 activations)
+    through vLLM's own ``CPUInt8ScaledMMLinearKernel`` (``kernels/linear/scaled_mm/cpu.py:33``:
+    oneDNN, or sgl's AMX kernel where the CPU has AMX, :52); a fused layer's parts stacked on the
+    output dim, their per-channel scales likewise."""
+
+    NAMES = ("hetquant_w", "hetquant_w_scale", "hetquant_x_scale", "hetquant_x_zp", "hetquant_azp")
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+        from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
+            Int8ScaledMMLinearLayerConfig,
+        )
+
+        tensors = take(layer, self.prefix)
+        outs, k = layer.hetquant_shape
+        weights, scales = [], []
+        for src, n in zip(self.sources, outs, strict=True):
+            t = tensors[src.prefix]
+            if tuple(t["weight"].shape) != (n, k) or bool(t["weight_offset"].any()):
+                raise HetquantError(
+                    f"{src.prefix}: this rank's int8 weight is {list(t['weight'].shape)} with "
+                    f"offsets {'non-zero' if t['weight_offset'].any() else 'zero'}; vLLM's layer "
+                    f"wants [{n}, {k}], symmetric"
+                )
+            weights.append(t["weight"])
+            scales.append(t["weight_scale"].reshape(-1, 1).float())
+        layer.hetquant_w = torch.nn.Parameter(torch.cat(weights), requires_grad=False)
+        layer.hetquant_w_scale = torch.nn.Parameter(torch.cat(scales), requires_grad=False)
+        layer.logical_widths = list(outs)  # the kernel reads it (vLLM's quant methods set it)
+        for name in self.NAMES[2:]:  # dynamic, symmetric: no input scale, zero point, adjustment
+            setattr(layer, name, None)
+        config = Int8ScaledMMLinearLayerConfig(
+            is_static_input_scheme=False, is_channelwise=True, input_symmetric=True
+        )
+        layer.hetquant_int8 = CPUInt8ScaledMMLinearKernel(config, self.NAMES)
+        layer.hetquant_int8.process_weights_after_loading(layer)
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return layer.hetquant_int8.apply_weights(layer, x, bias)
+
+
 HALF = frozenset({torch.bfloat16, torch.float16})
 
 
@@ -150,7 +200,11 @@ def _vllm_awq(sources: Sequence[Source], prefix: str) -> LinearMethodBase:
     return ByActivationDtype(lambda: AutoAWQMarlinLinearMethod(config), HALF, sources, prefix)
 
 
-LINEAR_METHODS: dict[str, LinearFactory] = {"bf16": _vllm_unquantized, "awq_w4a16": _vllm_awq}
+LINEAR_METHODS: dict[str, LinearFactory] = {
+    "bf16": _vllm_unquantized,
+    "awq_w4a16": _vllm_awq,
+    "w8a8_dynamic": VllmInt8DynamicMethod,
+}
 """Format → method factory, where one other than ours serves it (vLLM's own kernels)."""
 
 

@@ -74,6 +74,10 @@ CASES = {
     "ds/ascend-hybrid-tp2": Case("ds", "ascend-hybrid", tp=2, env=NOBIND),
 }
 LOGPROB_TOL = 1e-4  # float32 forwards with different op orders; measured deltas are ~1e-6
+# ascend-* recipes' W8A8_DYNAMIC linears run through vLLM's int8 kernel, whose per-token
+# activation quantization (onednn_scaled_int8_quant) can round a value next to a .5 step the
+# other way than ours: one int8 step of one activation; measured up to 8.9e-4
+INT8_LOGPROB_TOL = 5e-3
 TP2_REL_BOUND = 0.05  # of the logit range: test_run.py's sharded W8A8 bound
 
 
@@ -204,7 +208,7 @@ def test_vllm_gives_hetquant_runs_tokens(name: str, served, record_property) -> 
     deltas = [abs(lp[0] - w) for lp, w in zip(got["logprobs"], want_first, strict=True)]
     record_property("first_token_logprob_deltas", deltas)
     print(f"\n{name}: 48/48 tokens equal; first-token logprob deltas {deltas}")
-    assert max(deltas) < LOGPROB_TOL
+    assert max(deltas) < (INT8_LOGPROB_TOL if case.recipe.startswith("ascend-") else LOGPROB_TOL)
 
 
 def test_tp2_within_the_sharded_bound_of_tp1_each_rank_reading_its_bytes(served, artifacts):
