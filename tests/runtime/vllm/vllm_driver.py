@@ -88,6 +88,20 @@ def ignored_by_vllm(check: dict) -> dict[str, bool]:
     return {name: should_ignore_layer(name, cfg.ignore, packed) for name in check["layers"]}
 
 
+def _restore(before: dict[str, str | None]) -> None:
+    """A case's environment undone, and vLLM's cache of it dropped: an engine core caches every
+    VLLM_* variable once started (``envs.enable_envs_cache``, ``v1/engine/core.py:258``), which
+    would hand the next engine in this process this case's values."""
+    import vllm.envs
+
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    vllm.envs.disable_envs_cache()
+
+
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     os.environ.setdefault("VLLM_MLA_DISABLE", "1")  # the tiny model's latent is 160, not 576
@@ -100,11 +114,15 @@ def main() -> None:
     threading.Thread(target=watch.run, daemon=True).start()
     out["_ignored"] = {n: ignored_by_vllm(c) for n, c in spec.get("ignore_checks", {}).items()}
     for case in spec["cases"]:
-        os.environ.update(case.get("env", {}))
+        env = case.get("env", {})
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             out[case["name"]] = run_case(case, spec["prompts"], spec["max_tokens"])
         except Exception as e:  # recorded per case; the test names it
             out[case["name"]] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            _restore(before)
         gc.collect()  # the engine just shut down: its model and KV cache go before the next
         out["_peak_rss_mb"] = watch.peak / 2**20
         with open(sys.argv[2], "w") as f:
