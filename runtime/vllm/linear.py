@@ -5,7 +5,9 @@ has one for the format on this device, ours (``runtime/kernels/ops.py``) otherwi
 :class:`HetquantLinearMethod`, which covers every registered format on the CPU (bf16, w8a8_dynamic,
 w8a8, w4a8_dynamic, awq_w4a16, ct_pack_quantized, int4_cpu, nvfp4, nvfp4_ascend; the table in
 ``ops.py`` says what each runs). A fused vLLM layer whose parts are stored in different formats
-runs through ours too.
+runs through ours too. vLLM's, by format: bf16 — ``UnquantizedLinearMethod``; w8a8_dynamic —
+``CPUInt8ScaledMMLinearKernel`` (:class:`VllmInt8DynamicMethod`); awq_w4a16 — its AWQ method for
+bf16 / fp16 activations, ours in float32 (:func:`_vllm_awq`, :class:`ByActivationDtype`).
 
 vLLM's interface: ``LinearMethodBase`` (``vllm/model_executor/layers/linear.py:123``):
 ``create_weights`` gets this rank's ``input_size_per_partition`` and ``output_partition_sizes``
