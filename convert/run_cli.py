@@ -107,9 +107,11 @@ def run(
 
     from hetquant.runtime.serving.run import RunSpec, run_artifact
 
+    if tokens is None and prompt is None:
+        raise click.UsageError("Missing option '--tokens' (or give '--prompt TEXT')")
+    if tokens is not None and prompt is not None:
+        raise click.UsageError("give --tokens or --prompt, not both")
     must_exist(artifact)
-    if (tokens is None) == (prompt is None):
-        raise HetquantError("give the input as --tokens 5,17,42 or as --prompt TEXT (one of them)")
     tokenizer = None if prompt is None else _tokenizer(artifact)
     ids = _token_ids(tokens) if tokenizer is None else tuple(tokenizer.encode(prompt or "").ids)
     generate = generate if generate is not None else (0 if tokenizer is None else 16)
