@@ -21,8 +21,7 @@ from typing import Any
 
 from hetquant.formats import get_format
 from hetquant.formats.base import identify
-from hetquant.formats.filenames import MANIFEST_NAME
-from hetquant.formats.manifest_schema import READABLE_SCHEMAS
+from hetquant.formats.filenames import MANIFEST_NAME, READABLE_SCHEMAS
 from hetquant.formats.safe_paths import open_binary
 
 from .os_errors import naming

@@ -48,7 +48,12 @@ def available_memory() -> int | None:
 
 @click.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--tokens", required=True, help="Comma-separated token ids, e.g. 5,17,42.")
+@click.option("--tokens", help="Comma-separated token ids, e.g. 5,17,42.")
+@click.option(
+    "--prompt",
+    help="Text, encoded with the artifact's tokenizer.json (instead of --tokens); the generated "
+    "tokens are printed decoded (--generate defaults to 16).",
+)
 @click.option(
     "--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel ranks."
 )
@@ -78,14 +83,13 @@ def available_memory() -> int | None:
 )
 @click.option(
     "--generate",
-    default=0,
-    show_default=True,
     type=click.IntRange(0),
-    help="Greedily generate K tokens.",
+    help="Greedily generate K tokens.  [default: 0; 16 with --prompt]",
 )
 def run(
     artifact: Path,
-    tokens: str,
+    tokens: str | None,
+    prompt: str | None,
     tp: int,
     pp: int,
     ep: int,
@@ -93,7 +97,7 @@ def run(
     device: str,
     dist_backend: str | None,
     save_logits: Path | None,
-    generate: int,
+    generate: int | None,
 ) -> None:
     """Load ARTIFACT into the given layout (ranks spawned on this host) and run a token sequence.
 
@@ -103,13 +107,14 @@ def run(
 
     from hetquant.runtime.serving.run import RunSpec, run_artifact
 
+    if tokens is None and prompt is None:
+        raise click.UsageError("Missing option '--tokens' (or give '--prompt TEXT')")
+    if tokens is not None and prompt is not None:
+        raise click.UsageError("give --tokens or --prompt, not both")
     must_exist(artifact)
-    try:
-        ids = tuple(int(t) for t in tokens.split(",") if t.strip())
-    except ValueError:
-        raise HetquantError(
-            f"--tokens {tokens!r}: expected comma-separated integers like 5,17,42"
-        ) from None
+    tokenizer = None if prompt is None else _tokenizer(artifact)
+    ids = _token_ids(tokens) if tokenizer is None else tuple(tokenizer.encode(prompt or "").ids)
+    generate = generate if generate is not None else (0 if tokenizer is None else 16)
     if save_logits is not None:
         writable_output(save_logits, "--save-logits")
     spec = RunSpec(
@@ -127,6 +132,8 @@ def run(
     )
     if generate:
         click.echo(f"generated: {','.join(map(str, generated))}")
+    if tokenizer is not None:
+        click.echo(f"text: {tokenizer.decode(generated, skip_special_tokens=True)}")
     bad = int(np.count_nonzero(~np.isfinite(logits)))
     if bad:
         click.echo(
@@ -134,6 +141,31 @@ def run(
             f"damaged; run `hetquant verify {artifact}`"
         )
         sys.exit(1)
+
+
+def _token_ids(tokens: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in (tokens or "").split(",") if t.strip())
+    except ValueError:
+        raise HetquantError(
+            f"--tokens {tokens!r}: expected comma-separated integers like 5,17,42"
+        ) from None
+
+
+def _tokenizer(artifact: Path) -> Any:
+    """The artifact's ``tokenizer.json`` (a regular file in it), as a ``tokenizers.Tokenizer``:
+    ids as ``transformers`` gives them for the model (its post-processor adds the BOS)."""
+    from tokenizers import Tokenizer
+
+    path = artifact / "tokenizer.json"
+    if path.is_symlink() or not path.is_file():
+        raise HetquantError(
+            f"{artifact}: no tokenizer.json (a regular file) for --prompt; give --tokens instead"
+        )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type for a bad file
+        raise HetquantError(f"{path}: not a tokenizer the tokenizers library reads ({e})") from None
 
 
 @click.command(name="eval")

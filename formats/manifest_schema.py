@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import HetquantError
-from .filenames import MANIFEST_NAME
+from .filenames import MANIFEST_NAME, READABLE_SCHEMAS
 from .json_io import load_json
 
 __all__ = ["READABLE_SCHEMAS", "check_manifest", "read_manifest"]
-
-READABLE_SCHEMAS = (1, 2)  # what verify and the loader accept
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ files, from the formats the plan uses (a table, format → writer):
 - compressed-tensors (``ct_pack_quantized``): the ``quantization_config`` compressed-tensors
   writes for pack-quantized W4A16 (``CtPackQuantized.quantization_config``): one group,
   ``targets: ["Linear"]``, ``ignore`` = the full names of the linear-like modules kept at source
-  precision (matched exactly by compressed-tensors, vLLM and vllm-ascend alike), plus a top-level
+  precision (matched exactly by compressed-tensors, vLLM and vllm-ascend alike) and of the merged
+  modules engines build from them (``fused_kept``: vLLM 0.32 otherwise quantizes Qwen3-MoE's dense
+  ``gate_up_proj``), plus a top-level
   ``group_size``, which vllm-ascend's W4A16 MoE method reads from the config and takes as 32
   without it (``quantization/methods/w4a16.py:185``; compressed-tensors ignores it). Targets need
   no editing for vllm-ascend: it maps a ``Linear`` target onto ``FusedMoE`` layers
@@ -65,6 +67,24 @@ def unconverted_modules(plan: Any) -> list[str]:
         ):
             kept.append(item.name.removesuffix(".weight"))
     return kept
+
+
+def fused_kept(plan: Any, kept: list[str]) -> list[str]:
+    """Full names of the merged modules engines build (vLLM's packed modules: ``gate_up_proj``,
+    ``qkv_proj``, ``fused_qkv_a_proj``; the role table's ``fused``) whose every part is in
+    ``kept``. vLLM matches a merged layer's own name before its parts', and sees its parts only
+    through the model's ``packed_modules_mapping``, which for Qwen3-MoE lacks the dense layers'
+    ``gate_up_proj`` when the quantization config reads it (``qwen3_moe.py:576`` adds it in
+    ``__init__``, after ``SupportsQuant.__new__`` (``interfaces.py:1259``) copied the mapping):
+    listing the merged name is what makes it skip that layer."""
+    parts: dict[str, set[str]] = {}
+    for job in plan.jobs:
+        item = plan.item(job.source)
+        fused = item.role.role.fused
+        if fused and item.role.role.kind in _LINEAR_KINDS and item.name.endswith(".weight"):
+            module = item.name.removesuffix(".weight")
+            parts.setdefault(f"{module.rpartition('.')[0]}.{fused}", set()).add(module)
+    return [name for name, ps in parts.items() if ps <= set(kept)]
 
 
 def _ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
@@ -142,7 +162,8 @@ def _ct(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
         for j in plan.jobs
         if j.target.fmt == "ct_pack_quantized"
     )
-    ignore = sorted(set(unconverted_modules(plan)))
+    kept = unconverted_modules(plan)
+    ignore = sorted({*kept, *fused_kept(plan, kept)})
     qc = get_format("ct_pack_quantized", group_size=group).quantization_config(ignore=ignore)
     cfg["quantization_config"] = {**qc, "group_size": group}
 

@@ -195,8 +195,12 @@ def train_tokenizer(vocab_size: int) -> str:
 # writing
 
 
-def write_checkpoint(out: Path, retrain_tokenizer: bool = False) -> dict[str, int]:
-    """Write every checkpoint file into ``out``; return {file name: size in bytes}."""
+def write_checkpoint(
+    out: Path, retrain_tokenizer: bool = False, overrides: dict | None = None
+) -> dict[str, int]:
+    """Write every checkpoint file into ``out``; return {file name: size in bytes}.
+    ``overrides``: config keys to change (e.g. ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64,
+    the MLA latent of the real model, 576, which vLLM's CPU MLA kernel requires)."""
     out.mkdir(parents=True, exist_ok=True)
     committed = CHECKPOINT / "tokenizer.json"
     if retrain_tokenizer or not committed.exists():
@@ -207,7 +211,7 @@ def write_checkpoint(out: Path, retrain_tokenizer: bool = False) -> dict[str, in
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
-    config = {**CONFIG, "vocab_size": vocab}  # = the tokenizer's size
+    config = {**CONFIG, **(overrides or {}), "vocab_size": vocab}  # = the tokenizer's size
     tensors = build_tensors(config)
     return common.write_checkpoint_files(
         out, tensors, lambda name: shard_of(name, config), N_SHARDS, config,

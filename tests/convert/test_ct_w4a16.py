@@ -274,3 +274,19 @@ def test_kimi_k2_thinking_experts_kept_as_stored(tmp_path: Path) -> None:
     schemes = {n: _vllm_ascend_scheme(qc, n, c, moe) for n, c, moe in _vllm_layers(got)}
     assert {v for n, v in schemes.items() if n.endswith(".experts")} == {"W4A16"}
     assert {v for n, v in schemes.items() if not n.endswith(".experts")} == {None}
+
+
+def test_ignore_names_the_merged_modules_engines_build(tiny_qwen3, tmp_path: Path) -> None:
+    """vLLM matches a merged layer (``qkv_proj``, ``gate_up_proj``) by its own name first, and
+    0.32 builds Qwen3-MoE's dense ``gate_up_proj`` without it in the config's packed mapping:
+    ``ignore`` lists the merged names whose every part is kept (checked with vLLM's own matcher
+    in ``tests/runtime/vllm/test_vllm_serves.py``)."""
+    out = tmp_path / "out"
+    src = SourceCheckpoint.open(tiny_qwen3["fp8"])
+    convert(src, out, get_recipe("ct-w4a16"), max_shard_size=1 << 40)
+    ignore = read_json(out / "config.json")["quantization_config"]["ignore"]
+    dense = src.config.raw["mlp_only_layers"]
+    assert dense and all(f"model.layers.{i}.mlp.gate_up_proj" in ignore for i in dense)
+    layers = range(src.config.raw["num_hidden_layers"])
+    assert all(f"model.layers.{i}.self_attn.qkv_proj" in ignore for i in layers)
+    assert not any(".experts." in n for n in ignore)  # the quantized ones stay matched

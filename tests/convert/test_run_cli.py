@@ -198,6 +198,34 @@ def test_a_failed_write_is_one_line(cli, arts, command: str) -> None:
     _one_error_line(cli(*args), "/dev/full: cannot write: No space left on device")
 
 
+def test_prompt_is_its_tokens_through_the_artifacts_tokenizer(cli, arts) -> None:
+    """``--prompt TEXT``: the ids the artifact's tokenizer.json gives (BOS included, as
+    transformers' tokenizer for the model gives them), the generated ids decoded."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(arts["bf16"] / "tokenizer.json"))
+    ids = tok.encode("The cat sat").ids
+    assert ids[0] == 0  # <｜begin▁of▁sentence｜>
+    by_text = cli("run", arts["bf16"], "--prompt", "The cat sat", "--generate", "4")
+    by_ids = cli("run", arts["bf16"], "--tokens", ",".join(map(str, ids)), "--generate", "4")
+    assert by_text.exit_code == 0 and by_ids.exit_code == 0, by_text.stderr
+    lines = by_text.stdout.splitlines()
+    assert lines[:2] == by_ids.stdout.splitlines()  # the ran ... and generated: lines
+    generated = [int(t) for t in lines[1].removeprefix("generated: ").split(",")]
+    assert len(generated) == 4
+    assert lines[2] == f"text: {tok.decode(generated, skip_special_tokens=True)}"
+    default = cli("run", arts["bf16"], "--prompt", "The cat sat")
+    assert len(default.stdout.splitlines()[1].split(",")) == 16  # --generate 16 by default
+
+
+def test_prompt_or_tokens_and_a_tokenizer_to_read(cli, arts, tmp_path: Path) -> None:
+    for args in ([], ["--tokens", "5", "--prompt", "hi"]):
+        _one_error_line(cli("run", arts["bf16"], *args), "--tokens", "--prompt")
+    art = _copy(arts["bf16"], tmp_path)
+    (art / "tokenizer.json").unlink()
+    _one_error_line(cli("run", art, "--prompt", "hi"), "no tokenizer.json", "--tokens")
+
+
 # ----------------------------------------------------------------------------------------------
 # eval
 

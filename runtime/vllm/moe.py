@@ -1,0 +1,152 @@
+"""MoE methods for ``--quantization hetquant``: the routed experts of one layer, given vLLM's
+routing (DeepSeek-V3's grouped sigmoid top-k, Qwen3's softmax top-k: vLLM's router decides).
+
+``FusedMoEMethodBase.apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)``
+(``vllm/model_executor/layers/fused_moe/fused_moe_method_base.py:143``) is called by
+``RoutedExperts.forward_modular`` (``routed_experts.py:1346``) after the router chose the experts;
+it returns the routed sum ``Σ_k w_k · expert_{id_k}(x)``, [T, H]. Shared experts run before it
+(vLLM's ``SharedExpertsOrder.NO_OVERLAP``, our methods have no modular kernel) and vLLM all-reduces
+the result over the TP group.
+
+Which method, by where and how the layer's experts are stored (``MOE_METHODS`` by format):
+
+- root part, bf16: vLLM's ``UnquantizedFusedMoEMethod`` (its CPU kernel), loaded by vLLM;
+- root part, any other format (ascend-w8a8's W8A8_DYNAMIC, ...): :class:`StoredExpertsMoEMethod`,
+  one ``QuantLinear`` per expert projection and ``runtime.forward.moe.routed_experts``;
+- ``cpu_experts/`` (ascend-hybrid): :class:`CpuPoolMoEMethod`, the layer in our
+  ``CpuExpertPool``, computed on TP rank 0 (the other ranks add zeros), as ``hetquant run`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+    UnquantizedFusedMoEMethod,
+)
+
+from hetquant.formats import HetquantError
+
+from ..forward.moe import routed_experts
+from ..kernels.ops import QuantLinear
+from ..loading.loader import Artifact
+from ..parallel.shard_rules import place
+from .sources import Source, expect, take
+
+__all__ = ["MOE_METHODS", "POOL", "CpuPoolMoEMethod", "StoredExpertsMoEMethod", "moe_method"]
+
+POOL = "hetquant_pool"  # layer attribute: the CpuExpertPool, set by the loader
+
+
+class _NoKernelMoE(FusedMoEMethodBase):
+    """Our methods: no vLLM modular kernel, no vLLM parameters, no quant config for vLLM's."""
+
+    def get_fused_moe_quant_config(self, layer: Any) -> None:
+        return None
+
+    def _check_parallel(self, prefix: str) -> None:
+        if self.moe.moe_parallel_config.use_ep:
+            raise HetquantError(
+                f"{prefix}: expert parallelism is not supported by the hetquant plugin yet; "
+                "serve without --enable-expert-parallel (TP shards every expert)"
+            )
+
+
+class StoredExpertsMoEMethod(_NoKernelMoE):
+    """Routed experts stored in the root part in a quantized format, run through our ops."""
+
+    def __init__(self, moe: Any, sources: Sequence[Source], prefix: str) -> None:
+        super().__init__(moe)
+        self.sources, self.prefix = tuple(sources), prefix
+        self._check_parallel(prefix)
+
+    def create_weights(self, layer: Any, num_experts: int, *args: Any, **kwargs: Any) -> None:
+        expect(layer, self.sources)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        tensors = take(layer, self.prefix)
+        layer.hetquant_ops = {
+            s.prefix[len(self.prefix) + 1 :]: QuantLinear.from_stored(
+                str(s.fmt), tensors[s.prefix], backend="cpu", params=s.params
+            )
+            for s in self.sources
+        }
+
+    def apply(
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any,
+        shared_experts_input: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ops = layer.hetquant_ops
+        names = ("gate_proj", "up_proj", "down_proj")
+        return routed_experts(
+            lambda m, h: ops[m](h), lambda e: [f"{e}.{n}" for n in names], x, topk_ids, topk_weights
+        )
+
+
+class CpuPoolMoEMethod(_NoKernelMoE):
+    """A hybrid's routed experts of MoE layer ``layer_no``, in our CPU expert pool."""
+
+    def __init__(self, moe: Any, layer_no: int, prefix: str) -> None:
+        super().__init__(moe)
+        self.layer_no, self.prefix = layer_no, prefix
+        self._check_parallel(prefix)
+
+    def create_weights(self, layer: Any, num_experts: int, *args: Any, **kwargs: Any) -> None:
+        layer.hetquant_pool_layer = self.layer_no
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        if getattr(layer, POOL, None) is None:
+            raise HetquantError(
+                f"{self.prefix}: its experts are in cpu_experts/, but no CPU expert pool was "
+                "opened; load with --load-format hetquant"
+            )
+
+    def apply(
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: Any,
+        shared_experts_input: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if self.moe.moe_parallel_config.tp_rank != 0:
+            return torch.zeros_like(x)  # rank 0 computes the layer; the all-reduce adds zeros
+        return getattr(layer, POOL).forward(self.layer_no, x, topk_ids, topk_weights)
+
+
+MoEFactory = Callable[[Any, Sequence[Source], str], FusedMoEMethodBase]
+
+
+def _vllm_unquantized(moe: Any, sources: Sequence[Source], prefix: str) -> FusedMoEMethodBase:
+    return UnquantizedFusedMoEMethod(moe)  # vLLM loads it from our tensors (loader.py)
+
+
+MOE_METHODS: dict[str, MoEFactory] = {"bf16": _vllm_unquantized}
+"""Stored expert format → method factory, where one other than ours serves it."""
+
+
+def moe_method(art: Artifact, prefix: str, moe: Any) -> FusedMoEMethodBase:
+    """The method of vLLM's ``RoutedExperts`` layer ``prefix`` (``model.layers.N.mlp.experts``)."""
+    sources = [
+        Source(info.prefix, info.fmt.name, info.fmt.params)
+        for info in art.modules.values()
+        if info.prefix.startswith(f"{prefix}.") and info.fmt is not None
+    ]
+    layer_no = place(f"{prefix}.0.down_proj", art.facts.family).layer
+    if not sources:
+        if layer_no in art.cpu_expert_files:
+            return CpuPoolMoEMethod(moe, int(layer_no), prefix)
+        raise HetquantError(f"{prefix}: the artifact stores no routed experts for this layer")
+    factory: MoEFactory = StoredExpertsMoEMethod  # ours takes each projection's own params
+    if len({(s.fmt, tuple(sorted(s.params.items()))) for s in sources}) == 1:
+        factory = MOE_METHODS.get(str(sources[0].fmt), StoredExpertsMoEMethod)
+    return factory(moe, sources, prefix)
