@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -28,16 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "convert"))
 
 import golden_artifacts as golden  # noqa: E402
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+from _measure import machine_info  # noqa: E402
 
 
 def _convert(case: str, out: Path, device: str) -> dict:
@@ -68,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     doc = json.loads(golden.GOLDEN.read_text())
     report: dict = {
-        "cpu": _cpu_model(),
+        "cpu": machine_info()["cpu_model"],
         "torch": torch.__version__,
         "aten_capability": torch.backends.cpu.get_cpu_capability(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
