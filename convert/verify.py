@@ -18,10 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from hetquant.formats import HetquantError
-from hetquant.formats.families import TensorRole, expected_tensors, load_config, load_json
+from hetquant.formats.families import (
+    TensorRole,
+    expected_count,
+    expected_tensors,
+    load_config,
+    load_json,
+)
 from hetquant.formats.filenames import PARTIAL_DIR
 from hetquant.formats.manifest_schema import read_manifest
 from hetquant.formats.safe_paths import inside
+from hetquant.formats.safetensors_io import read_header
 
 from .export import replay_export
 from .manifest import MANIFEST_NAME, digest_files, module_formats
@@ -119,6 +126,7 @@ def count_files(files: dict[str, int]) -> str:
 def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
     """The plan that produced the artifact, rebuilt from config.json and the manifest alone."""
     cfg = load_config(root / "config.json")
+    _check_claims(root, manifest, expected_count(cfg))
     recipe = get_recipe(manifest["recipe"]["name"]).with_options(manifest["recipe"]["options"])
     dtypes = manifest["source"]["dtypes"]
     items = [
@@ -126,6 +134,29 @@ def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
         for name, role in expected_tensors(cfg).items()
     ]
     return make_plan(items, recipe, manifest["max_shard_size"])
+
+
+def _check_claims(root: Path, manifest: dict[str, Any], claimed: int) -> None:
+    """Refuse a config.json that implies far more tensors than the artifact's safetensors files
+    could hold, before the plan expands them (an edited config claiming 10⁶ experts). A stored
+    tensor stands for at most one name, a stacked expert tensor [E, …] for at most 4 per expert;
+    files missing or unreadable are counted as empty (verify reports them)."""
+    capacity = 1024
+    for name in manifest["files"]:
+        path = inside(root, name, root / MANIFEST_NAME, "file")
+        if not name.endswith(".safetensors") or not path.is_file():
+            continue
+        try:
+            entries = read_header(path).entries.values()
+        except HetquantError:
+            continue
+        capacity += sum(4 * e.shape[0] if len(e.shape) >= 3 else 1 for e in entries)
+    if claimed > capacity:
+        raise HetquantError(
+            f"{root / 'config.json'}: implies {claimed:,} tensors, more than the artifact's "
+            f"files hold ({capacity:,} at most); the artifact does not match its config.json — "
+            "re-download it or re-run the conversion"
+        )
 
 
 def verify_artifact(root: Path) -> list[str]:

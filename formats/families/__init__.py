@@ -15,7 +15,7 @@ from .base import (
     register_family,
     unregister_family,
 )
-from .bounds import check_index_holds
+from .bounds import check_index_holds, expected_count
 from .mappings import AwqMappings, Balance
 from .roles import SCALE_SUFFIX, GatedMlp, Located, Role, TensorRole
 
@@ -31,6 +31,7 @@ __all__ = [
     "Role",
     "TensorRole",
     "check_index_holds",
+    "expected_count",
     "expected_tensors",
     "family_for_config",
     "get_family",

@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hetquant.formats.errors import HetquantError
-from hetquant.formats.families import ModelConfig, ModelFamily, TensorRole, expected_tensors
+from hetquant.formats.families import (
+    ModelConfig,
+    ModelFamily,
+    TensorRole,
+    expected_count,
+    expected_tensors,
+)
 
 from ..parallel.shard_rules import ModuleInfo
 
@@ -63,15 +69,30 @@ def check_conforms(
 ) -> None:
     """Refuse (HetquantError, one line) an artifact whose stored tensors are not exactly the
     ones config.json implies, with their shapes (module docstring)."""
-    _refuse_differences(
-        root, expected_tensors(cfg), stored_shapes(root, modules, layers, cfg.family)
-    )
+    stored = stored_shapes(root, modules, layers, cfg.family)
+    _refuse_differences(root, _expected(root, cfg, len(stored)), stored)
+
+
+def _expected(root: Path, cfg: ModelConfig, stored: int) -> dict[str, TensorRole]:
+    """``expected_tensors(cfg)``, unless config.json claims so many more tensors than the
+    artifact stores that expanding them would only cost memory and time (an edited config
+    claiming 10⁶ experts): counted first, per layer (``expected_count``), and refused then."""
+    if (count := expected_count(cfg)) > 2 * stored + _SLACK:
+        raise HetquantError(
+            f"{root}: config.json implies {count:,} tensors, the artifact stores {stored:,}; {_FIX}"
+        )
+    return expected_tensors(cfg)
+
+
+_SLACK = 1024  # names a config may claim beyond twice what is stored before it is not expanded
 
 
 def check_pool_layers(root: Path, cfg: ModelConfig, layers: Mapping[int, ExpertLayerInfo]) -> None:
     """``check_conforms`` for the CPU expert pool opened alone: the routed experts of ``layers``."""
-    expected = {n: t for n, t in expected_tensors(cfg).items() if t.layer in layers and t.stack}
-    _refuse_differences(root, expected, dict(_pool_shapes(layers, cfg.family)))
+    stored = dict(_pool_shapes(layers, cfg.family))
+    every = _expected(root, cfg, len(stored) + len(cfg.family.roles) * cfg.total_layers)
+    expected = {n: t for n, t in every.items() if t.layer in layers and t.stack}
+    _refuse_differences(root, expected, stored)
 
 
 def _refuse_differences(

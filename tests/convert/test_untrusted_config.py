@@ -87,3 +87,19 @@ def test_wrong_typed_fields(
         assert res.exception is None and res.exit_code == 2, (what, res.exception, res.stderr)
         line = error_line("\n".join(x for x in res.stderr.splitlines() if "INFO" not in x))
         assert all(n in line for n in ("config.json: field ", needle, value)), (what, line)
+
+
+def test_an_artifacts_absurd_counts_are_refused_before_expansion(
+    tiny_hybrid: Path, tmp_path: Path
+) -> None:
+    """The artifact side of the same attack: an artifact whose config.json claims 10^6 experts is
+    refused by ``run`` (exit 2) and failed by ``verify`` (exit 1), both counting the claim
+    against what the artifact stores before any name is expanded."""
+    art = _edited(tiny_hybrid, tmp_path / "a", {"n_routed_experts": 10**6})
+    res = _bounded("run", art, "--tokens", "1,2")
+    assert res.returncode == 2, res.stderr[-2000:]
+    line = error_line(res.stderr)
+    assert "config.json implies 9,000,063 tensors" in line and "stores" in line, line
+    res = _bounded("verify", art)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "implies 9,000,063 tensors, more than the artifact's files hold" in res.stdout
