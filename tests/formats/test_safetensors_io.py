@@ -219,7 +219,8 @@ def test_read_header_rejects_header_length_past_eof(tmp_path: Path, n: int) -> N
     path = _file(tmp_path, b"{}      ", n=n)  # 16 bytes in all
     with pytest.raises(HetquantError, match=r"bad\.safetensors: header length") as e:
         read_header(path)
-    assert str(n) not in str(e.value)  # the file's first 8 bytes are never shown (issue 25 §1)
+    shown = str(e.value).replace(str(path), "<path>")  # the path may hold any digits
+    assert str(n) not in shown  # the file's first 8 bytes are never shown (issue 25 §1)
 
 
 def test_read_header_shows_no_bytes_of_a_file_that_is_not_safetensors(tmp_path: Path) -> None:
