@@ -112,6 +112,18 @@ def write_json(path: Path, doc: Any) -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
+def drop_listed_file(art: Path, rel: str) -> None:
+    """An artifact's file deleted, and dropped from its manifest too (parts and files): what
+    verify cannot see from the manifest alone (issue #25 §2)."""
+    (art / rel).unlink()
+    doc = read_json(art / MANIFEST)
+    for part in doc["parts"].values():
+        if rel in part["files"]:
+            part["files"].remove(rel)
+    del doc["files"][rel]
+    write_json(art / MANIFEST, doc)
+
+
 def tiny_counts(src: Path) -> tuple[int, int]:
     """(source tensors that are not scales = jobs of the bf16 recipe, source shards)."""
     wm = read_json(src / INDEX)["weight_map"]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import MANIFEST, error_line, read_json, st_header, write_json
+from support import MANIFEST, drop_listed_file, error_line, read_json, st_header, write_json
 
 LAYER2 = "cpu_experts/layer_002.safetensors"
 SHARD = "model-00001-of-00001.safetensors"
@@ -210,11 +210,8 @@ def fewer_experts(art: Path) -> None:
 
 
 def drop_layer_file(art: Path) -> None:
-    (art / LAYER2).unlink()
-    doc = read_json(art / MANIFEST)
-    doc["parts"]["cpu_experts"]["files"].remove(LAYER2)
-    del doc["files"][LAYER2]
-    write_json(art / MANIFEST, doc)
+    """A cpu_experts layer file deleted, and dropped from the manifest too."""
+    drop_listed_file(art, LAYER2)
 
 
 def _config(**changes: Any) -> Callable[[Path], None]:

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support import INDEX, MANIFEST, edit_index, read_json, resave_shard, shard_of, write_json
+from support import (
+    INDEX,
+    drop_listed_file,
+    edit_index,
+    read_json,
+    resave_shard,
+    shard_of,
+    write_json,
+)
 
 from hetquant.formats import HetquantError
 from hetquant.runtime.loading.loader import open_artifact
@@ -69,11 +77,7 @@ def keep_experts(n: int, file: str = LAYER2) -> Callable[[Path], None]:
 
 def drop_layer_file(art: Path) -> None:
     """A cpu_experts layer file deleted, and dropped from the manifest too."""
-    (art / LAYER2).unlink()
-    doc = read_json(art / MANIFEST)
-    doc["parts"]["cpu_experts"]["files"].remove(LAYER2)
-    del doc["files"][LAYER2]
-    write_json(art / MANIFEST, doc)
+    drop_listed_file(art, LAYER2)
 
 
 ROOT_CASES = {
