@@ -78,6 +78,9 @@ CASES = {  # MLA first: the engines after it must not inherit its env (vllm_driv
     **{f"ds/{r}": Case("ds", r) for r in ("ascend-w4a8", "ascend-w4a16", "awq-w4a16", "ct-w4a16")},
     "ds/fp4-nvfp4": Case("ds", "fp4", NVFP4),
     **{f"qwen3/{r}": Case("qwen3", r) for r in ("ascend-hybrid", "ct-w4a16", "fp4", "bf16")},
+    **{f"qwen3/{r}": Case("qwen3", r) for r in ("ascend-w4a8", "ascend-w4a16", "awq-w4a16")},
+    "qwen3/fp4-nvfp4": Case("qwen3", "fp4", NVFP4),
+    "qwen3/bf16-stock": Case("qwen3", "bf16", plugin=False),
     "ds/ascend-hybrid-tp2": Case("ds", "ascend-hybrid", tp=2, env=NOBIND),
 }
 LOGPROB_TOL = 1e-4  # float32 forwards with different op orders; measured deltas are ~1e-6
