@@ -110,9 +110,8 @@ def calibrate(
     weights). ``names`` overrides the tensor names. Options left to the family (``clip_skip``)
     are filled in from it. Deterministic: same inputs, same device type → same transforms; on
     the CPU (float64) bit-identical on every CPU (``awq.py``, "Reproducibility"). ``load``: how
-    layers reach the device
-    (``loading.LayerLoader``: ``stored`` bytes dequantized there, or ``dequantized`` on the CPU
-    and copied); None picks ``stored`` off the CPU for a checkpoint source without ``weights_fn``.
+    layers reach the device (``loading.LayerLoader``: ``stored`` bytes dequantized there, or
+    ``dequantized`` on the CPU and copied); None picks ``stored`` off the CPU for a checkpoint source without ``weights_fn``.
     """
     opts = options or AwqOptions()
     cfg = source.config
