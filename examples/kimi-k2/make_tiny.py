@@ -105,13 +105,17 @@ CHAT_TEMPLATE = (  # K2's turn markers; a short stand-in for Moonshot's template
 )
 
 TOKENIZATION_KIMI = '''"""Stand-in for Moonshot's ``tokenization_kimi.py`` in hetquant's tiny Kimi K2 test model:
-same file and class name; ranks from ``tiktoken.model``, specials after them."""
+same file and class name; ranks from ``tiktoken.model``, specials after them. A complete slow
+tokenizer (vocabulary, token <-> id, text <-> tokens), so transformers' ``AutoTokenizer`` and
+vLLM load it with ``trust_remote_code``; a token's string is its bytes, one character per byte
+(latin-1)."""
 
 from transformers import PreTrainedTokenizer
 
 
 class TikTokenTokenizer(PreTrainedTokenizer):
     vocab_files_names = {"vocab_file": "tiktoken.model"}
+    model_input_names = ["input_ids", "attention_mask"]
 
     def __init__(self, vocab_file, **kwargs):
         import tiktoken
@@ -121,7 +125,29 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         specials = {t: len(ranks) + i for i, t in enumerate(%r)}
         self.model = tiktoken.Encoding("kimi-tiny", pat_str=r"\\S+|\\s+", mergeable_ranks=ranks,
                                        special_tokens=specials)
+        self.encoder = {b.decode("latin-1"): i for b, i in ranks.items()} | specials
+        self.decoder = {i: t for t, i in self.encoder.items()}
         super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self):
+        return self.model.n_vocab
+
+    def get_vocab(self):
+        return dict(self.encoder)
+
+    def _tokenize(self, text, **kwargs):
+        ids = self.model.encode(text, allowed_special="all")
+        return [self.decoder[i] for i in ids]
+
+    def _convert_token_to_id(self, token):
+        return self.encoder.get(token, self.encoder["[UNK]"])
+
+    def _convert_id_to_token(self, index):
+        return self.decoder.get(index, "[UNK]")
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens).encode("latin-1").decode("utf-8", errors="replace")
 '''
 
 

@@ -32,7 +32,7 @@ from hetquant.formats.filenames import MANIFEST_NAME
 from ..loading.loader import Artifact
 from .linear import linear_method
 from .moe import moe_method
-from .served import NAME, open_served
+from .served import NAME, kernel_choice, open_served
 from .sources import Source, layer_sources
 
 __all__ = ["NAME", "HetquantConfig", "open_served"]
@@ -44,6 +44,7 @@ class HetquantConfig(QuantizationConfig):
     def __init__(self) -> None:
         super().__init__()
         self.model_dir: str | None = None
+        self.kernels = "vllm"  # served.KERNELS; read from the environment with the artifact
         self._artifact: Artifact | None = None  # opened once per process: vLLM pickles us
 
     def __getstate__(self) -> dict[str, Any]:
@@ -85,13 +86,14 @@ class HetquantConfig(QuantizationConfig):
         self, model_name: str, hf_config: Any = None, revision: str | None = None
     ) -> None:
         self._artifact = open_served(model_name)  # refuses a directory we cannot serve
+        self.kernels = kernel_choice()
         self.model_dir = str(model_name)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
-            return linear_method(self._sources(prefix), prefix)
+            return linear_method(self._sources(prefix), prefix, self.kernels)
         if isinstance(layer, RoutedExperts):
-            return moe_method(self.artifact, prefix, layer.moe_config)
+            return moe_method(self.artifact, prefix, layer.moe_config, self.kernels)
         return None
 
     def _sources(self, prefix: str) -> tuple[Source, ...]:

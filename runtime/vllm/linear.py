@@ -64,6 +64,11 @@ class HetquantLinearMethod(LinearMethodBase):
             )
         expect(layer, self.sources)
         layer.hetquant_shape = (tuple(output_partition_sizes), input_size_per_partition)
+        # vLLM reads a quantized layer's dense weight by applying it to an identity matrix
+        # (``get_and_maybe_dequant_weights``, ``quant_utils.py:511``: MLA's kv_b_proj), after
+        # looking up ``weight`` / ``qweight`` / ``weight_packed`` for its device and dtype: an
+        # empty ``weight`` of the activation dtype answers that, and holds no bytes.
+        layer.register_buffer("weight", torch.empty(0, dtype=params_dtype), persistent=False)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         tensors = take(layer, self.prefix)
@@ -210,8 +215,11 @@ LINEAR_METHODS: dict[str, LinearFactory] = {
 """Format → method factory, where one other than ours serves it (vLLM's own kernels)."""
 
 
-def linear_method(sources: Sequence[Source], prefix: str) -> LinearMethodBase:
-    """The method of the vLLM linear layer ``prefix`` whose stored parts are ``sources``."""
+def linear_method(
+    sources: Sequence[Source], prefix: str, kernels: str = "vllm"
+) -> LinearMethodBase:
+    """The method of the vLLM linear layer ``prefix`` whose stored parts are ``sources``;
+    ``kernels`` (``served.KERNELS``): ``vllm`` takes ``LINEAR_METHODS``, ``hetquant`` ours."""
     stored = [s for s in sources if s.stored]
     if not stored:  # a layer the artifact does not store: the loader's fill check names it
         return UnquantizedLinearMethod()
@@ -220,6 +228,6 @@ def linear_method(sources: Sequence[Source], prefix: str) -> LinearMethodBase:
         raise HetquantError(f"{prefix}: the artifact does not store {', '.join(missing)}")
     fmts = {(s.fmt, tuple(sorted(s.params.items()))) for s in sources}
     factory = HetquantLinearMethod
-    if len(fmts) == 1:
+    if len(fmts) == 1 and kernels == "vllm":
         factory = LINEAR_METHODS.get(str(sources[0].fmt), HetquantLinearMethod)
     return factory(sources, prefix)

@@ -134,8 +134,9 @@ MOE_METHODS: dict[str, MoEFactory] = {"bf16": _vllm_unquantized}
 """Stored expert format → method factory, where one other than ours serves it."""
 
 
-def moe_method(art: Artifact, prefix: str, moe: Any) -> FusedMoEMethodBase:
-    """The method of vLLM's ``RoutedExperts`` layer ``prefix`` (``model.layers.N.mlp.experts``)."""
+def moe_method(art: Artifact, prefix: str, moe: Any, kernels: str = "vllm") -> FusedMoEMethodBase:
+    """The method of vLLM's ``RoutedExperts`` layer ``prefix`` (``model.layers.N.mlp.experts``);
+    ``kernels`` (``served.KERNELS``): ``vllm`` takes ``MOE_METHODS``, ``hetquant`` ours."""
     sources = [
         Source(info.prefix, info.fmt.name, info.fmt.params)
         for info in art.modules.values()
@@ -147,6 +148,6 @@ def moe_method(art: Artifact, prefix: str, moe: Any) -> FusedMoEMethodBase:
             return CpuPoolMoEMethod(moe, int(layer_no), prefix)
         raise HetquantError(f"{prefix}: the artifact stores no routed experts for this layer")
     factory: MoEFactory = StoredExpertsMoEMethod  # ours takes each projection's own params
-    if len({(s.fmt, tuple(sorted(s.params.items()))) for s in sources}) == 1:
+    if len({(s.fmt, tuple(sorted(s.params.items()))) for s in sources}) == 1 and kernels == "vllm":
         factory = MOE_METHODS.get(str(sources[0].fmt), StoredExpertsMoEMethod)
     return factory(moe, sources, prefix)

@@ -5,6 +5,8 @@ No vLLM import here: the refusals are tested without vLLM.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from hetquant.formats import HetquantError
@@ -12,9 +14,26 @@ from hetquant.formats.filenames import MANIFEST_NAME
 
 from ..loading.loader import Artifact, open_artifact
 
-__all__ = ["NAME", "open_served"]
+__all__ = ["KERNELS", "KERNELS_ENV", "NAME", "kernel_choice", "open_served"]
 
 NAME = "hetquant"  # the quantization method and the load format
+KERNELS_ENV = "HETQUANT_VLLM_KERNELS"
+KERNELS = {
+    "vllm": "vLLM's own kernel where it has one for the format on this device, ours otherwise",
+    "hetquant": "ours for every layer: the arithmetic of `hetquant run`, so its greedy tokens",
+}
+"""Which kernels the plugin's methods run (``HETQUANT_VLLM_KERNELS``; default ``vllm``)."""
+
+
+def kernel_choice(env: Mapping[str, str] = os.environ) -> str:
+    """``HETQUANT_VLLM_KERNELS`` (``vllm`` when unset), or one line naming the legal values."""
+    choice = env.get(KERNELS_ENV, "vllm")
+    if choice not in KERNELS:
+        raise HetquantError(
+            f"{KERNELS_ENV}={choice!r}: give one of {', '.join(KERNELS)} "
+            f"({'; '.join(f'{k}: {v}' for k, v in KERNELS.items())})"
+        )
+    return choice
 
 
 def open_served(model: str | Path) -> Artifact:

@@ -12,7 +12,7 @@ from support import MANIFEST, TINY
 
 from hetquant.formats import HetquantError
 from hetquant.runtime import ParallelLayout
-from hetquant.runtime.vllm.served import open_served
+from hetquant.runtime.vllm.served import KERNELS_ENV, kernel_choice, open_served
 
 
 def test_a_checkpoint_that_is_not_an_artifact_is_refused() -> None:
@@ -39,3 +39,12 @@ def test_a_tp_size_the_artifact_cannot_split_is_refused(tiny_artifact: Path) -> 
     with pytest.raises(HetquantError) as e:
         art.plan(ParallelLayout(tp_size=3, tp_rank=0))  # what the loader's load() runs first
     assert "\n" not in str(e.value) and "valid tp sizes: 1, 2, 4" in str(e.value)
+
+
+def test_the_kernel_choice_is_vllm_unless_told_and_refuses_unknown_values() -> None:
+    assert kernel_choice({}) == "vllm"
+    assert kernel_choice({KERNELS_ENV: "hetquant"}) == "hetquant"
+    with pytest.raises(HetquantError) as e:
+        kernel_choice({KERNELS_ENV: "fast"})
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("HETQUANT_VLLM_KERNELS='fast': give one of vllm, hetquant")

