@@ -41,8 +41,8 @@ from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 from ..experts._expert_files import _select_layers
 from ..parallel.layout import ParallelLayout
-from ..parallel.pieces import ModuleInfo, Span
-from ..parallel.placement import ModelPlacement, TensorRead
+from ..parallel.pieces import ModuleInfo, Span, TensorRead
+from ..parallel.placement import ModelPlacement
 from ._pin import ManifestPin, Replaced, open_pinned
 from ._reader import LoadStats, read_spans
 from .conformance import check_conforms
@@ -169,7 +169,7 @@ class Artifact:
         mtp: bool = False,
         copy: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """This rank's tensors under their stored names, sliced per the shard rules.
+        """This rank's tensors under their stored names, sliced as the placement says.
 
         ``repack(prefix, fmt, {key: tensor})`` (fmt None for a plain tensor) runs per module
         after the tensors reach ``device`` and returns the backend's tensors (local keys).

@@ -3,7 +3,8 @@
 The placement (``placement.py``) decides that a rank keeps ``[start, stop)`` of a module's
 weight along ``out`` (dim 0) or ``in`` (dim 1); here each stored key follows it through its
 format's ``shard_view`` / ``shard_axes`` (``formats/``): a ``Piece`` is a slice along one axis
-of the key's row-major view, and ``Piece.span`` the file bytes that slice occupies.
+of the key's row-major view, ``Piece.span`` the file bytes that slice occupies, and a
+``TensorRead`` one stored tensor of a rank: those bytes and what they become.
 
 An even split needs whole units of every stored key (an AWQ group, an 8-pack, an NVFP4 block or
 Ascend tile, an FP8 block); anything else is refused, naming the unit. A plain tensor (norm,
@@ -21,7 +22,7 @@ from hetquant.formats.dtypes import itemsize
 from hetquant.formats.errors import HetquantError
 from hetquant.formats.safetensors_io import HeaderEntry
 
-__all__ = ["DIM_NAMES", "IN", "OUT", "ModuleInfo", "Piece", "Span", "shard_pieces"]
+__all__ = ["DIM_NAMES", "IN", "OUT", "ModuleInfo", "Piece", "Span", "TensorRead", "shard_pieces"]
 
 OUT, IN = 0, 1
 DIM_NAMES = ("out", "in")
@@ -79,6 +80,23 @@ class Piece:
         if outer == 1 or run == stride:
             return Span(start, run * outer, run * outer)
         return Span(start, run, stride, outer)
+
+
+@dataclass(frozen=True)
+class TensorRead:
+    """One stored tensor of this rank: where its bytes are and what they become."""
+
+    name: str
+    module: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    span: Span
+    bounds: tuple[tuple[int, int], tuple[int, int]] | None  # (out, in) ranges when split
+
+    @property
+    def nbytes(self) -> int:
+        return self.span.nbytes
 
 
 def _axes(info: ModuleInfo) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple]]:

@@ -33,7 +33,7 @@ from hetquant.formats.errors import HetquantError
 from hetquant.formats.families import FAMILIES, ModelConfig, ModelFamily, Role
 
 from .layout import ParallelLayout
-from .pieces import DIM_NAMES, IN, OUT, ModuleInfo, Span, shard_pieces
+from .pieces import DIM_NAMES, IN, OUT, ModuleInfo, TensorRead, shard_pieces
 
 __all__ = [
     "GROUPS",
@@ -41,7 +41,6 @@ __all__ = [
     "ModelPlacement",
     "Placement",
     "Rule",
-    "TensorRead",
     "place",
     "rule_of",
     "split_of",
@@ -145,23 +144,6 @@ def split_range(pl: Placement, size: int, world: int, rank: int) -> tuple[int, i
         return min(rank * per, size), min((rank + 1) * per, size)
     per = size // world
     return rank * per, (rank + 1) * per
-
-
-@dataclass(frozen=True)
-class TensorRead:
-    """One stored tensor of this rank: where its bytes are and what they become."""
-
-    name: str
-    module: str
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-    span: Span
-    bounds: tuple[tuple[int, int], tuple[int, int]] | None  # (out, in) ranges when split
-
-    @property
-    def nbytes(self) -> int:
-        return self.span.nbytes
 
 
 class ModelPlacement:
