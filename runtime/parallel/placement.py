@@ -27,6 +27,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from hetquant.formats.errors import HetquantError
@@ -79,8 +80,9 @@ class Rule:
     group: str
     dim: int | None  # OUT (column, vocab), IN (row) or None (replicate)
 
-    @property
+    @cached_property
     def treat(self) -> Group:
+        """The group's row of ``GROUPS`` (read once per rule)."""
         return GROUPS.get(self.group, _PLAIN)
 
 
@@ -172,8 +174,10 @@ class ModelPlacement:
             pl = self.roles[mid]
             if not keep(pl):
                 continue
-            dim, bounds, pieces = split_of(pl, layout), None, shard_pieces(info, None, 0, 0)
-            if dim is not None:
+            dim, bounds = split_of(pl, layout), None
+            if dim is None:
+                pieces = shard_pieces(info, None, 0, 0)
+            else:
                 rng = split_range(pl, info.shape[dim], layout.tp_size, layout.tp_rank)
                 pieces = shard_pieces(info, dim, *rng)
                 bounds = (rng, (0, info.shape[1])) if dim == OUT else ((0, info.shape[0]), rng)

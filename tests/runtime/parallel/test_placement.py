@@ -56,13 +56,16 @@ def test_unknown_module_refused() -> None:
 
 # ---- groups are data ----------------------------------------------------------------------------
 def test_a_new_group_is_a_row_of_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    vision = Placement(Rule("vision", 0), None, None)  # a global module of a made-up group
+    def vision() -> Placement:  # a global module of a made-up group, placed (as at open)
+        return Placement(Rule("vision", 0), None, None)
+
     tp2 = [ParallelLayout(tp_size=2, tp_rank=r, attn_dp=True) for r in range(2)]
-    assert [split_of(vision, lay) for lay in tp2] == [0, 0]  # plain: split, even
-    assert split_range(vision, 10, 4, 3) == (6, 8)
+    assert [split_of(vision(), lay) for lay in tp2] == [0, 0]  # a plain group: split, even
+    assert split_range(vision(), 10, 4, 3) == (6, 8)
     monkeypatch.setitem(placement.GROUPS, "vision", Group(padded=True, dp_replicated=True))
-    assert [split_of(vision, lay) for lay in tp2] == [None, None]
-    assert split_range(vision, 10, 4, 3) == (9, 10)
+    assert [split_of(vision(), lay) for lay in tp2] == [None, None]
+    assert split_range(vision(), 10, 4, 3) == (9, 10)
+    assert split_of(vision(), ParallelLayout(tp_size=2)) == 0
 
 
 # ---- counts: parsed once, placed once -----------------------------------------------------------
