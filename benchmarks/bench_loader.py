@@ -355,7 +355,7 @@ def _scope(name: str) -> str:
 def tp_bytes(root: Path, w: Worker, tp: int = TP) -> dict[str, Any]:
     """Per rank: bytes_read (measured) against sharded / tp + replicated, whole and per scope."""
     from hetquant.runtime import ParallelLayout, open_artifact
-    from hetquant.runtime.parallel.layout import split_of
+    from hetquant.runtime.parallel.placement import split_of
 
     art = open_artifact(root)
     whole = art.plan(ParallelLayout())
@@ -363,7 +363,9 @@ def tp_bytes(root: Path, w: Worker, tp: int = TP) -> dict[str, Any]:
     rep = {r.name: bool(REPLICATED.search(r.name)) for r in whole}
     lay = ParallelLayout(tp_size=tp)
     disagree = sorted(
-        r.name for r in whole if rep[r.name] != (split_of(art.placements[r.module], lay) is None)
+        r.name
+        for r in whole
+        if rep[r.name] != (split_of(art.placement.roles[r.module], lay) is None)
     )
     scopes = sorted({_scope(n) for n in full}, key=lambda s: (s == "global", s))
     ideal: dict[str, float] = dict.fromkeys([*scopes, "all"], 0.0)

@@ -24,9 +24,11 @@ from hetquant.convert.recipes import get_recipe
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import HetquantError, get_format
 from hetquant.formats.base import FORMATS
+from hetquant.formats.families import parse_config
 from hetquant.formats.safetensors_io import HeaderEntry
 from hetquant.runtime import ParallelLayout
-from hetquant.runtime.parallel.shard_rules import ModuleInfo
+from hetquant.runtime.parallel.pieces import ModuleInfo
+from hetquant.runtime.parallel.placement import ModelPlacement
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "dry_run_qwen3.json"
@@ -73,10 +75,11 @@ def planned_modules(plan: Plan) -> dict[str, ModuleInfo]:
 
 def tp_sizes(config: dict, modules: dict[str, ModuleInfo]) -> dict[str, Any]:
     """Valid TP sizes (and with attn_dp), and the loader's refusal at TP 8 (None: allowed)."""
+    placement = ModelPlacement(parse_config(config), modules)
 
     def ok(layout: ParallelLayout) -> str | None:
         try:
-            layout.validate(config, modules)
+            placement.check(layout)
         except HetquantError as e:
             return str(e)
         return None

@@ -35,6 +35,7 @@ import torch
 from hetquant.formats.errors import HetquantError
 from hetquant.formats.safe_paths import open_regular
 
+from ..parallel.pieces import Span
 from ._staging import STAGE_BYTES, CudaLane, lane_count, staged_copy
 
 __all__ = ["LoadStats", "Span", "read_spans"]
@@ -44,25 +45,6 @@ _MAP_ALIGN = 8  # mapped views start at offsets aligned for every stored dtype
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 _STAGE = STAGE_BYTES  # pinned staging chunk for CUDA loads
-
-
-@dataclass(frozen=True)
-class Span:
-    """Bytes ``[start + i·stride, start + i·stride + run)`` of a file, for ``i < count``."""
-
-    start: int
-    run: int
-    stride: int
-    count: int = 1
-
-    @property
-    def nbytes(self) -> int:
-        return self.run * self.count
-
-    def ranges(self) -> Iterator[tuple[int, int]]:
-        """The absolute ``[begin, end)`` byte ranges; a contiguous span is a single range."""
-        for i in range(self.count):
-            yield self.start + i * self.stride, self.start + i * self.stride + self.run
 
 
 @dataclass

@@ -34,7 +34,7 @@ from hetquant.formats.families import (
     expected_tensors,
 )
 
-from ..parallel.shard_rules import ModuleInfo
+from ..parallel.pieces import ModuleInfo
 
 if TYPE_CHECKING:
     from ..experts._expert_files import ExpertLayerInfo

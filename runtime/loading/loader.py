@@ -10,16 +10,16 @@ tensors are recognised by ``hetquant.formats.identify`` — each format's own in
 Every module is checked against ``fmt.stored(shape)``; keys the format does not own
 (``e_score_correction_bias``) are plain tensors of their own.
 
-``plan`` is shape-only: for every kept tensor, the ``Span`` of file bytes its piece occupies (the
-piece is a slice along one dim of the format's ``shard_view``); ``load`` reads them (_reader.py),
-applies ``shard_fixup`` and the ``repack`` hook per module. ``bytes_read`` / ``last_load`` count
-the tensor bytes read from files (headers not included).
+config.json is parsed once, here; the stored modules are placed once, by the artifact's
+``ModelPlacement`` (``runtime/parallel/placement.py``), whose ``reads(layout)`` says which byte
+spans this rank keeps. ``plan`` is that list; ``load`` reads exactly those spans (_reader.py),
+then applies ``shard_fixup`` and the ``repack`` hook per module. ``bytes_read`` / ``last_load``
+count the tensor bytes read from files (headers not included).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,9 +30,9 @@ import torch
 
 from hetquant.formats import WeightFormat, get_format
 from hetquant.formats.base import identify
-from hetquant.formats.dtypes import itemsize, torch_dtype
+from hetquant.formats.dtypes import torch_dtype
 from hetquant.formats.errors import HetquantError
-from hetquant.formats.families import parse_config
+from hetquant.formats.families import ModelConfig, parse_config
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
 from hetquant.formats.json_io import load_json, parse_json
 from hetquant.formats.manifest_schema import check_manifest
@@ -40,18 +40,11 @@ from hetquant.formats.safe_paths import inside
 from hetquant.formats.safetensors_io import HeaderEntry, read_header
 
 from ..experts._expert_files import _select_layers
-from ..parallel.layout import ParallelLayout, split_of
-from ..parallel.shard_rules import (
-    ModelFacts,
-    ModuleInfo,
-    Piece,
-    Placement,
-    place,
-    shard_pieces,
-    split_range,
-)
+from ..parallel.layout import ParallelLayout
+from ..parallel.pieces import ModuleInfo, Span, TensorRead
+from ..parallel.placement import ModelPlacement
 from ._pin import ManifestPin, Replaced, open_pinned
-from ._reader import LoadStats, Span, read_spans
+from ._reader import LoadStats, read_spans
 from .conformance import check_conforms
 
 __all__ = ["Artifact", "LoadStats", "Span", "TensorRead", "open_artifact"]
@@ -102,53 +95,27 @@ def _show(metas: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}: {m.dtype}{list(m.shape)}" for k, m in sorted(metas.items()))
 
 
-@dataclass(frozen=True)
-class TensorRead:
-    """One stored tensor of this rank: where its bytes are and what they become."""
-
-    name: str
-    module: str
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-    span: Span
-    bounds: tuple[tuple[int, int], tuple[int, int]] | None  # (out, in) ranges when split
-
-    @property
-    def nbytes(self) -> int:
-        return self.span.nbytes
-
-
-def _span(entry: HeaderEntry, piece: Piece) -> Span:
-    if piece.axis is None:
-        return Span(entry.start, entry.nbytes, entry.nbytes)
-    v, a = piece.view, piece.axis
-    inner = math.prod(v[a + 1 :]) * itemsize(entry.dtype)  # bytes per entry along the axis
-    run, stride, outer = (piece.stop - piece.start) * inner, v[a] * inner, math.prod(v[:a])
-    start = entry.start + piece.start * inner
-    if outer == 1 or run == stride:
-        return Span(start, run * outer, run * outer)
-    return Span(start, run, stride, outer)
-
-
 @dataclass
 class Artifact:
     """An opened artifact (headers only; see ``open_artifact``)."""
 
     root: Path
     manifest: dict[str, Any]
-    config: dict[str, Any]
-    modules: dict[str, ModuleInfo]  # module id (prefix, or prefix.key for extras) → info
+    config: dict[str, Any]  # config.json as stored
+    placement: ModelPlacement = field(repr=False)  # the parsed config and every module, placed
     bytes_read: int = 0
     last_load: LoadStats | None = None
     pin: ManifestPin | None = field(default=None, repr=False)  # the manifest it was opened with
-    facts: ModelFacts = field(init=False)
-    placements: dict[str, Placement] = field(init=False)  # module id → role (shard_rules)
 
-    def __post_init__(self) -> None:
-        self.facts = ModelFacts.from_config(self.config)
-        fam = self.facts.family
-        self.placements = {mid: place(info.prefix, fam) for mid, info in self.modules.items()}
+    @property
+    def cfg(self) -> ModelConfig:
+        """config.json, parsed (once, by ``open_artifact``)."""
+        return self.placement.cfg
+
+    @property
+    def modules(self) -> Mapping[str, ModuleInfo]:
+        """Module id (prefix, or prefix.key for extras) → its stored tensors, in file order."""
+        return self.placement.modules
 
     @property
     def generation(self) -> tuple[int, int] | None:
@@ -185,60 +152,13 @@ class Artifact:
             raise
         return pool
 
+    def check(self, layout: ParallelLayout) -> None:
+        """Refuse ``layout`` for this artifact, naming the valid sizes (``ModelPlacement.check``)."""
+        self.placement.check(layout)
+
     def plan(self, layout: ParallelLayout, *, mtp: bool = False) -> list[TensorRead]:
         """This rank's reads, shape-only, in file order; ``mtp`` adds the MTP layers (last stage)."""
-        layout.validate(self.config, self.modules)
-        self._check_accel(layout)
-        reads = []
-        for mid, info in self.modules.items():
-            pl = self.placements[mid]
-            if not self._keeps(pl, layout, mtp):
-                continue
-            dim = split_of(pl, layout)
-            bounds, pieces = None, shard_pieces(info, None, 0, 0)
-            if dim is not None:
-                rng = split_range(pl, info.shape[dim], layout.tp_size, layout.tp_rank)
-                pieces = shard_pieces(info, dim, *rng)
-                bounds = (rng, (0, info.shape[1])) if dim == 0 else ((0, info.shape[0]), rng)
-            for key, piece in pieces.items():
-                file, entry = info.entries[key]
-                span = _span(entry, piece)
-                reads.append(
-                    TensorRead(entry.name, mid, file, entry.dtype, piece.shape, span, bounds)
-                )
-        return sorted(reads, key=lambda r: (r.file, r.span.start))
-
-    def _keeps(self, pl: Placement, layout: ParallelLayout, mtp: bool) -> bool:
-        f, g = self.facts, pl.rule.group
-        if g == "cpu":
-            return False
-        if pl.layer is None:
-            return layout.is_first_stage if g == "embed" else layout.is_last_stage
-        if pl.layer >= f.num_layers:
-            if not (mtp and layout.is_last_stage):
-                return False
-        elif pl.layer not in layout.stage_layers(f.num_layers):
-            return False
-        if g != "routed":
-            return True
-        ids = layout.accel_ids(pl.layer, f.n_routed)
-        if ids is not None and pl.expert not in ids:
-            return False
-        if pl.layer not in f.moe_layers:
-            raise HetquantError(f"config.json makes layer {pl.layer} dense, but it stores experts")
-        return pl.expert in layout.owned_experts(f.moe_layers.index(pl.layer), f.n_routed)
-
-    def _check_accel(self, layout: ParallelLayout) -> None:
-        """Refuse ``accel_experts`` that asks for routed experts the root part does not store."""
-        f = self.facts
-        stored = {pl.layer for pl in self.placements.values() if pl.rule.group == "routed"}
-        for layer in set(layout.stage_layers(f.num_layers)) & set(f.moe_layers) - stored:
-            if want := layout.accel_ids(layer, f.n_routed):
-                raise HetquantError(
-                    f"accel_experts puts experts {sorted(want)[:8]} of layer {layer} on the "
-                    "accelerator, but the artifact's root part stores no routed experts of that "
-                    "layer (the CPU expert pool has them: cpu_experts/); use accel_experts=0"
-                )
+        return self.placement.reads(layout, mtp=mtp)
 
     def load(
         self,
@@ -249,7 +169,7 @@ class Artifact:
         mtp: bool = False,
         copy: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """This rank's tensors under their stored names, sliced per the shard rules.
+        """This rank's tensors under their stored names, sliced as the placement says.
 
         ``repack(prefix, fmt, {key: tensor})`` (fmt None for a plain tensor) runs per module
         after the tensors reach ``device`` and returns the backend's tensors (local keys).
@@ -274,7 +194,7 @@ class Artifact:
 
 
 def _finish_modules(
-    modules: dict[str, ModuleInfo], reads: list[TensorRead], out: dict, repack: Repack | None
+    modules: Mapping[str, ModuleInfo], reads: list[TensorRead], out: dict, repack: Repack | None
 ) -> None:
     by_module: dict[str, list[TensorRead]] = {}
     for r in reads:
@@ -341,8 +261,10 @@ def _open(root: Path, pin: ManifestPin) -> Artifact:
             modules[mid] = ModuleInfo(prefix, None, entries[key][1].shape, {key: entries[key]})
     order = sorted(modules, key=lambda m: min((f, e.start) for f, e in modules[m].entries.values()))
     pool = _select_layers(root, None, check=False) if manifest["parts"].get("cpu_experts") else {}
-    check_conforms(root, parse_config(config, str(root / "config.json")), modules, pool)
-    return Artifact(root, manifest, config, {m: modules[m] for m in order}, pin=pin)
+    cfg = parse_config(config, str(root / "config.json"))  # the only parse of this artifact's
+    check_conforms(root, cfg, modules, pool)
+    placement = ModelPlacement(cfg, {m: modules[m] for m in order})
+    return Artifact(root, manifest, config, placement, pin=pin)
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -1,2 +1,3 @@
-"""Parallel layouts: ``ParallelLayout`` (TP / PP / EP with redundant experts, attention-DP) and the shard
-rules that map a tensor's role and format to the slice a rank keeps."""
+"""Parallel layouts: ``ParallelLayout`` (a rank's TP / PP / EP coordinates, redundant experts,
+attention-DP), ``placement`` (which bytes of which stored tensor the rank keeps; the one module
+where a layout meets a model) and ``pieces`` (how a split follows each format's stored tensors)."""

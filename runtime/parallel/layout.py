@@ -1,10 +1,11 @@
-"""``ParallelLayout``: which part of the model one rank holds.
+"""``ParallelLayout``: one rank's coordinates; what they make it keep of a model is
+``placement.py``'s answer.
 
 A rank has a coordinate in each parallel dimension, given explicitly (no globals):
 
 - **TP** ``tp_size``/``tp_rank``: column-parallel weights split their ``out`` rows, row-parallel
-  ones their ``in`` columns, embeddings/heads their vocab rows (``split_of``; the family's role
-  table says which is which, ``shard_rules.py`` how each format's stored tensors follow).
+  ones their ``in`` columns, embeddings/heads their vocab rows (the family's role table says
+  which is which; ``placement.py`` applies it, ``pieces.py`` carries it to every stored tensor).
 - **PP** ``pp_size``/``pp_rank``: contiguous stages of decoder layers; the embedding lives on the
   first stage, the final norm and ``lm_head`` (and MTP layers, when loaded) on the last. Layer
   counts follow vLLM's ``get_pp_indices``: ``L // pp`` each, and the ``L % pp`` left over go one
@@ -25,30 +26,18 @@ A rank has a coordinate in each parallel dimension, given explicitly (no globals
   N: logical experts ``0..N-1`` of every MoE layer (kt ``--kt-num-gpu-experts``); a mapping
   layer id → expert ids (e.g. the hottest); layers absent from it keep none.
 
-Model-dependent checks (heads, expert counts, quantization groups) are in :meth:`validate`.
+The coordinates are checked at construction, against expert counts in :meth:`check_experts`;
+against a model's heads and quantization units by ``placement.ModelPlacement.check``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from hetquant.formats.errors import HetquantError
 
-from .shard_rules import (
-    DIM_NAMES,
-    ModelFacts,
-    ModuleInfo,
-    Placement,
-    place,
-    shard_pieces,
-    split_range,
-)
-
-__all__ = ["ParallelLayout", "check_layout", "pp_partition", "split_of"]
+__all__ = ["ParallelLayout", "pp_partition"]
 
 AccelExperts = int | Mapping[int, Sequence[int]] | tuple[tuple[int, tuple[int, ...]], ...] | None
 
@@ -186,14 +175,38 @@ class ParallelLayout:
             return frozenset(range(min(accel, n_experts)))
         return frozenset(dict(accel).get(layer, ()))
 
-    def validate(self, cfg: Mapping[str, Any], modules: Mapping[str, Any]) -> None:
-        """Refuse this layout for a model (config.json dict) and its stored modules.
-
-        ``modules``: module prefix → ``shard_rules.ModuleInfo`` (``Artifact.modules``). Raises
-        HetquantError naming the reason and the valid alternatives: heads or experts that do
-        not divide, a split that would cut a quantization group, block, pack or tile.
-        """
-        check_layout(self, cfg, modules)
+    def check_experts(self, n_experts: int, moe_layers: Sequence[int], num_layers: int) -> None:
+        """Refuse this layout's expert coordinates for a model of ``n_experts`` routed experts
+        in ``moe_layers`` (main layers ``< num_layers``, then MTP ones): an EP size that does not
+        divide them without a map, a map whose rows miss experts or leave a rank without a slot,
+        ``accel_experts`` naming experts the model does not have."""
+        rows, n_main = self.physical_to_logical, sum(i < num_layers for i in moe_layers)
+        if rows is not None and len(rows) not in (1, n_main, len(moe_layers)):
+            raise HetquantError(
+                f"physical_to_logical has {len(rows)} rows; give 1 (every MoE layer), {n_main} "
+                f"(MoE layers {tuple(moe_layers[:n_main])}) or {len(moe_layers)} (with MTP)"
+            )
+        for i, row in enumerate(rows or ()):
+            missing = sorted(set(range(n_experts)) - set(row))
+            if max(row) >= n_experts or missing:
+                raise HetquantError(
+                    f"physical_to_logical row {i}: every slot must name a logical expert in "
+                    f"0..{n_experts - 1} and every expert needs a slot; bad: "
+                    f"{sorted(x for x in row if x >= n_experts)}, without a slot: {missing}"
+                )
+            if len(row) < self.ep_size:
+                raise HetquantError(
+                    f"physical_to_logical row {i} has {len(row)} slots for ep_size "
+                    f"{self.ep_size}; every EP rank needs at least one slot"
+                )
+        if rows is None and self.ep_size > 1 and moe_layers:
+            self.expert_slots(0, n_experts)  # raises with the valid ep sizes
+        accel = self.accel_experts
+        for layer, ids in () if accel is None or isinstance(accel, int) else accel:  # type: ignore[union-attr]
+            if ids and max(ids) >= n_experts:
+                raise HetquantError(
+                    f"accel_experts[{layer}] names experts >= {n_experts}: {list(ids)}"
+                )
 
 
 def _normalize_accel(accel: AccelExperts) -> AccelExperts:
@@ -215,115 +228,3 @@ def _normalize_accel(accel: AccelExperts) -> AccelExperts:
             raise HetquantError(f"accel_experts[{layer}] has negative expert ids: {list(ids)}")
         out.append((int(layer), ids))
     return tuple(sorted(out))
-
-
-# -- what a layout does to a module, and whether a model fits it ------------------------------
-
-
-def split_of(pl: Placement, layout: ParallelLayout) -> int | None:
-    """The weight dim this layout splits the module along over TP (None: kept whole)."""
-    g = pl.rule.group
-    if pl.rule.dim is None or layout.tp_size == 1:
-        return None
-    if layout.attn_dp and (g == "attention" or (g == "embed")):
-        return None
-    if g == "routed" and layout.ep_size > 1:
-        return None
-    return pl.rule.dim
-
-
-def _tp_split_ok(info: ModuleInfo, pl: Placement, dim: int, world: int) -> str | None:
-    """None if every TP rank's piece is legal, else the reason."""
-    size = info.shape[dim]
-    if pl.rule.group not in ("embed", "head") and size % world:
-        return f"{info.prefix}: {DIM_NAMES[dim]} = {size} does not split evenly {world} ways"
-    try:
-        for rank in range(world):
-            shard_pieces(info, dim, *split_range(pl, size, world, rank))
-    except HetquantError as e:
-        return str(e)
-    return None
-
-
-_HEADS = ("heads", "KV heads")  # what ``ModelConfig.tp_head_counts`` lists
-
-
-def _tp_reason(layout: ParallelLayout, facts: ModelFacts, modules: Iterable[ModuleInfo]) -> Any:
-    """``reason(world)``: why ``world`` TP ranks cannot hold ``modules`` (None: they can); and
-    the gcd that every valid world divides."""
-    split = [
-        (m, pl, d)
-        for m in modules
-        if (d := split_of(pl := place(m.prefix, facts.family), layout)) is not None
-    ]
-
-    def reason(world: int) -> str | None:
-        bad = [h for h in facts.heads if h % world]
-        if world > 1 and not layout.attn_dp and bad:
-            return f"tp_size {world} does not divide {bad[0]} {_HEADS[facts.heads.index(bad[0])]}"
-        seen: set[tuple] = set()
-        for info, pl, dim in split:
-            key = (info.fmt, info.shape, dim, pl.rule.group in ("embed", "head"))
-            if key not in seen and (why := _tp_split_ok(info, pl, dim, world)):
-                return f"tp_size {world}: {why}"
-            seen.add(key)
-        return None
-
-    sizes = [info.shape[d] for info, pl, d in split if pl.rule.group not in ("embed", "head")]
-    return reason, math.gcd(*sizes, *(() if layout.attn_dp else facts.heads))
-
-
-def check_layout(
-    layout: ParallelLayout, cfg: Mapping[str, Any], modules: Mapping[str, ModuleInfo]
-) -> None:
-    """See ``ParallelLayout.validate``."""
-    facts = ModelFacts.from_config(cfg)
-    layout.stage_layers(facts.num_layers)  # pp size / pp_layers against the layer count
-    _check_experts(layout, facts)
-    if layout.tp_size == 1:
-        return
-    reason, bound = _tp_reason(layout, facts, modules.values())
-    if not (why := reason(layout.tp_size)):
-        return
-    valid = [d for d in range(1, bound + 1) if bound % d == 0 and reason(d) is None]
-    msg = f"{why}; valid tp sizes: {', '.join(map(str, valid))}"
-    if not layout.attn_dp:
-        dp_layout = dataclasses.replace(layout, attn_dp=True)
-        dp_reason, dp_bound = _tp_reason(dp_layout, facts, modules.values())
-        dp = [d for d in range(1, dp_bound + 1) if dp_bound % d == 0 and dp_reason(d) is None]
-        msg += f" (with attn_dp=True: {', '.join(map(str, dp))})" if dp != valid else ""
-    raise HetquantError(msg)
-
-
-def _check_experts(layout: ParallelLayout, facts: ModelFacts) -> None:
-    e, rows = facts.n_routed, layout.physical_to_logical
-    if rows is not None:
-        n_main = sum(i < facts.num_layers for i in facts.moe_layers)
-        if len(rows) not in (1, n_main, len(facts.moe_layers)):
-            raise HetquantError(
-                f"physical_to_logical has {len(rows)} rows; give 1 (every MoE layer), {n_main} "
-                f"(MoE layers {facts.moe_layers[:n_main]}) or {len(facts.moe_layers)} (with MTP)"
-            )
-        for i, row in enumerate(rows):
-            missing = sorted(set(range(e)) - set(row))
-            if max(row) >= e or missing:
-                raise HetquantError(
-                    f"physical_to_logical row {i}: every slot must name a logical expert in "
-                    f"0..{e - 1} and every expert needs a slot; bad: "
-                    f"{sorted(x for x in row if x >= e)}, without a slot: {missing}"
-                )
-            if len(row) < layout.ep_size:
-                raise HetquantError(
-                    f"physical_to_logical row {i} has {len(row)} slots for ep_size "
-                    f"{layout.ep_size}; every EP rank needs at least one slot"
-                )
-    elif layout.ep_size > 1 and facts.moe_layers:
-        layout.expert_slots(0, e)  # raises with the valid ep sizes
-    for layer, ids in _accel_items(layout):
-        if ids and max(ids) >= e:
-            raise HetquantError(f"accel_experts[{layer}] names experts >= {e}: {list(ids)}")
-
-
-def _accel_items(layout: ParallelLayout) -> Iterable[tuple[int, tuple[int, ...]]]:
-    accel = layout.accel_experts
-    return () if accel is None or isinstance(accel, int) else accel  # type: ignore[return-value]

@@ -7,7 +7,7 @@
   partial sum, all-reduced over the group; one split along OUT (column-parallel: q_b, kv_b,
   gate/up) returns this rank's slice — the forward derives its local head count from the shape;
   the vocab-split lm_head's slices are all-gathered into full logits. Which is which: the
-  family's role table (``shard_rules.place``).
+  artifact's placement (``parallel/placement.py``; each module placed once, at open).
 - ``embed(tokens)``: a vocab-parallel lookup (rows this rank does not hold give 0), all-reduced.
 - ``experts(layer, x, ids, weights)``: one partial sum per rank, all-reduced once per layer:
   under TP every expert's slices; under EP the experts this rank owns (a logical expert held in
@@ -33,8 +33,9 @@ from hetquant.formats import HetquantError
 
 from ..forward.model import DecoderReference, rms_norm
 from ..kernels.ops import QuantLinear
-from ..parallel.layout import ParallelLayout, split_of
-from ..parallel.shard_rules import IN, OUT, ModuleInfo, place, split_range
+from ..parallel.layout import ParallelLayout
+from ..parallel.pieces import IN, OUT
+from ..parallel.placement import ModelPlacement, split_of, split_range
 from .collectives import Comm
 
 __all__ = ["Comm", "RankWeights", "run_stage"]
@@ -46,22 +47,20 @@ class RankWeights:
     def __init__(
         self,
         tensors: Mapping[str, torch.Tensor],
-        modules: Mapping[str, ModuleInfo],
+        placement: ModelPlacement,
         layout: ParallelLayout,
-        cfg: Any,
         *,
         backend: str = "cpu",
         comm: Comm | None = None,
         pool: Any = None,
         npu_ops: Any = None,
     ) -> None:
-        self.t, self.modules, self.layout, self.cfg = dict(tensors), modules, layout, cfg
-        self.fam = cfg.family
+        self.t, self.placement, self.layout = dict(tensors), placement, layout
+        self.modules, self.cfg, self.fam = placement.modules, placement.cfg, placement.family
         self.backend, self.comm, self.pool, self.npu_ops = backend, comm or Comm(), pool, npu_ops
         first = next(iter(self.t.values()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._linears: dict[str, QuantLinear] = {}
-        self._moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
 
     def get(self, name: str) -> torch.Tensor:
         try:
@@ -71,7 +70,7 @@ class RankWeights:
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(name)(x)  # [..., out (this rank's part)]
-        pl = place(name, self.fam)
+        pl = self.placement.role(name)
         dim = split_of(pl, self.layout)
         if dim == IN:
             return self.comm.all_reduce(y)
@@ -81,7 +80,7 @@ class RankWeights:
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.get(self.fam.tensor("embed"))  # [V_r, D]
-        pl = place(self.fam.module("embed"), self.fam)
+        pl = self.placement.role(self.fam.module("embed"))
         if split_of(pl, self.layout) is None:
             return table[tokens]
         lo, hi = split_range(pl, self.cfg.vocab_size, self.comm.size, self.comm.rank)
@@ -151,7 +150,7 @@ class RankWeights:
         n = self.cfg.num_experts
         if self.layout.ep_size == 1:
             return list(range(n))
-        idx = self._moe_index[layer]
+        idx = self.placement.moe_index[layer]
         owned = self.layout.owned_experts(idx, n)
         slots = self.layout.expert_slots(idx, n)
         first_slot = self.layout.first_slots(idx, n)

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from hetquant.formats import HetquantError
-from hetquant.formats.families import parse_config
 
 from .collectives import CollectiveBackend, choose_backend, rendezvous
 
@@ -122,15 +121,15 @@ def _check_inputs(spec: RunSpec, world: int) -> tuple[CollectiveBackend | None, 
     from ..loading.loader import open_artifact
 
     art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
-    check_runnable(parse_config(art.config))
-    vocab = int(art.config.get("vocab_size", 0))
+    check_runnable(art.cfg)
+    vocab = art.cfg.vocab_size
     bad = [t for t in spec.tokens if not 0 <= t < vocab]
     if bad:
         raise HetquantError(
             f"token ids must lie in [0, {vocab}) (vocab_size of {spec.artifact}); got {bad[:5]}"
         )
     for rank in range(world):
-        _layout(spec, rank).validate(art.config, art.modules)
+        art.check(_layout(spec, rank))
     experts = art.cpu_expert_files
     if experts:  # every layer file's header, as CpuExpertPool.open reads them in each rank
         _check_split(_select_layers(art.root, None, check=False), spec.subpools, "inter")
@@ -206,15 +205,14 @@ def _rank_main(rank: int, spec: RunSpec, world: int, where: _Where, out: Path, t
     init_s, tick = time.perf_counter() - tick, time.perf_counter()
     layout = _layout(spec, rank)
     art = open_artifact(spec.artifact, generation=generation)
-    cfg = parse_config(art.config)
+    cfg = art.cfg
     tensors = art.load(layout, device=device)
     pool = art.cpu_expert_pool(subpools=spec.subpools) if art.cpu_expert_files else None
     load_s = time.perf_counter() - tick
     weights = RankWeights(
         tensors,
-        art.modules,
+        art.placement,
         layout,
-        cfg,
         backend=spec.device,
         comm=comm,
         pool=pool,
@@ -283,11 +281,10 @@ def local_model(
     spec = RunSpec(str(artifact), (0,), device=device, subpools=subpools, dtype=dtype)
     art = open_artifact(artifact)
     layout = ParallelLayout()
-    layout.validate(art.config, art.modules)
-    cfg = parse_config(art.config)
+    cfg = art.cfg
     tensors = art.load(layout, device=rank_device(device, 0, 0, None))
     pool = art.cpu_expert_pool(subpools=subpools) if art.cpu_expert_files else None
     weights = RankWeights(
-        tensors, art.modules, layout, cfg, backend=device, pool=pool, npu_ops=_npu_ops(device)
+        tensors, art.placement, layout, backend=device, pool=pool, npu_ops=_npu_ops(device)
     )
     return reference_for(cfg)(cfg, weights, dtype=spec.act_dtype)

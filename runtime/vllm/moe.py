@@ -33,7 +33,7 @@ from hetquant.formats import HetquantError
 from ..forward.moe import routed_experts
 from ..kernels.ops import QuantLinear
 from ..loading.loader import Artifact
-from ..parallel.shard_rules import place
+from ..parallel.placement import place
 from .sources import Source, expect, take
 
 __all__ = ["MOE_METHODS", "POOL", "CpuPoolMoEMethod", "StoredExpertsMoEMethod", "moe_method"]
@@ -142,7 +142,7 @@ def moe_method(art: Artifact, prefix: str, moe: Any, kernels: str = "vllm") -> F
         for info in art.modules.values()
         if info.prefix.startswith(f"{prefix}.") and info.fmt is not None
     ]
-    layer_no = place(f"{prefix}.0.down_proj", art.facts.family).layer
+    layer_no = place(f"{prefix}.0.down_proj", art.cfg.family).layer
     if not sources:
         if layer_no in art.cpu_expert_files:
             return CpuPoolMoEMethod(moe, int(layer_no), prefix)

@@ -58,7 +58,7 @@ def _merged_parts(art: Artifact, parent: str, name: str) -> list[str]:
     config does not have it."""
     if name in art.modules:
         return []
-    family = art.facts.family
+    family = art.cfg.family
     order = {role.name: i for i, role in enumerate(family.roles)}
     parts = []
     for stored in art.modules:

@@ -45,7 +45,7 @@ def test_every_recipe_on_both_sources(
     whole = art.load(ParallelLayout())
     if recipe == "fp4":  # the Ascend FP4 tile is 256 rows: a 256-row expert does not split
         with pytest.raises(HetquantError, match=r"not a multiple of 256.*valid tp sizes: 1$"):
-            ParallelLayout(tp_size=2).validate(art.config, art.modules)
+            art.check(ParallelLayout(tp_size=2))
         halves = [whole]
     else:
         halves = [art.load(ParallelLayout(tp_size=2, tp_rank=r)) for r in range(2)]

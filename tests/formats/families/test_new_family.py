@@ -221,7 +221,7 @@ def test_converts_verifies_and_loads_sharded(toy, tmp_path: Path, recipe: str) -
 
 def test_place_asks_for_the_family_where_families_disagree(toy) -> None:  # type: ignore[no-untyped-def]
     from hetquant.formats import HetquantError
-    from hetquant.runtime.parallel.shard_rules import place
+    from hetquant.runtime.parallel.placement import place
 
     other = dataclasses.replace(
         TOY,

@@ -1,4 +1,4 @@
-"""The runtime's shard rules, read from the family's role table, against a frozen expectation.
+"""The placement's rules, read from the family's role table, against a frozen expectation.
 
 The expectation was recorded from the regex table the rules used before the family registry
 (``runtime/parallel/shard_rules.py`` ``RULES`` at main 377fcd4), for every module of the embedded tiny
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from hetquant.formats.families import ModelConfig, expected_tensors, load_config, parse_config
-from hetquant.runtime.parallel.layout import ParallelLayout, split_of
-from hetquant.runtime.parallel.shard_rules import place, split_range
+from hetquant.runtime.parallel.layout import ParallelLayout
+from hetquant.runtime.parallel.placement import place, split_of, split_range
 
 REPO = Path(__file__).resolve().parents[3]
 LAYOUTS = (
@@ -94,7 +94,7 @@ def _behaviour(module: str) -> tuple:
 
 
 @pytest.mark.parametrize("model", sorted(DIGESTS))
-def test_shard_rules_match_the_frozen_expectation(model: str) -> None:
+def test_placement_rules_match_the_frozen_expectation(model: str) -> None:
     rows = [(m, *_behaviour(m)) for m in _modules(_config(model))]
     by_pattern: dict[str, set] = {}
     for m, group, dims, rng, _, _ in rows:
