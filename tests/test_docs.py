@@ -12,9 +12,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted(
-    [REPO / "README.md", REPO / "benchmarks" / "README.md", REPO / "benchmarks" / "archive" / "README.md"]
-    + list((REPO / "docs").glob("*.md"))
-    + list((REPO / "benchmarks" / "notes").glob("*.md"))
+    [
+        REPO / "README.md",
+        REPO / "benchmarks" / "README.md",
+        REPO / "benchmarks" / "archive" / "README.md",
+        *(REPO / "docs").glob("*.md"),
+        *(REPO / "benchmarks" / "notes").glob("*.md"),
+    ]
 )
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")  # [text](target)
 BOUNDS = {"README.md": 250, "benchmarks/README.md": 300}
@@ -64,4 +68,6 @@ def test_benchmarks_index_names_every_script_and_only_real_ones() -> None:
     scripts = {p.name for p in (REPO / "benchmarks").glob("*.py")}
     named = set(re.findall(r"benchmarks/([\w-]+\.py)", index))
     assert scripts - named == set(), f"scripts the index does not describe: {scripts - named}"
-    assert named - scripts == set(), f"the index names scripts that are not there: {named - scripts}"
+    assert named - scripts == set(), (
+        f"the index names scripts that are not there: {named - scripts}"
+    )

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from qwen3_planning import planned_modules, recipe_of, tp_sizes  # tests/convert is on sys.path
 
 from hetquant.convert.engine import plan_for
 from hetquant.convert.manifest import precision_table
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import safetensors_io
-from qwen3_planning import planned_modules, recipe_of, tp_sizes  # tests/convert is on sys.path
 
 REPO = Path(__file__).resolve().parents[2]
 PARAMS = {"Qwen3-235B-A22B": 235_093_634_560, "Qwen3-30B-A3B": 30_532_122_624}
