@@ -301,7 +301,7 @@ def _ratios(s: dict[str, dict[str, float]], source_bytes: int) -> dict[str, floa
 
 
 def table(doc: dict[str, Any]) -> str:
-    """The markdown table of medians and ratios (what README.md records)."""
+    """The markdown table of medians and ratios (what notes/convert-bf16.md records)."""
     s, r, src = doc["median"], doc["ratios"], doc["source"]["shard_bytes"]
     names = {"raw": "raw read (I/O floor)", "ours": "ours: `hetquant convert --recipe bf16 --workers 1`",
              "naive": "naive: load_file + repeat_interleave + save_file"}  # fmt: skip

@@ -236,7 +236,7 @@ def targets_met(summary: dict[str, dict[str, Any]]) -> dict[str, bool]:
 
 
 def table(doc: dict[str, Any]) -> str:
-    """The markdown table of medians and ratios (what README.md records)."""
+    """The markdown table of medians and ratios (what notes/convert-recipes.md records)."""
     t, a = TARGETS["time_over_bf16"], TARGETS["peak_anon_over_source"]
     lines = [
         "| recipe | workers | wall (median) | CPU (median) | source GB/s | per worker | "

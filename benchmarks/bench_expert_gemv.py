@@ -41,7 +41,7 @@ Usage::
     python benchmarks/bench_expert_gemv.py                    # JSON + README table
     python benchmarks/bench_expert_gemv.py --repeats 3 --no-readme
 
-Writes ``benchmarks/results/bench_expert_gemv.json`` and the table in ``benchmarks/README.md``
+Writes ``benchmarks/results/bench_expert_gemv.json`` and the table in ``benchmarks/notes/expert-gemv.md``
 (between the ``bench_expert_gemv`` markers of the "CPU INT4 expert GEMV" section); with
 ``--group``, ``results/bench_expert_gemv-group.json`` and the ``bench_expert_gemv:group`` table.
 """
@@ -189,7 +189,7 @@ def main() -> int:
     ap.add_argument("--no-pool", action="store_true", help="skip the CpuExpertPool layer run")
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
     ap.add_argument("--json", default=str(HERE / "results" / "bench_expert_gemv.json"))
-    ap.add_argument("--readme", default=str(HERE / "README.md"))
+    ap.add_argument("--readme", default=str(HERE / "notes" / "expert-gemv.md"))
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--group", action="store_true", help="only per-channel vs group-wise")
     ap.add_argument("--group-size", type=int, default=32)

@@ -11,7 +11,7 @@ expert / wall time: the layer is far larger than the caches, so weights stream f
 the ratio of our time to kt's, per repeat, median (below 1: ours is faster). Threads: ours
 ``CpuExpertPool.open(threads=t)``; kt ``CPUInfer`` with ``t`` worker threads in one pool.
 
-Run it in kt-kernel's environment (``benchmarks/README.md``)::
+Run it in kt-kernel's environment (``benchmarks/notes/kt-kernel.md``)::
 
     python benchmarks/bench_kt_side_by_side.py [--kind amxint4] [--experts 256] [--batches 1 8 64] [--threads 1 2]
 

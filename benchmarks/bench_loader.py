@@ -41,7 +41,7 @@ ascend-w8a8`` (int8 weights) and ``--recipe bf16``. Then, for each artifact:
    ``open_artifact`` → identify → validate → plan → load runs on the real AWQ tensor set and
    shapes without the minutes an AWQ conversion takes. Its TP8 bytes per rank are measured too.
 
-Raw numbers go to ``benchmarks/results/bench_loader.json``; the README table (between the
+Raw numbers go to ``benchmarks/results/bench_loader.json``; the table in ``notes/loader.md`` (between the
 ``bench_loader`` markers of its "Loader" section) is rewritten unless ``--no-readme``. The GPU half
 (pinned host→device limit and ``load(device="cuda")``) is ``bench_loader_gpu.py``.
 
@@ -80,7 +80,7 @@ from _measure import (  # noqa: E402
 )
 
 RESULT = HERE / "results" / "bench_loader.json"
-README = HERE / "README.md"
+README = HERE / "notes" / "loader.md"
 START = "<!-- bench_loader:results:start -->"
 END = "<!-- bench_loader:results:end -->"
 RECIPES = ("ascend-w8a8", "bf16")

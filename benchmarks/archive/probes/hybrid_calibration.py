@@ -14,11 +14,11 @@
 
 benchmarks/README.md "Accuracy of the CPU experts" quotes what these printed.
 
-    python benchmarks/probes/hybrid_calibration.py floor
-    python benchmarks/probes/hybrid_calibration.py awq clip_grid=50
-    python benchmarks/probes/hybrid_calibration.py awq gptq=True
-    python benchmarks/probes/hybrid_calibration.py floor search=all act_aware=True
-    python benchmarks/probes/hybrid_calibration.py awq gptq=True act_aware=True search=all
+    python benchmarks/archive/probes/hybrid_calibration.py floor
+    python benchmarks/archive/probes/hybrid_calibration.py awq clip_grid=50
+    python benchmarks/archive/probes/hybrid_calibration.py awq gptq=True
+    python benchmarks/archive/probes/hybrid_calibration.py floor search=all act_aware=True
+    python benchmarks/archive/probes/hybrid_calibration.py awq gptq=True act_aware=True search=all
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from hetquant.convert.recipes.quantized import KEEP
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.runtime.serving.run import local_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MODEL = REPO / "examples" / "tiny-deepseek-v3-trained"
 TEXTS = REPO / "examples" / "tiny-tools"
 

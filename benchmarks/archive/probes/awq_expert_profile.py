@@ -5,7 +5,7 @@ and its routed tokens (default 2,048, as 671B's 128 × 512 calibration tokens gi
 random BF16: times the calls ``calib/layer.py`` makes for it — the shared gate/up scale search
 (here over this expert alone), the up → down search, the three clip searches — each synchronized,
 medians of ``--repeats``; then a ``torch.profiler`` table of one more unit (top ops by device and
-by host time). Usage (hetquant importable): ``python benchmarks/probes/awq_expert_profile.py``.
+by host time). Usage (hetquant importable): ``python benchmarks/archive/probes/awq_expert_profile.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of the bf16 recipe: an older hetquant commit against the working tree, run back to back,
 # twice, on the same source (benchmarks/README.md "Recipes convert", baseline drift).
-# Usage: bash benchmarks/probes/bf16_ab.sh SOURCE_DIR [OLD_COMMIT]   (default cc05db9)
+# Usage: bash benchmarks/archive/probes/bf16_ab.sh SOURCE_DIR [OLD_COMMIT]   (default cc05db9)
 set -euo pipefail
 src=$1; old=${2:-cc05db9}
 source "$(dirname "$0")/_ab_trees.sh"

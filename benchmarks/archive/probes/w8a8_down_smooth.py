@@ -12,7 +12,7 @@ grid of 0.1, identity first. The chosen scale is then written into real artifact
 ``CalibrationResult`` (``convert(..., calibration=)``) and scored on the held-out text as
 ``accuracy.py`` does.
 
-    python benchmarks/probes/w8a8_down_smooth.py search [MLP_PREFIX]
+    python benchmarks/archive/probes/w8a8_down_smooth.py search [MLP_PREFIX]
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from hetquant.runtime.serving.run import local_model
 sys.path.insert(0, str(Path(__file__).parent))
 from w8a8_ablation import MODEL, TEXTS, floor_recipe
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks" / "results" / "w8a8_down_smooth.json"
+REPO = Path(__file__).resolve().parents[3]
+RESULTS = REPO / "benchmarks" / "archive" / "results" / "w8a8_down_smooth.json"
 SPLIT = 8  # calibration sequences the objective is scored on
 W8A8 = get_format("w8a8_dynamic")
 

@@ -12,7 +12,7 @@ Variants of one artifact:
   end-to-end search (results/w8a8_down_smooth.json ``best``) folded into layer 0's up_proj rows
   and down_proj columns (a ``Transform`` in the ``CalibrationResult``: a real W8A8 artifact).
 
-    python benchmarks/probes/w8a8_hybrid_rows.py floor | hybrid | experts   [...] [cpu=32]
+    python benchmarks/archive/probes/w8a8_hybrid_rows.py floor | hybrid | experts   [...] [cpu=32]
 
 (``cpu=G``: the CPU experts group-wise, ``--cpu-group-size G``.)
 """
@@ -44,8 +44,8 @@ from w8a8_ablation import MODEL, TEXTS, floor_recipe
 from w8a8_down_smooth import RESULTS as SMOOTH
 from w8a8_down_smooth import candidates, down_input
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks" / "results" / "w8a8_hybrid_rows.json"
+REPO = Path(__file__).resolve().parents[3]
+RESULTS = REPO / "benchmarks" / "archive" / "results" / "w8a8_hybrid_rows.json"
 MLP = "model.layers.0.mlp"
 
 

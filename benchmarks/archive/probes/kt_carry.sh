@@ -6,7 +6,7 @@
 # CPython version: cp311, cp312). About 43 MB (kt_kernel 41 MB: six CPU variants), under the
 # device's 64 MiB carry; VARIANT=amx keeps one CPU build (about 12 MB).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 PYVER=${PYVER:-3.12}
 DEST=${DEST:-.ktcarry}
 tmp=$(mktemp -d)

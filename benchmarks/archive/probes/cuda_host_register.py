@@ -1,7 +1,7 @@
 """Populate a private map of a file, cudaHostRegister it (read-only flag, then default) and copy it
 to the GPU, timing each phase (benchmarks/README.md "Loader on a GPU": tried, abandoned — on the
 H200 host nothing was printed within 200 s for a 3.07 GB shard).
-    timeout 200 python benchmarks/probes/cuda_host_register.py FILE.safetensors"""
+    timeout 200 python benchmarks/archive/probes/cuda_host_register.py FILE.safetensors"""
 
 import mmap
 import os

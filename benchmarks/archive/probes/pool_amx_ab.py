@@ -14,7 +14,7 @@ The layer's bytes are random but fast to write (a lookup of random bytes; ``_kt.
 own generator takes minutes for 256 experts), in ``/tmp/ktb`` (reused by
 ``bench_kt_side_by_side.py --work /tmp/ktb``). Run from the repository root::
 
-    python benchmarks/probes/pool_amx_ab.py [--gemv] [--experts 256]
+    python benchmarks/archive/probes/pool_amx_ab.py [--gemv] [--experts 256]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import _kt
 
 _kt.import_hetquant()

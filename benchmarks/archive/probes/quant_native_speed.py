@@ -1,6 +1,6 @@
 """Native vs torch quantize of a [2048, 7168] bf16 weight in 128-row chunks, one torch thread,
 median of 3 (benchmarks/README.md "Recipes convert", item 4).
-    python benchmarks/probes/quant_native_speed.py"""
+    python benchmarks/archive/probes/quant_native_speed.py"""
 
 import statistics
 import time

@@ -10,7 +10,7 @@ new=$(realpath "$1"); old=$(realpath "$2"); src=${3:-/tmp/hqsyn}; out=${OUT:-.}
 mk() { mkdir -p "$1/hetquant"; for d in formats convert calib runtime; do ln -sfn "$2/$d" "$1/hetquant/$d"; done; }
 mk /tmp/hqnew "$new"; mk /tmp/hqold "$old"
 here=$(dirname "$0")
-[ -d "$src" ] || PYTHONPATH=/tmp/hqnew python3 "$here/../make_synthetic.py" "$src" > /dev/null
+[ -d "$src" ] || PYTHONPATH=/tmp/hqnew python3 "$here/../../make_synthetic.py" "$src" > /dev/null
 HQ="import sys; from hetquant.convert.cli import main; sys.argv[0]='hetquant'; main()"
 for round in 1 2 3; do for r in bf16 awq-w4a16 ascend-hybrid; do for t in new old; do
   cat "$src"/*.safetensors > /dev/null; sync

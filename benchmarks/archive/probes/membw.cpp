@@ -1,7 +1,7 @@
 // Streaming read bandwidth of this machine: T threads each sum their own contiguous part of a
 // 2 GiB buffer with AVX-512 loads, without and with a software prefetch 4 KB / 16 KB ahead (best
 // of 3). benchmarks/README.md "One call per layer, and AMX" quotes it (the H100 host, 2026-11-24).
-//   g++ -O2 -std=c++17 benchmarks/probes/membw.cpp -o /tmp/membw -lpthread && /tmp/membw
+//   g++ -O2 -std=c++17 benchmarks/archive/probes/membw.cpp -o /tmp/membw -lpthread && /tmp/membw
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdint.h>

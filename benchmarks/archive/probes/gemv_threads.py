@@ -2,8 +2,8 @@
 for a given kernel thread count and precision (benchmarks/README.md "CPU INT4 expert GEMV": the
 in-call threads vs two single-thread processes side by side).
 
-    python benchmarks/probes/gemv_threads.py THREADS high|fast
-    python benchmarks/probes/gemv_threads.py 1 high & python benchmarks/probes/gemv_threads.py 1 high; wait
+    python benchmarks/archive/probes/gemv_threads.py THREADS high|fast
+    python benchmarks/archive/probes/gemv_threads.py 1 high & python benchmarks/archive/probes/gemv_threads.py 1 high; wait
 """
 
 import os

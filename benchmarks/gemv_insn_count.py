@@ -17,7 +17,7 @@ kernel nothing else (its per-superblock epilogue is inside that loop). Beside ev
 is the count of vector operations alone: SIMD instructions that compute (x86: ``v*`` but moves
 and broadcasts; aarch64: instructions on ``v`` registers but loads, stores, moves and dups).
 
-Usage: ``python benchmarks/probes/gemv_insn_count.py`` (needs g++, aarch64-linux-gnu-g++,
+Usage: ``python benchmarks/gemv_insn_count.py`` (needs g++, aarch64-linux-gnu-g++,
 qemu-user, binutils; about a minute) → ``benchmarks/results/gemv_insn_count.json``.
 """
 
@@ -36,7 +36,7 @@ import torch
 from hetquant.formats.native import DEFAULT_FLAGS
 from hetquant.runtime.kernels import int4_gemv as G
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DRIVER = next(ROOT.glob("tests/**/int4_gemv_driver.cpp"))  # beside the runtime tests
 OUT = ROOT / "benchmarks" / "results" / "gemv_insn_count.json"
 N, K, GROUP = 8, 7168, 32

@@ -9,7 +9,7 @@ converted), ``bf16`` (the same linear of the bf16 artifact: the source's weight)
 int8 weight dequantized, float activations), ``a`` (``npu_dynamic_quant`` of the input
 dequantized, the BF16 weight). The reference logits are computed once.
 
-    python benchmarks/probes/w8a8_ablation.py [VARIANT ...]   # default: all of VARIANTS
+    python benchmarks/archive/probes/w8a8_ablation.py [VARIANT ...]   # default: all of VARIANTS
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from hetquant.convert.recipes.quantized import KEEP
 from hetquant.convert.source import SourceCheckpoint
 from hetquant.runtime.serving.run import local_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MODEL = REPO / "examples" / "tiny-deepseek-v3-trained"
 TEXTS = REPO / "examples" / "tiny-tools"
-RESULTS = REPO / "benchmarks" / "results" / "w8a8_ablation.json"
+RESULTS = REPO / "benchmarks" / "archive" / "results" / "w8a8_ablation.json"
 
 CLASSES = {
     "q_a": ("self_attn.q_a_proj",),

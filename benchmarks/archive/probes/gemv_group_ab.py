@@ -14,7 +14,7 @@ arithmetic), ``cache`` (one matrix, again and again), ``dram`` (copies cycled th
 
 Usage::
 
-    python benchmarks/probes/gemv_group_ab.py [--baseline c3184d8 | --baseline-dir DIR]
+    python benchmarks/archive/probes/gemv_group_ab.py [--baseline c3184d8 | --baseline-dir DIR]
         [--repeats 9] [--json benchmarks/results/gemv_group_ab.json]
 
 ``--baseline-dir`` names a directory holding the baseline's four ``int4_gemv*.cpp`` parts (for
@@ -34,8 +34,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))
+REPO = HERE.parents[2]
+sys.path.insert(0, str(HERE.parents[1]))
 
 from _measure import machine_info, write_result  # noqa: E402
 

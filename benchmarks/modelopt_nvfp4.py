@@ -3,7 +3,7 @@
 Run in an environment with ``nvidia-modelopt`` (0.47.0 was used; it runs on the CPU) and
 hetquant installed; it is not in the ``test`` extra (scipy, pulp, ninja, omegaconf: ~200 MB)::
 
-    python benchmarks/probes/modelopt_nvfp4.py [--write-golden]
+    python benchmarks/modelopt_nvfp4.py [--write-golden]
 
 What it does: every MLP linear of ``examples/tiny-deepseek-v3`` (dense MLP, shared expert,
 routed experts, the MTP layer's too), dequantized exactly from the FP8 source, goes into a
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny-deepseek-v3"
 GOLDEN = REPO / "tests" / "convert" / "golden_modelopt_nvfp4.json"
 KEYS = ("weight", "weight_scale", "weight_scale_2")
@@ -198,7 +198,7 @@ def main() -> int:
         print(f"  differs: {n}")
     if args.write_golden:
         doc = {
-            "producer": "benchmarks/probes/modelopt_nvfp4.py",
+            "producer": "benchmarks/modelopt_nvfp4.py",
             "modelopt": _version("nvidia-modelopt"),
             "torch": torch.__version__,
             "source": "examples/tiny-deepseek-v3",

@@ -7,7 +7,7 @@ which goes first; prints the median seconds of each and the ratio fallocated / s
 
 Usage::
 
-    python benchmarks/probes/fallocate_write.py [--dir /tmp] [--gib 2] [--repeats 5]
+    python benchmarks/archive/probes/fallocate_write.py [--dir /tmp] [--gib 2] [--repeats 5]
 """
 
 from __future__ import annotations

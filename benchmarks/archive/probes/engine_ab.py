@@ -10,7 +10,7 @@ package dir per tree, as ``bf16_ab.sh`` does). Raw numbers: ``benchmarks/results
 
 Usage::
 
-    python benchmarks/probes/engine_ab.py [--baseline 377fcd4] [--repeats 3] [--source DIR]
+    python benchmarks/archive/probes/engine_ab.py [--baseline 377fcd4] [--repeats 3] [--source DIR]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCH = HERE.parent
+BENCH = HERE.parents[1]
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--baseline", default="377fcd4", help="commit the working tree is compared to")
     ap.add_argument("--source", type=Path, default=Path(tempfile.gettempdir()) / "hetquant-bench" / "synthetic")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", type=Path, default=BENCH / "results" / "engine_ab.json")
+    ap.add_argument("--json", type=Path, default=HERE.parent / "results" / "engine_ab.json")
     args = ap.parse_args()
     _ensure_source(args.source, 16, 1024, 0)
     shards = sorted(args.source.glob("*.safetensors"))

@@ -14,7 +14,7 @@ to the cores) and prints the aggregate rate, so a part that does not scale stand
   own slice, first touch (page faults and page-cache reads, what a worker does to its source);
 * ``hash``: sha256 of cached 8 MB buffers (the hashing threads' work).
 
-Usage: ``python benchmarks/probes/convert_scaling_parts.py SOURCE_SHARD [--dir /dev/shm] [--mb 256]``
+Usage: ``python benchmarks/archive/probes/convert_scaling_parts.py SOURCE_SHARD [--dir /dev/shm] [--mb 256]``
 """
 
 from __future__ import annotations

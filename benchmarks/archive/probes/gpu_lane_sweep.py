@@ -1,5 +1,5 @@
 """CUDA load speed of an artifact for reader lanes x staging chunk sizes, medians of 3, page cache
-warm (benchmarks/README.md "Loader on a GPU").  python benchmarks/probes/gpu_lane_sweep.py ARTIFACT"""
+warm (benchmarks/README.md "Loader on a GPU").  python benchmarks/archive/probes/gpu_lane_sweep.py ARTIFACT"""
 
 import statistics
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _measure import warm_page_cache
 
 from hetquant.runtime import ParallelLayout, open_artifact
