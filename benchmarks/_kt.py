@@ -68,10 +68,34 @@ def make_hybrid(root: Path, experts: int, hidden: int, inter: int, group: int, s
     cfg = json.loads((REPO / "examples" / "deepseek-v3-layout" / "config.json").read_text())
     cfg.update(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts)
     (art / "config.json").write_text(json.dumps(cfg, indent=2))
-    manifest = {"schema_version": 2, "complete": True, "recipe": {"name": "synthetic"},
-                "parts": {"cpu_experts": {"files": [str(f.relative_to(art))]}}}  # fmt: skip
-    (art / "hetquant.json").write_text(json.dumps(manifest))
+    write_manifest(art, {"cpu_experts": [f.relative_to(art).as_posix()]})
     return art
+
+
+def write_manifest(art: Path, parts: dict[str, list[str]]) -> None:
+    """A ``hetquant.json`` that passes the manifest schema (``formats/manifest_schema.py``) for a
+    synthetic artifact: recipe ``synthetic``, no source, every file's size and sha256; written
+    last, as the converter does."""
+    import hashlib
+
+    files = {}
+    for rel in sorted({r for rels in parts.values() for r in [*rels, "config.json"]}):
+        path, digest = art / rel, hashlib.sha256()
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 22):
+                digest.update(block)
+        files[rel] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    manifest = {
+        "schema_version": 2,
+        "complete": True,
+        "recipe": {"name": "synthetic", "options": {}},
+        "source": {"path": "synthetic", "fingerprint": "synthetic", "dtypes": {}},
+        "max_shard_size": 0,
+        "precision": {"groups": [], "params": 0, "bytes": 0, "effective_bits_per_weight": 0.0},
+        "parts": {name: {"files": rels} for name, rels in parts.items()},
+        "files": files,
+    }
+    (art / "hetquant.json").write_text(json.dumps(manifest, indent=1))
 
 
 def _random_bytes(rng: np.random.Generator, dtype: str, nbytes: int) -> bytes:
