@@ -17,6 +17,7 @@ safetensors of ``--to kt-rawint4`` through kt's own ``CompressedSafeTensorLoader
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import types
@@ -67,11 +68,62 @@ def make_hybrid(root: Path, experts: int, hidden: int, inter: int, group: int, s
                 fh.write(_random_bytes(rng, meta.dtype, per))
     cfg = json.loads((REPO / "examples" / "deepseek-v3-layout" / "config.json").read_text())
     cfg.update(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts)
+    # LAYER is the one MoE layer; the layers before it dense, no MTP layer, a small vocabulary
+    cfg.update(num_hidden_layers=LAYER + 1, first_k_dense_replace=LAYER, vocab_size=1024)
+    cfg.update(num_nextn_predict_layers=0)
+    cfg.pop("quantization_config", None)
     (art / "config.json").write_text(json.dumps(cfg, indent=2))
-    manifest = {"schema_version": 2, "complete": True, "recipe": {"name": "synthetic"},
-                "parts": {"cpu_experts": {"files": [str(f.relative_to(art))]}}}  # fmt: skip
-    (art / "hetquant.json").write_text(json.dumps(manifest))
+    root = write_sparse_root(art)
+    write_manifest(art, {"root": root, "cpu_experts": [f.relative_to(art).as_posix()]})
     return art
+
+
+def write_sparse_root(art: Path) -> list[str]:
+    """The root part config.json implies (every tensor but the routed experts, BF16), written as
+    one safetensors file whose data are sparse holes (zeros), and its index: what ``open_artifact``
+    (and so ``hetquant export``) checks the artifact against; nothing here reads its data."""
+    from hetquant.formats.base import TensorMeta
+    from hetquant.formats.families import expected_tensors, load_config
+    from hetquant.formats.safetensors_io import build_header
+
+    roles = expected_tensors(load_config(art / "config.json"))
+    named = [(n, TensorMeta("BF16", tuple(r.shape))) for n, r in roles.items() if r.stack is None]
+    name = "model-00001-of-00001.safetensors"
+    header = build_header(named, {"format": "pt"})
+    size = sum(2 * math.prod(m.shape) for _, m in named)
+    with open(art / name, "wb") as fh:
+        fh.write(header)
+        fh.truncate(len(header) + size)
+    index = {"metadata": {"total_size": size}, "weight_map": {n: name for n, _ in named}}
+    (art / "model.safetensors.index.json").write_text(json.dumps(index))
+    return [name, "model.safetensors.index.json"]
+
+
+def write_manifest(art: Path, parts: dict[str, list[str]]) -> None:
+    """A ``hetquant.json`` that passes the manifest schema (``formats/manifest_schema.py``) for a
+    synthetic artifact: recipe ``synthetic``, no source, every file's size and sha256; written
+    last, as the converter does."""
+    import hashlib
+
+    files = {}
+    parts = {k: [*v, "config.json"] if k == "root" else v for k, v in parts.items()}
+    for rel in sorted({r for rels in parts.values() for r in [*rels, "config.json"]}):
+        path, digest = art / rel, hashlib.sha256()
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 22):
+                digest.update(block)
+        files[rel] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    manifest = {
+        "schema_version": 2,
+        "complete": True,
+        "recipe": {"name": "synthetic", "options": {}},
+        "source": {"path": "synthetic", "fingerprint": "synthetic", "dtypes": {}},
+        "max_shard_size": 0,
+        "precision": {"groups": [], "params": 0, "bytes": 0, "effective_bits_per_weight": 0.0},
+        "parts": {name: {"files": rels} for name, rels in parts.items()},
+        "files": files,
+    }
+    (art / "hetquant.json").write_text(json.dumps(manifest, indent=1))
 
 
 def _random_bytes(rng: np.random.Generator, dtype: str, nbytes: int) -> bytes:

@@ -575,6 +575,56 @@ def _gram_switches(c: dict[str, Any], n_bench: int, n_real: int) -> dict[str, li
     return {"dense": pick(attn + dense), "moe": pick(attn + moe)}
 
 
+EXTRAPOLATION_ASSUMPTIONS = [
+    "layers of one kind cost the same (same shapes; only the data differ)",
+    "MoE layer = a·tokens + experts·(b0 + b1·tokens_per_expert) = (a + k·b1)·tokens + "
+    "b0·experts: scaled by max(token factor, expert factor) (min for the low end); "
+    "the factors are equal when tokens per expert match the 671B's 2048",
+    "dense layer: between measured (weight-side work) and measured × token factor "
+    "(token-side work); the upper end is the estimate",
+    "plus the fp32 Gram-path products of scale searches whose K lies in "
+    "[bench tokens, 671B tokens), at the measured fp32 matmul rate",
+    "random routing here is near-uniform; real routing is skewed, which moves time "
+    "between experts but not the total routed tokens; experts with < 128 tokens fall "
+    "back to all tokens (a few extra expert forwards each)",
+    "the 61 layers run one after another on one accelerator; MTP layer not calibrated",
+]
+
+
+def _peak_device(
+    layers_of: dict[str, tuple[dict[str, Any], int, int]],
+    config: dict[str, Any],
+    real_cfg: dict[str, Any],
+    f_n: float,
+    device_total: int | None,
+) -> dict[str, Any]:
+    """Peak device memory of a 671B layer of each kind, from the measured (layer record, layer
+    number, Gram bytes): the layer's tensors exactly, the rest of the peak × the token factor."""
+    mem = {}
+    for kind, (r, layer, gram) in layers_of.items():
+        s_b = _layer_state_bytes(config, layer)
+        s_r = _layer_state_bytes(real_cfg, layer)
+        rest = max(0, r["peak_device_bytes"] - s_b)
+        mem[kind] = {
+            "bench_peak_bytes": r["peak_device_bytes"],
+            "bench_layer_tensors_bytes": s_b,
+            "layer_tensors_bytes": s_r,
+            "activations_bytes": int(rest * f_n),
+            "gram_bytes": gram,
+            "estimate_bytes": int(s_r + rest * f_n + gram),
+        }
+    peak = max(m["estimate_bytes"] for m in mem.values())
+    return {
+        **mem,
+        "estimate_bytes": peak,
+        "estimate_gib": round(peak / GIB, 1),
+        "device_total_bytes": device_total,
+        "fits_device": None if device_total is None else peak < device_total,
+        "assumption": "layer tensors exact (BF16, ∝ experts); the rest of the measured peak "
+        "(hidden states, captured inputs, fp32 weight copies) × token factor; + Gram",
+    }
+
+
 def extrapolate(
     layers: list[dict[str, Any]],
     config: dict[str, Any],
@@ -637,20 +687,7 @@ def extrapolate(
         "total_seconds": round(total, 1),
         "total_hours": round(total / 3600, 2),
         "total_hours_low": round(low / 3600, 2),
-        "assumptions": [
-            "layers of one kind cost the same (same shapes; only the data differ)",
-            "MoE layer = a·tokens + experts·(b0 + b1·tokens_per_expert) = (a + k·b1)·tokens + "
-            "b0·experts: scaled by max(token factor, expert factor) (min for the low end); "
-            "the factors are equal when tokens per expert match the 671B's 2048",
-            "dense layer: between measured (weight-side work) and measured × token factor "
-            "(token-side work); the upper end is the estimate",
-            "plus the fp32 Gram-path products of scale searches whose K lies in "
-            "[bench tokens, 671B tokens), at the measured fp32 matmul rate",
-            "random routing here is near-uniform; real routing is skewed, which moves time "
-            "between experts but not the total routed tokens; experts with < 128 tokens fall "
-            "back to all tokens (a few extra expert forwards each)",
-            "the 61 layers run one after another on one accelerator; MTP layer not calibrated",
-        ],
+        "assumptions": EXTRAPOLATION_ASSUMPTIONS,
     }
     if not out["load_matched"]:
         out["note"] = (
@@ -659,29 +696,8 @@ def extrapolate(
             "is meaningful; for one number use experts = samples × seq_len × 8 / 2048"
         )
     if "peak_device_bytes" in dense and "peak_device_bytes" in moe:
-        mem = {}
-        for kind, r, layer in (("dense", dense, 0), ("moe", moe, 1)):
-            s_b = _layer_state_bytes(config, layer)
-            s_r = _layer_state_bytes(real_cfg, layer)
-            rest = max(0, r["peak_device_bytes"] - s_b)
-            mem[kind] = {
-                "bench_peak_bytes": r["peak_device_bytes"],
-                "bench_layer_tensors_bytes": s_b,
-                "layer_tensors_bytes": s_r,
-                "activations_bytes": int(rest * f_n),
-                "gram_bytes": gram_bytes(kind),
-                "estimate_bytes": int(s_r + rest * f_n + gram_bytes(kind)),
-            }
-        peak = max(m["estimate_bytes"] for m in mem.values())
-        out["peak_device_bytes"] = {
-            **mem,
-            "estimate_bytes": peak,
-            "estimate_gib": round(peak / GIB, 1),
-            "device_total_bytes": device_total,
-            "fits_device": None if device_total is None else peak < device_total,
-            "assumption": "layer tensors exact (BF16, ∝ experts); the rest of the measured peak "
-            "(hidden states, captured inputs, fp32 weight copies) × token factor; + Gram",
-        }
+        layers_of = {"dense": (dense, 0, gram_bytes("dense")), "moe": (moe, 1, gram_bytes("moe"))}
+        out["peak_device_bytes"] = _peak_device(layers_of, config, real_cfg, f_n, device_total)
     return out
 
 

@@ -183,30 +183,20 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    src: Path = args.source.resolve()
-    _ensure_source(src, args.experts, args.vocab, args.seed)
-    weight_map = json.loads((src / INDEX).read_text())["weight_map"]
-    shards = [src / f for f in sorted(set(weight_map.values()))]
-    source_bytes = sum(p.stat().st_size for p in shards)
+def _measure_rounds(
+    args: argparse.Namespace,
+    cmds: dict[str, list[str]],
+    env: dict[str, str],
+    shards: list[Path],
+    order: list[str],
+) -> tuple[dict[str, list[dict[str, Any]]], str]:
+    """Every command of ``order`` once per round, ``--repeats`` rounds, the page cache warmed
+    (or dropped, ``--cold``) before each; the runs, and how the page cache was handled."""
     work: Path = args.work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(work).free
-    if free < 5 * source_bytes:
-        sys.exit(
-            f"error: {work} has {_fmt_bytes(free)} free; needs ~{_fmt_bytes(5 * source_bytes)}"
-        )
-    cmds = _commands(src, shards, work)
-    env = dict(os.environ)
-    if args.threads:
-        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env[k] = str(args.threads)
-
     if args.cold:
         cache = "cold: page cache dropped before each measurement ({})"
     else:
         cache = "warm: source shards read (untimed) and sync run before each measurement"
-    order = [b for b in ("raw", "ours", "naive") if b not in args.skip]
     runs: dict[str, list[dict[str, Any]]] = {b: [] for b in order}
     for rep in range(args.repeats):
         for b in order:
@@ -233,16 +223,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"load {r['loadavg_1min_before']:.1f}, source cached {resident or 0:.0%})",
                 flush=True,
             )
+    return runs, cache
 
-    summary = {
-        b: {
-            "wall_s": median([r["wall_s"] for r in rs]),
-            "cpu_s": median([r["cpu_s"] for r in rs]),
-            "peak_anon_bytes": median([r["peak_anon_bytes"] for r in rs]),
-            "peak_file_bytes": median([r["peak_file_bytes"] for r in rs]),
-        }
-        for b, rs in runs.items()
-    }
+
+def _medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    keys = ("wall_s", "cpu_s", "peak_anon_bytes", "peak_file_bytes")
+    return {b: {k: median([r[k] for r in rs]) for k in keys} for b, rs in runs.items()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    src: Path = args.source.resolve()
+    _ensure_source(src, args.experts, args.vocab, args.seed)
+    weight_map = json.loads((src / INDEX).read_text())["weight_map"]
+    shards = [src / f for f in sorted(set(weight_map.values()))]
+    source_bytes = sum(p.stat().st_size for p in shards)
+    work: Path = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(work).free
+    if free < 5 * source_bytes:
+        sys.exit(
+            f"error: {work} has {_fmt_bytes(free)} free; needs ~{_fmt_bytes(5 * source_bytes)}"
+        )
+    cmds = _commands(src, shards, work)
+    env = dict(os.environ)
+    if args.threads:
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[k] = str(args.threads)
+
+    order = [b for b in ("raw", "ours", "naive") if b not in args.skip]
+    runs, cache = _measure_rounds(args, cmds, env, shards, order)
+    summary = _medians(runs)
     ratios = _ratios(summary, source_bytes)
     check = None
     if "ours" in summary and "naive" in summary:
@@ -301,7 +311,7 @@ def _ratios(s: dict[str, dict[str, float]], source_bytes: int) -> dict[str, floa
 
 
 def table(doc: dict[str, Any]) -> str:
-    """The markdown table of medians and ratios (what README.md records)."""
+    """The markdown table of medians and ratios (what notes/convert-bf16.md records)."""
     s, r, src = doc["median"], doc["ratios"], doc["source"]["shard_bytes"]
     names = {"raw": "raw read (I/O floor)", "ours": "ours: `hetquant convert --recipe bf16 --workers 1`",
              "naive": "naive: load_file + repeat_interleave + save_file"}  # fmt: skip

@@ -121,25 +121,12 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    src: Path = args.source.resolve()
-    _ensure_source(src, args.experts, args.vocab, args.seed)
-    weight_map = json.loads((src / INDEX).read_text())["weight_map"]
-    shards = [src / f for f in sorted(set(weight_map.values()))]
-    source_bytes = sum(p.stat().st_size for p in shards)
+def _measure_rounds(
+    args: argparse.Namespace, cfgs: list[Config], src: Path, shards: list[Path], env: dict
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int]]:
+    """Every configuration once per round (round-robin), ``--repeats`` rounds, the page cache
+    warm before each; the runs and each configuration's output size."""
     work: Path = args.work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(work).free
-    if free < 3 * source_bytes:
-        sys.exit(
-            f"error: {work} has {_fmt_bytes(free)} free; needs ~{_fmt_bytes(3 * source_bytes)}"
-        )
-    env = dict(os.environ)
-    if args.threads:
-        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env[k] = str(args.threads)
-    cfgs = configs(args.scaling)
-    machine, code_start = machine_info(), code_fingerprint()
     runs: dict[str, list[dict[str, Any]]] = {c.key: [] for c in cfgs}
     out_bytes: dict[str, int] = {}
     for rep in range(args.repeats):
@@ -166,6 +153,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"load {r['loadavg_1min_before']:.1f}, source cached {resident or 0:.0%})",
                 flush=True,
             )
+    return runs, out_bytes
+
+
+def _summary(
+    cfgs: list[Config],
+    runs: dict[str, list[dict[str, Any]]],
+    out_bytes: dict[str, int],
+    source_bytes: int,
+) -> dict[str, dict[str, Any]]:
+    """Medians per configuration, with source GB/s (and per worker) and the output size."""
     summary = {}
     for cfg in cfgs:
         rs = runs[cfg.key]
@@ -182,6 +179,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "output_bytes": out_bytes[cfg.key],
             "loadavg_1min_before": [r["loadavg_1min_before"] for r in rs],
         }
+    return summary
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    src: Path = args.source.resolve()
+    _ensure_source(src, args.experts, args.vocab, args.seed)
+    weight_map = json.loads((src / INDEX).read_text())["weight_map"]
+    shards = [src / f for f in sorted(set(weight_map.values()))]
+    source_bytes = sum(p.stat().st_size for p in shards)
+    work: Path = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(work).free
+    if free < 3 * source_bytes:
+        sys.exit(
+            f"error: {work} has {_fmt_bytes(free)} free; needs ~{_fmt_bytes(3 * source_bytes)}"
+        )
+    env = dict(os.environ)
+    if args.threads:
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[k] = str(args.threads)
+    cfgs = configs(args.scaling)
+    machine, code_start = machine_info(), code_fingerprint()
+    runs, out_bytes = _measure_rounds(args, cfgs, src, shards, env)
+    summary = _summary(cfgs, runs, out_bytes, source_bytes)
     _add_ratios(summary, source_bytes)
     code_end = code_fingerprint()
     if code_end != code_start:
@@ -236,7 +257,7 @@ def targets_met(summary: dict[str, dict[str, Any]]) -> dict[str, bool]:
 
 
 def table(doc: dict[str, Any]) -> str:
-    """The markdown table of medians and ratios (what README.md records)."""
+    """The markdown table of medians and ratios (what notes/convert-recipes.md records)."""
     t, a = TARGETS["time_over_bf16"], TARGETS["peak_anon_over_source"]
     lines = [
         "| recipe | workers | wall (median) | CPU (median) | source GB/s | per worker | "

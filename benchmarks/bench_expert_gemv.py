@@ -41,7 +41,7 @@ Usage::
     python benchmarks/bench_expert_gemv.py                    # JSON + README table
     python benchmarks/bench_expert_gemv.py --repeats 3 --no-readme
 
-Writes ``benchmarks/results/bench_expert_gemv.json`` and the table in ``benchmarks/README.md``
+Writes ``benchmarks/results/bench_expert_gemv.json`` and the table in ``benchmarks/notes/expert-gemv.md``
 (between the ``bench_expert_gemv`` markers of the "CPU INT4 expert GEMV" section); with
 ``--group``, ``results/bench_expert_gemv-group.json`` and the ``bench_expert_gemv:group`` table.
 """
@@ -49,7 +49,6 @@ Writes ``benchmarks/results/bench_expert_gemv.json`` and the table in ``benchmar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -146,40 +145,7 @@ class Timer:
         return out
 
 
-def make_layer_artifact(root: Path, experts: int, hidden: int, inter: int, seed: int) -> Path:
-    """A minimal hybrid artifact: one cpu_experts layer of random codes and scales."""
-    import torch
-    from safetensors.torch import save_file
-
-    from hetquant.formats.int4_cpu import layer_stored
-
-    art = root / "synthetic-hybrid"
-    f = art / "cpu_experts" / "layer_003.safetensors"
-    if f.exists():
-        return art
-    f.parent.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for key, meta in layer_stored(experts, hidden, inter).items():
-        name = f"model.layers.3.mlp.experts.{key}"
-        if meta.dtype == "U8":
-            codes = torch.randint(1, 16, (*meta.shape[:-1], 2 * meta.shape[-1]), generator=g)
-            c = codes.to(torch.uint8)
-            tensors[name] = c[..., 0::2] | (c[..., 1::2] << 4)
-        else:
-            tensors[name] = torch.rand(meta.shape, generator=g) * 0.01 + 1e-4
-    save_file(tensors, str(f))
-    manifest = {
-        "schema_version": 1,
-        "complete": True,
-        "recipe": {"name": "synthetic"},
-        "parts": {"cpu_experts": {"files": ["cpu_experts/layer_003.safetensors"]}},
-    }
-    (art / "hetquant.json").write_text(json.dumps(manifest))
-    return art
-
-
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -189,7 +155,7 @@ def main() -> int:
     ap.add_argument("--no-pool", action="store_true", help="skip the CpuExpertPool layer run")
     ap.add_argument("--work", default=None, help="scratch dir (default: a temp dir)")
     ap.add_argument("--json", default=str(HERE / "results" / "bench_expert_gemv.json"))
-    ap.add_argument("--readme", default=str(HERE / "README.md"))
+    ap.add_argument("--readme", default=str(HERE / "notes" / "expert-gemv.md"))
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--group", action="store_true", help="only per-channel vs group-wise")
     ap.add_argument("--group-size", type=int, default=32)
@@ -209,46 +175,36 @@ def main() -> int:
         if args.json == ap.get_default("json"):
             name = "group-incache" if args.in_cache else "group"
             args.json = str(HERE / "results" / f"bench_expert_gemv-{name}.json")
+    return args
 
-    # Build the kernel into a fresh cache dir so the compile time is measured.
-    cache = tempfile.mkdtemp(prefix="hetquant-bench-cache-")
-    os.environ["HETQUANT_CACHE_DIR"] = cache
+
+def aten_weights(packed: Any, scale: Any, copies: int) -> dict[str, Any] | None:
+    """torch's own int4 CPU kernel's repack of copy 0 (per-row scale repeated per group of 256,
+    zero 0), cloned ``copies`` times; None where this torch lacks the kernel."""
     import torch
 
-    from hetquant.runtime.kernels import int4_gemv as G
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return None
+    n, k = packed.shape[0], packed.shape[1] * 2
+    gs = 256
+    codes = torch.stack([packed & 15, packed >> 4], -1).reshape(n, k).to(torch.int32)
+    p0 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    del codes
+    sz = torch.zeros(k // gs, n, 2, dtype=torch.bfloat16)
+    sz[..., 0] = scale.to(torch.bfloat16)
+    return {
+        "gs": gs,
+        "packed": [p0] + [p0.clone() for _ in range(copies - 1)],
+        "sz": [sz.clone() for _ in range(copies)],
+        "bytes": p0.numel() + sz.numel() * 2,
+    }
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    nthreads = torch.get_num_threads()
-    t0 = time.perf_counter()
-    info = G.native_info()
-    first_use_s = time.perf_counter() - t0
-    if not info["available"]:
-        print(f"native kernel unavailable: {info['error']}", file=sys.stderr)
 
-    machine = machine_info()
-    machine.update(
-        lscpu=lscpu(),
-        openblas_coretype=os.environ.get("OPENBLAS_CORETYPE"),
-        omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
-        torch_threads=nthreads,
-        torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        loadavg_start=loadavg(),
-        weights="one copy (in cache)" if args.in_cache else f"{args.set_mb} MB of copies, cycled",
-        command="python " + " ".join(shlex.quote(a) for a in sys.argv),
-    )
-    print(f"torch {torch.__version__}, {nthreads} threads, load {machine['loadavg_start']}")
-    print(f"native: {info}  (first use {first_use_s:.2f} s)")
+def make_weights(args: argparse.Namespace, g: Any) -> dict[str, dict[str, Any]]:
+    """Per shape: random INT4 codes and scales (per-channel and group-wise), bf16 weights and
+    aten's repack, each in enough distinct copies to fill ``--set-mb``."""
+    import torch
 
-    thread_cfgs = sorted({1, nthreads})
-    timer = Timer()
-    g = torch.Generator().manual_seed(0)
-
-    # ---- bandwidth buffers
-    buf = torch.ones(GiB // 4, dtype=torch.float32)
-    dst = torch.empty_like(buf)
-
-    # ---- weights, cycled through a set larger than the caches
     data: dict[str, dict[str, Any]] = {}
     for name, (n, k) in SHAPES.items():
         int4_bytes = n * k // 2 + 4 * n
@@ -262,20 +218,7 @@ def main() -> int:
         ]
         bf16_copies = 0 if args.group else max(4, args.set_mb * (1 << 20) // (2 * n * k))
         w16 = [torch.randn(n, k, generator=g).to(torch.bfloat16) for _ in range(bf16_copies)]
-        aten = None
-        if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and not args.group:
-            gs = 256
-            codes = torch.stack([packed[0] & 15, packed[0] >> 4], -1).reshape(n, k).to(torch.int32)
-            p0 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            del codes
-            sz = torch.zeros(k // gs, n, 2, dtype=torch.bfloat16)
-            sz[..., 0] = scale[0].to(torch.bfloat16)
-            aten = {
-                "gs": gs,
-                "packed": [p0] + [p0.clone() for _ in range(copies - 1)],
-                "sz": [sz.clone() for _ in range(copies)],
-                "bytes": p0.numel() + sz.numel() * 2,
-            }
+        aten = None if args.group else aten_weights(packed[0], scale[0], copies)
         data[name] = {
             "n": n,
             "k": k,
@@ -288,131 +231,126 @@ def main() -> int:
             "aten": aten,
         }
         print(f"{name} [{n}, {k}]: {copies} int4 copies, {bf16_copies} bf16 copies")
+    return data
 
-    # ---- correctness spot check of the native kernel on these shapes
+
+def spot_check(G: Any, data: dict[str, dict[str, Any]], g: Any) -> None:
+    """The native kernel agrees with the torch path on these shapes, both scale layouts."""
+    import torch
+
     for name, d in data.items():
         x = torch.randn(2, d["k"], generator=g)
-        a = G.int4_gemv(d["packed"][0], d["scale"][0], x, backend="auto")
-        b = G.int4_gemv(d["packed"][0], d["scale"][0], x, backend="torch")
-        rel = ((a - b).abs().max() / b.abs().max()).item()
-        assert rel < 1e-5, (name, rel)
-        a = G.int4_gemv(d["packed"][0], d["gscale"][0], x, backend="auto")
-        b = G.int4_gemv(d["packed"][0], d["gscale"][0], x, backend="torch")
-        rel = ((a - b).abs().max() / b.abs().max()).item()
-        assert rel < 1e-5, (name, "group", rel)
+        for skey in ("scale", "gscale"):
+            a = G.int4_gemv(d["packed"][0], d[skey][0], x, backend="auto")
+            b = G.int4_gemv(d["packed"][0], d[skey][0], x, backend="torch")
+            rel = ((a - b).abs().max() / b.abs().max()).item()
+            assert rel < 1e-5, (name, skey, rel)
 
-    # ---- the pool, end to end
-    pool_cfgs: list[tuple[str, Any]] = []
-    work = Path(args.work or tempfile.mkdtemp(prefix="hetquant-bench-"))
-    if not args.no_pool:
-        from hetquant.runtime.experts.expert_pool import CpuExpertPool
 
-        art = make_layer_artifact(work, experts=16, hidden=7168, inter=2048, seed=1)
-        for s in sorted({1, 2, nthreads}):
-            for th in sorted({1, max(1, nthreads // s)}):
-                pool = CpuExpertPool.open(art, subpools=s, threads=th)
-                pool_cfgs.append((f"S{s}/{th}t", pool))
-        layer_bytes = 8 * (2 * 2048 * 7168 // 2 + 4 * 2 * 2048 + 7168 * 2048 // 2 + 4 * 7168)
+def open_pools(args: argparse.Namespace, work: Path, nthreads: int) -> list[tuple[str, Any]]:
+    """CpuExpertPools over one synthetic DeepSeek-size layer, per (subpools, threads) setting."""
+    if args.no_pool:
+        return []
+    from _kt import make_hybrid
 
-    xs = {
-        b: {name: torch.randn(b, d["k"], generator=g) for name, d in data.items()} for b in (1, 8)
-    }
-    for b in args.batches:
-        xs.setdefault(b, {name: torch.randn(b, d["k"], generator=g) for name, d in data.items()})
+    from hetquant.runtime.experts.expert_pool import CpuExpertPool
 
-    for rep in range(args.repeats):
-        for th in thread_cfgs:
-            torch.set_num_threads(th)
-            timer.run(f"bw/read/{th}t", lambda i: buf.sum(), 1, buf.numel() * 4)
-            timer.run(f"bw/copy/{th}t", lambda i: dst.copy_(buf), 1, 2 * buf.numel() * 4)
-        torch.set_num_threads(nthreads)
-        for name, d in data.items():
-            for b in args.batches:
-                x = xs[b][name]
-                x16 = x.to(torch.bfloat16)
-                ncp = len(d["packed"])
-                if info["available"]:
-                    for th in thread_cfgs:
-                        for prec in ("high", "fast"):
-                            # per-channel and group-wise back to back, order alternating
-                            kinds = [
-                                ("", "scale", "int4_bytes", None),
-                                ("group", "gscale", "group_bytes", None),
-                            ]
-                            if args.gemm:  # per-channel, plain order vs token-blocked
-                                kinds = [("plain", "scale", "int4_bytes", 0),
-                                         ("gemm", "scale", "int4_bytes", None)]  # fmt: skip
-                                if prec == "fast":
-                                    continue
-                            for kind, skey, bkey, tb in kinds[:: 1 if rep % 2 else -1]:
-                                size = str(args.group_size) if kind == "group" else ""
-                                timer.run(
-                                    f"{name}/b{b}/int4_native{kind and '_' + kind}"
-                                    f"{size}_{prec}/{th}t",
-                                    lambda i, x=x, d=d, th=th, prec=prec, skey=skey, tb=tb: (
-                                        G.int4_gemv(
-                                            d["packed"][0 if args.in_cache else i],
-                                            d[skey][0 if args.in_cache else i],
-                                            x,
-                                            backend="native",
-                                            threads=th,
-                                            precision=prec,
-                                            token_block=tb,
-                                        )
-                                    ),
-                                    ncp,
-                                    d[bkey],
-                                )
-                if not args.skip_slow and rep < max(2, args.repeats // 3):
-                    timer.run(
-                        f"{name}/b{b}/int4_torch/{nthreads}t",
-                        lambda i, x=x, d=d: G.int4_gemv_torch(d["packed"][i], d["scale"][i], x),
-                        min(ncp, 4),
-                        d["int4_bytes"],
-                    )
-                for th in thread_cfgs if not args.group else ():
-                    torch.set_num_threads(th)
-                    if d["aten"] is not None:
-                        at = d["aten"]
-                        timer.run(
-                            f"{name}/b{b}/int4_aten_bf16/{th}t",
-                            lambda i, x16=x16, at=at: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                                x16, at["packed"][i], at["gs"], at["sz"][i]
-                            ),
-                            ncp,
-                            at["bytes"],
-                        )
-                    w16 = d["w16"]
-                    timer.run(
-                        f"{name}/b{b}/bf16/{th}t",
-                        lambda i, x16=x16, w16=w16: x16 @ w16[i].T,
-                        len(w16),
-                        2 * d["n"] * d["k"],
-                    )
-                torch.set_num_threads(nthreads)
-        for s, pool in pool_cfgs:
-            layer = pool.layers[0]
-            ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(4)])
-            w = torch.rand(4, 8, generator=g)
-            x = torch.randn(4, 7168, generator=g).to(torch.bfloat16)
-            # four different tokens → four different expert sets (cycles the 16 experts)
+    art = make_hybrid(work, experts=16, hidden=7168, inter=2048, group=0, seed=1)
+    pools = []
+    for s in sorted({1, 2, nthreads}):
+        for th in sorted({1, max(1, nthreads // s)}):
+            pools.append((f"S{s}/{th}t", CpuExpertPool.open(art, subpools=s, threads=th)))
+    return pools
+
+
+def time_native(
+    timer: Timer, args: argparse.Namespace, G: Any, rep: int, threads: list[int], row: tuple
+) -> None:
+    """The native kernel on one shape and batch: per-channel and group-wise (or, with
+    ``--gemm``, plain and token-blocked order) back to back, order alternating by repeat."""
+    name, b, x, d = row
+    for th in threads:
+        for prec in ("high", "fast"):
+            kinds = [("", "scale", "int4_bytes", None), ("group", "gscale", "group_bytes", None)]
+            if args.gemm:  # per-channel, plain order vs token-blocked
+                kinds = [("plain", "scale", "int4_bytes", 0), ("gemm", "scale", "int4_bytes", None)]
+                if prec == "fast":
+                    continue
+            for kind, skey, bkey, tb in kinds[:: 1 if rep % 2 else -1]:
+                size = str(args.group_size) if kind == "group" else ""
+                timer.run(
+                    f"{name}/b{b}/int4_native{kind and '_' + kind}{size}_{prec}/{th}t",
+                    lambda i, th=th, prec=prec, skey=skey, tb=tb: G.int4_gemv(
+                        d["packed"][0 if args.in_cache else i],
+                        d[skey][0 if args.in_cache else i],
+                        x,
+                        backend="native",
+                        threads=th,
+                        precision=prec,
+                        token_block=tb,
+                    ),
+                    len(d["packed"]),
+                    d[bkey],
+                )
+
+
+def time_references(
+    timer: Timer, args: argparse.Namespace, G: Any, rep: int, threads: list[int], row: tuple
+) -> None:
+    """The comparison paths on one shape and batch: pure torch, aten's int4 kernel, bf16."""
+    import torch
+
+    name, b, x, d = row
+    nthreads = torch.get_num_threads()
+    x16, w16 = x.to(torch.bfloat16), d["w16"]
+    ncp = len(d["packed"])
+    if not args.skip_slow and rep < max(2, args.repeats // 3):
+        timer.run(
+            f"{name}/b{b}/int4_torch/{nthreads}t",
+            lambda i: G.int4_gemv_torch(d["packed"][i], d["scale"][i], x),
+            min(ncp, 4),
+            d["int4_bytes"],
+        )
+    for th in threads if not args.group else ():
+        torch.set_num_threads(th)
+        if (at := d["aten"]) is not None:
             timer.run(
-                f"pool/b1/forward/{s}",
-                lambda i, pool=pool, layer=layer, x=x, ids=ids, w=w: pool.forward(
-                    layer, x[i : i + 1], ids[i : i + 1], w[i : i + 1]
+                f"{name}/b{b}/int4_aten_bf16/{th}t",
+                lambda i, at=at: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x16, at["packed"][i], at["gs"], at["sz"][i]
                 ),
-                4,
-                layer_bytes,
+                ncp,
+                at["bytes"],
             )
-        machine.setdefault("loadavg_repeats", []).append(loadavg())
-        print(f"repeat {rep + 1}/{args.repeats} done (load {loadavg()})", flush=True)
+        timer.run(
+            f"{name}/b{b}/bf16/{th}t", lambda i: x16 @ w16[i].T, len(w16), 2 * d["n"] * d["k"]
+        )
+    torch.set_num_threads(nthreads)
 
-    for _, pool in pool_cfgs:
-        pool.close()
-    shutil.rmtree(cache, ignore_errors=True)
-    if args.work is None:
-        shutil.rmtree(work, ignore_errors=True)
-    machine["loadavg_end"] = loadavg()
+
+def time_pools(timer: Timer, pools: list[tuple[str, Any]], g: Any) -> None:
+    """One token through each pool's layer: top-8 of 16 experts, four tokens cycled."""
+    import torch
+
+    layer_bytes = 8 * (2 * 2048 * 7168 // 2 + 4 * 2 * 2048 + 7168 * 2048 // 2 + 4 * 7168)
+    for s, pool in pools:
+        layer = pool.layers[0]
+        ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(4)])
+        w = torch.rand(4, 8, generator=g)
+        x = torch.randn(4, 7168, generator=g).to(torch.bfloat16)
+        # four different tokens → four different expert sets (cycles the 16 experts)
+        timer.run(
+            f"pool/b1/forward/{s}",
+            lambda i, pool=pool, layer=layer, x=x, ids=ids, w=w: pool.forward(
+                layer, x[i : i + 1], ids[i : i + 1], w[i : i + 1]
+            ),
+            4,
+            layer_bytes,
+        )
+
+
+def summarize(timer: Timer, args: argparse.Namespace, nthreads: int) -> dict[str, Any]:
+    """Medians, each row against the measured bandwidth and bf16, and the group / gemm ratios."""
     res = timer.summary()
     bw_read = max(v["gbps"] for k, v in res.items() if k.startswith("bw/read/"))
     bw_copy = max(v["gbps"] for k, v in res.items() if k.startswith("bw/copy/"))
@@ -432,9 +370,7 @@ def main() -> int:
             )
             if ref:
                 v["speedup_vs_bf16"] = ref["ms"] / v["ms"]
-    doc = {
-        "machine": machine,
-        "native": {**info, "first_use_s": first_use_s},
+    return {
         "bandwidth_gbps": {
             "read": bw_read,
             "copy": bw_copy,
@@ -444,22 +380,105 @@ def main() -> int:
         "target_pct_batch1": 60.0,
         "results": res,
     }
-    doc["group_size"] = args.group_size
-    doc["target_group_ratio"] = 0.9
+
+
+def publish(args: argparse.Namespace, doc: dict[str, Any], nthreads: int) -> None:
+    """The JSON, the table printed, and the table put between its markers in the note."""
     write_result(args.json, doc)
     print(f"wrote {args.json}")
     table = render_group(doc, args.gemm) if args.group else render(doc, nthreads)
     print(table)
-    if not args.no_readme:
-        if args.group:
-            start, end = (GEMM_START, GEMM_END) if args.gemm else (GROUP_START, GROUP_END)
-            if args.in_cache:
-                start, end = INCACHE_START, INCACHE_END
-            if not replace_marked(Path(args.readme), start, end, table):
-                raise SystemExit(f"{args.readme}: no {start} … {end} markers")
-        else:
-            update_readme(Path(args.readme), table)
-        print(f"updated {args.readme}")
+    if args.no_readme:
+        return
+    if args.group:
+        start, end = (GEMM_START, GEMM_END) if args.gemm else (GROUP_START, GROUP_END)
+        if args.in_cache:
+            start, end = INCACHE_START, INCACHE_END
+        if not replace_marked(Path(args.readme), start, end, table):
+            raise SystemExit(f"{args.readme}: no {start} … {end} markers")
+    else:
+        update_readme(Path(args.readme), table)
+    print(f"updated {args.readme}")
+
+
+def describe_machine(args: argparse.Namespace, nthreads: int) -> dict[str, Any]:
+    import torch
+
+    machine = machine_info()
+    machine.update(
+        lscpu=lscpu(),
+        openblas_coretype=os.environ.get("OPENBLAS_CORETYPE"),
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+        torch_threads=nthreads,
+        torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        loadavg_start=loadavg(),
+        weights="one copy (in cache)" if args.in_cache else f"{args.set_mb} MB of copies, cycled",
+        command="python " + " ".join(shlex.quote(a) for a in sys.argv),
+    )
+    return machine
+
+
+def main() -> int:
+    args = parse_args()
+    # Build the kernel into a fresh cache dir so the compile time is measured.
+    cache = tempfile.mkdtemp(prefix="hetquant-bench-cache-")
+    os.environ["HETQUANT_CACHE_DIR"] = cache
+    import torch
+
+    from hetquant.runtime.kernels import int4_gemv as G
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    nthreads = torch.get_num_threads()
+    t0 = time.perf_counter()
+    info = G.native_info()
+    first_use_s = time.perf_counter() - t0
+    if not info["available"]:
+        print(f"native kernel unavailable: {info['error']}", file=sys.stderr)
+    machine = describe_machine(args, nthreads)
+    print(f"torch {torch.__version__}, {nthreads} threads, load {machine['loadavg_start']}")
+    print(f"native: {info}  (first use {first_use_s:.2f} s)")
+
+    threads = sorted({1, nthreads})
+    timer = Timer()
+    g = torch.Generator().manual_seed(0)
+    buf = torch.ones(GiB // 4, dtype=torch.float32)  # the bandwidth buffers
+    dst = torch.empty_like(buf)
+    data = make_weights(args, g)  # cycled through a set larger than the caches
+    spot_check(G, data, g)
+    work = Path(args.work or tempfile.mkdtemp(prefix="hetquant-bench-"))
+    pools = open_pools(args, work, nthreads)
+    xs = {b: {n: torch.randn(b, d["k"], generator=g) for n, d in data.items()} for b in (1, 8)}
+    for b in args.batches:
+        xs.setdefault(b, {n: torch.randn(b, d["k"], generator=g) for n, d in data.items()})
+
+    for rep in range(args.repeats):
+        for th in threads:
+            torch.set_num_threads(th)
+            timer.run(f"bw/read/{th}t", lambda i: buf.sum(), 1, buf.numel() * 4)
+            timer.run(f"bw/copy/{th}t", lambda i: dst.copy_(buf), 1, 2 * buf.numel() * 4)
+        torch.set_num_threads(nthreads)
+        for name, d in data.items():
+            for b in args.batches:
+                row = (name, b, xs[b][name], d)
+                if info["available"]:
+                    time_native(timer, args, G, rep, threads, row)
+                time_references(timer, args, G, rep, threads, row)
+        time_pools(timer, pools, g)
+        machine.setdefault("loadavg_repeats", []).append(loadavg())
+        print(f"repeat {rep + 1}/{args.repeats} done (load {loadavg()})", flush=True)
+
+    for _, pool in pools:
+        pool.close()
+    shutil.rmtree(cache, ignore_errors=True)
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    machine["loadavg_end"] = loadavg()
+    doc = {"machine": machine, "native": {**info, "first_use_s": first_use_s}}
+    doc |= summarize(timer, args, nthreads)
+    doc["group_size"] = args.group_size
+    doc["target_group_ratio"] = 0.9
+    publish(args, doc, nthreads)
     return 0
 
 

@@ -11,7 +11,7 @@ expert / wall time: the layer is far larger than the caches, so weights stream f
 the ratio of our time to kt's, per repeat, median (below 1: ours is faster). Threads: ours
 ``CpuExpertPool.open(threads=t)``; kt ``CPUInfer`` with ``t`` worker threads in one pool.
 
-Run it in kt-kernel's environment (``benchmarks/README.md``)::
+Run it in kt-kernel's environment (``benchmarks/notes/kt-kernel.md``)::
 
     python benchmarks/bench_kt_side_by_side.py [--kind amxint4] [--experts 256] [--batches 1 8 64] [--threads 1 2]
 
@@ -53,7 +53,7 @@ def expert_bytes(h: int, i: int, group: int) -> int:
     return codes + (2 * 3 * h * i // group if group else 4 * (2 * i + h))
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kind", choices=["amxint4", "rawint4"], default=None,
                     help="default: amxint4 where kt has it, else rawint4")  # fmt: skip
@@ -82,12 +82,17 @@ def main() -> int:
     args = ap.parse_args()
     if args.ours_only and args.json == ap.get_default("json"):
         args.json = str(HERE / "results" / "bench_kt_side_by_side-ours.json")
-    _kt.import_hetquant()
+    return args
+
+
+def open_systems(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The synthetic layer, its kt export (not with ``--ours-only``), and per thread count our
+    pool and the other side (kt-kernel's MoE, or our per-expert loop)."""
     from hetquant.runtime.experts.expert_pool import CpuExpertPool
     from hetquant.runtime.kernels.int4_gemv import native_info
 
     if args.ours_only:
-        kind, ktamx = args.kind or "amxint4", None
+        kind = args.kind or "amxint4"
     else:
         from kt_kernel.utils import amx as ktamx
 
@@ -95,13 +100,11 @@ def main() -> int:
     to, method, group = {"amxint4": ("kt-amxint4", "AMXINT4", 0),
                          "rawint4": ("kt-rawint4", "RAWINT4", 32)}[kind]  # fmt: skip
     e, h, i, k = args.experts, args.hidden, args.inter, args.topk
-    work = Path(args.work or tempfile.mkdtemp(prefix="hetquant-ktbench-"))
     t0 = time.perf_counter()
     art = _kt.make_hybrid(work, e, h, i, group, seed=0)
     out = None if args.ours_only else _kt.export(art, to, 1)
     print(f"artifact + export in {time.perf_counter() - t0:.0f} s", flush=True)
-    maxb = max(args.batches)
-    other, mat = ("loop" if args.ours_only else "kt"), args.materialize
+    maxb, mat = max(args.batches), args.materialize
     systems: dict[tuple[str, int], Any] = {}
     for t in args.threads:
         if args.ours_only:
@@ -111,16 +114,21 @@ def main() -> int:
         systems["ours", t] = CpuExpertPool.open(art, threads=t, materialize=mat)
     backend = "ours before int4_moe" if args.ours_only else systems["kt", args.threads[0]].backend
     print(f"against: {backend}, ours {native_info()['isa']}", flush=True)
+    other = "loop" if args.ours_only else "kt"
+    return {"kind": kind, "group": group, "backend": backend, "other": other, "systems": systems}
 
-    def call(
-        name: str, t: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
-    ) -> torch.Tensor:
-        s = systems[name, t]
-        torch.set_num_threads(t)
-        return s.forward(x, ids, w) if name == "kt" else s.forward(_kt.LAYER, x, ids, w)
 
+def call(sides: dict[str, Any], name: str, t: int, x: Any, ids: Any, w: Any) -> Any:
+    s = sides["systems"][name, t]
+    torch.set_num_threads(t)
+    return s.forward(x, ids, w) if name == "kt" else s.forward(_kt.LAYER, x, ids, w)
+
+
+def measure(args: argparse.Namespace, sides: dict[str, Any]) -> tuple[dict, float]:
+    """Per (system, batch, threads): (wall, CPU, experts touched) per call, each repeat; ours and
+    the other side on the same inputs, order alternating. Also their agreement on one input."""
+    e, h, k, other = args.experts, args.hidden, args.topk, sides["other"]
     g = torch.Generator().manual_seed(1)
-    per_expert = expert_bytes(h, i, group)
     samples: dict[tuple, list] = {}
     for rep in range(args.repeats):
         for b in args.batches:
@@ -134,7 +142,7 @@ def main() -> int:
                 for name in order:
                     w0, c0 = time.perf_counter(), time.process_time()
                     for x, ids, w in inputs:
-                        call(name, t, x, ids, w)
+                        call(sides, name, t, x, ids, w)
                     wall = (time.perf_counter() - w0) / args.calls
                     cpu = (time.process_time() - c0) / args.calls
                     touched = statistics.mean(len(set(ids.flatten().tolist())) for _, ids, _ in inputs)  # fmt: skip
@@ -142,10 +150,12 @@ def main() -> int:
         print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
     # agreement on one input (both hold the same codes and scales; ours and loop: the same bits)
     x, ids, w = inputs[0]
-    agree = _kt.rel_err(call(other, t, x, ids, w), call("ours", t, x, ids, w).to(torch.float64))
-    for s in systems.values():
-        if hasattr(s, "close"):
-            s.close()
+    ours = call(sides, "ours", t, x, ids, w).to(torch.float64)
+    return samples, _kt.rel_err(call(sides, other, t, x, ids, w), ours)
+
+
+def summarize(args: argparse.Namespace, samples: dict, other: str, per_expert: int) -> list:
+    """One row per (system, batch, threads): medians, and the time ratio ours / other."""
     recorded = _recorded_kt(Path(args.recorded)) if args.ours_only else {}
     rows = []
     for b in args.batches:
@@ -167,11 +177,28 @@ def main() -> int:
                     rows[-1]["ratio_ours_over_kt_recorded"] = (
                         rows[-1]["ms_per_call"] / recorded[b, t]
                     )
+    return rows
+
+
+def main() -> int:
+    args = parse_args()
+    _kt.import_hetquant()
+    from hetquant.runtime.kernels.int4_gemv import native_info
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="hetquant-ktbench-"))
+    sides = open_systems(args, work)
+    samples, agree = measure(args, sides)
+    for s in sides["systems"].values():
+        if hasattr(s, "close"):
+            s.close()
+    per_expert = expert_bytes(args.hidden, args.inter, sides["group"])
+    rows = summarize(args, samples, sides["other"], per_expert)
     env = {"torch": torch.__version__} if args.ours_only else _kt.environment()
-    doc = {"machine": machine_info(), "environment": env, "kind": kind, "against": other,
-           "materialize": mat,
-           "kt_backend": backend, "ours_isa": native_info()["isa"], "experts": e, "hidden": h,
-           "inter": i, "topk": k, "expert_bytes": per_expert, "rel_err_kt_vs_ours": agree,
+    doc = {"machine": machine_info(), "environment": env, "kind": sides["kind"],
+           "against": sides["other"], "materialize": args.materialize,
+           "kt_backend": sides["backend"], "ours_isa": native_info()["isa"],
+           "experts": args.experts, "hidden": args.hidden, "inter": args.inter,
+           "topk": args.topk, "expert_bytes": per_expert, "rel_err_kt_vs_ours": agree,
            "command": " ".join(sys.argv), "rows": rows}  # fmt: skip
     write_result(args.json, doc)
     table = render(doc)

@@ -41,7 +41,7 @@ ascend-w8a8`` (int8 weights) and ``--recipe bf16``. Then, for each artifact:
    ``open_artifact`` → identify → validate → plan → load runs on the real AWQ tensor set and
    shapes without the minutes an AWQ conversion takes. Its TP8 bytes per rank are measured too.
 
-Raw numbers go to ``benchmarks/results/bench_loader.json``; the README table (between the
+Raw numbers go to ``benchmarks/results/bench_loader.json``; the table in ``notes/loader.md`` (between the
 ``bench_loader`` markers of its "Loader" section) is rewritten unless ``--no-readme``. The GPU half
 (pinned host→device limit and ``load(device="cuda")``) is ``bench_loader_gpu.py``.
 
@@ -80,7 +80,7 @@ from _measure import (  # noqa: E402
 )
 
 RESULT = HERE / "results" / "bench_loader.json"
-README = HERE / "README.md"
+README = HERE / "notes" / "loader.md"
 START = "<!-- bench_loader:results:start -->"
 END = "<!-- bench_loader:results:end -->"
 RECIPES = ("ascend-w8a8", "bf16")
@@ -250,15 +250,18 @@ def make_shape_only(src: Path, out: Path, recipe: str, options: dict[str, Any]) 
     """The artifact ``recipe`` would make, headers only: sparse shard files (data are holes).
 
     The convert plan gives every output file's tensors, in order, and its header bytes; config.json
-    is the source's with the recipe's ``quantization_config``; the manifest says ``shape_only``.
+    is the source's with the recipe's ``quantization_config``; the manifest is the converter's
+    (``build_manifest``: every file's size and sha256) and says ``shape_only``.
     """
     from hetquant.convert.engine import plan_for
+    from hetquant.convert.manifest import build_manifest, digest_files
     from hetquant.convert.plan import parse_size
     from hetquant.convert.recipes import get_recipe
     from hetquant.convert.source import SourceCheckpoint
 
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
-    plan = plan_for(SourceCheckpoint.open(src), rec, parse_size("5GB"))
+    source = SourceCheckpoint.open(src)
+    plan = plan_for(source, rec, parse_size("5GB"))
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     weight_map = {}
@@ -277,12 +280,20 @@ def make_shape_only(src: Path, out: Path, recipe: str, options: dict[str, Any]) 
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    manifest = {
-        "complete": True,
-        "shape_only": True,
-        "recipe": {"name": recipe, "options": options},
-        "note": "bench_loader: headers from the convert plan, tensor data are sparse holes",
+    parts: dict[str, list[str]] = {}
+    for f in plan.files:
+        parts.setdefault(f.part, []).append(f.name)
+    parts["root"] += ["config.json", "model.safetensors.index.json"]
+    src_doc = {
+        "path": str(src),
+        "fingerprint": source.fingerprint,
+        "dtypes": {i.role.role.name: i.dtype for i in plan.items},
+        "formats": {i.role.role.name: i.fmt for i in plan.items},
     }
+    files = digest_files({n: out / n for names in parts.values() for n in names})
+    manifest = build_manifest(plan, src_doc, files, parts, plan_digest="shape-only")
+    manifest["shape_only"] = True
+    manifest["note"] = "bench_loader: headers from the convert plan, tensor data are sparse holes"
     (out / "hetquant.json").write_text(json.dumps(manifest, indent=2))
     return out
 

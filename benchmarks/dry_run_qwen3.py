@@ -5,9 +5,10 @@ Writes the real checkpoint layouts (``examples/qwen3-moe-layout/make_layout.py``
 name/dtype/shape, data as sparse holes) into a temporary directory, then per recipe: runs
 ``hetquant convert SRC OUT --recipe R --dry-run`` as a subprocess (timed; sizes per artifact part,
 bits per weight: ``dry_run_671b.py``'s ``dry_run``), and asks the runtime's layout check which
-TP sizes (1, 2, 4, 8, 16) the planned artifact allows (``planned_modules``: every root module's format,
-shape and stored tensors as the plan writes them; ``ParallelLayout.validate`` on them, without and
-with attention data parallelism), with the refusal the loader gives at TP 8.
+TP sizes (1, 2, 4, 8, 16) the planned artifact allows (``tests/convert/qwen3_planning.py``, which
+``tests/convert/test_layout_qwen3.py`` checks: every root module's format, shape and stored tensors
+as the plan writes them; ``ParallelLayout.validate`` on them, without and with attention data
+parallelism), with the refusal the loader gives at TP 8.
 
     python benchmarks/dry_run_qwen3.py
 """
@@ -19,23 +20,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hetquant.convert.plan import Plan, plan_for
-from hetquant.convert.recipes import get_recipe
+from hetquant.convert.plan import plan_for
 from hetquant.convert.source import SourceCheckpoint
-from hetquant.formats import HetquantError, get_format
-from hetquant.formats.base import FORMATS
-from hetquant.formats.families import parse_config
-from hetquant.formats.safetensors_io import HeaderEntry
-from hetquant.runtime import ParallelLayout
-from hetquant.runtime.parallel.pieces import ModuleInfo
-from hetquant.runtime.parallel.placement import ModelPlacement
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "dry_run_qwen3.json"
 RECIPES = [("bf16", []), ("ascend-hybrid", []), ("ascend-w8a8", []), ("awq-w4a16", []),
            ("awq-w4a16", ["--group-size", "64"]), ("fp4", []), ("fp4", ["--fp4-layout", "nvfp4"])]  # fmt: skip
-OPTIONS = {"--group-size": ("group_size", int), "--fp4-layout": ("fp4_layout", str)}
-TP_SIZES = (1, 2, 4, 8, 16)
 
 
 def _load(path: Path, name: str) -> Any:
@@ -45,60 +36,10 @@ def _load(path: Path, name: str) -> Any:
     return mod
 
 
-def planned_modules(plan: Plan) -> dict[str, ModuleInfo]:
-    """Every root-part module of the planned artifact: format (None: a plain tensor), weight
-    shape and stored tensors (header entries without offsets) — what ``open_artifact`` reads
-    from the written artifact's manifest and headers."""
-    by_module: dict[str, dict[str, Any]] = {}  # module → key → meta
-    for f in plan.files:
-        for t in f.tensors if f.part == "root" else ():
-            module, _, key = t.name.rpartition(".")
-            by_module.setdefault(module, {})[key] = t.meta
-    out: dict[str, ModuleInfo] = {}
-    for job in plan.jobs:
-        if job.target.part != "root":
-            continue
-        for source in job.sources:
-            module = source.rpartition(".")[0]
-            entries = {k: ("planned", HeaderEntry(f"{module}.{k}", m.dtype, m.shape, 0, 0))
-                       for k, m in by_module[module].items()}  # fmt: skip
-            fmt = job.target.fmt
-            if fmt in FORMATS and fmt != "bf16":
-                info = ModuleInfo(module, get_format(fmt, **dict(job.target.params)),
-                                  plan.item(source).role.shape, entries)  # fmt: skip
-            else:  # kept / copied: one plain tensor per name
-                (key,) = entries
-                info = ModuleInfo(module, None, entries[key][1].shape, entries)
-            out[module] = info
-    return out
-
-
-def tp_sizes(config: dict, modules: dict[str, ModuleInfo]) -> dict[str, Any]:
-    """Valid TP sizes (and with attn_dp), and the loader's refusal at TP 8 (None: allowed)."""
-    placement = ModelPlacement(parse_config(config), modules)
-
-    def ok(layout: ParallelLayout) -> str | None:
-        try:
-            placement.check(layout)
-        except HetquantError as e:
-            return str(e)
-        return None
-
-    return {
-        "tp": [t for t in TP_SIZES if ok(ParallelLayout(tp_size=t)) is None],
-        "tp_attn_dp": [t for t in TP_SIZES if ok(ParallelLayout(tp_size=t, attn_dp=True)) is None],
-        "tp8_refusal": ok(ParallelLayout(tp_size=8)),
-    }
-
-
-def recipe_of(recipe: str, extra: list[str]) -> Any:
-    opts = {OPTIONS[k][0]: OPTIONS[k][1](v) for k, v in zip(extra[::2], extra[1::2], strict=True)}
-    return get_recipe(recipe).with_options(opts) if opts else get_recipe(recipe)
-
-
 def main() -> None:
     layouts = _load(REPO / "examples/qwen3-moe-layout/make_layout.py", "qwen3_layout")
     bench = _load(REPO / "benchmarks/dry_run_671b.py", "dry_run_671b")
+    planning = _load(REPO / "tests/convert/qwen3_planning.py", "qwen3_planning")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in layouts.MODELS:
@@ -107,9 +48,9 @@ def main() -> None:
                 source = SourceCheckpoint.open(src)
                 for recipe, extra in RECIPES:
                     row = bench.dry_run(src, Path(tmp) / "out", recipe, extra)
-                    plan = plan_for(source, recipe_of(recipe, extra), 5 * 10**9)
+                    plan = plan_for(source, planning.recipe_of(recipe, extra), 5 * 10**9)
                     row |= {"model": model, "source": dtype}
-                    row |= tp_sizes(source.config.raw, planned_modules(plan))
+                    row |= planning.tp_sizes(source.config.raw, planning.planned_modules(plan))
                     rows.append(row)
     head = f"{'model':<16} {'src':<4} {'recipe':<28} {'root GB':>8} {'cpu GB':>7} {'bits/w':>7}"
     print(head + f" {'dry-run s':>9}  TP sizes (with attn_dp)")

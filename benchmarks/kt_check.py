@@ -12,7 +12,7 @@ exact to the bf16 rounding of the result. The check fails (exit 1) when kt's err
 (4e-3: bf16 output rounding is ≤ 2^-9 relative per element) — a wrong byte in the export (a
 transposed tile, a swapped nibble, a scale off by 16) gives errors of order 1.
 
-Run it in kt-kernel's environment, not hetquant's (see ``benchmarks/README.md``)::
+Run it in kt-kernel's environment, not hetquant's (see ``benchmarks/notes/kt-kernel.md``)::
 
     python benchmarks/kt_check.py [--experts 16] [--tokens 8] [--numa 1 2] [--cases amxint4 rawint4]
 

@@ -10,7 +10,7 @@ vLLM keeps one global scale per merged module (vllm 0.23.0
 For every gate/up pair of a source (dense MLP, shared expert, each routed expert, the MTP
 layer's), both members are quantized with hetquant's ``nvfp4`` format two ways — ``before``:
 each from its own absmax (hetquant before this change); ``after``: from the pair's joint absmax
-(what ``convert`` does now, byte-identical to ModelOpt: ``benchmarks/probes/modelopt_nvfp4.py``)
+(what ``convert`` does now, byte-identical to ModelOpt: ``benchmarks/modelopt_nvfp4.py``)
 — and dequantized with the scale vLLM would use. Reported: relative Frobenius error
 ``‖W' − W‖ / ‖W‖`` against the exact BF16 source, per module; the mean over modules and the
 worst module. The baseline is the same module dequantized with its own stored scale.

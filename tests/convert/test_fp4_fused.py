@@ -1,6 +1,6 @@
 """NVFP4 merged modules share one ``weight_scale_2`` (issue #14 item 4): the plan groups the
 linears engines merge, the converter quantizes them against their joint absmax, and the bytes
-equal ModelOpt's own export (golden digests recorded by ``benchmarks/probes/modelopt_nvfp4.py``
+equal ModelOpt's own export (golden digests recorded by ``benchmarks/modelopt_nvfp4.py``
 with nvidia-modelopt 0.47.0)."""
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from qwen3_planning import planned_modules, recipe_of, tp_sizes  # tests/convert is on sys.path
 
 from hetquant.convert.engine import plan_for
 from hetquant.convert.manifest import precision_table
@@ -35,7 +36,6 @@ def _load(path: str, name: str) -> Any:
 
 
 LAYOUTS = _load("examples/qwen3-moe-layout/make_layout.py", "qwen3_layout")
-DRY = _load("benchmarks/dry_run_qwen3.py", "dry_run_qwen3")
 
 
 CASES = [("Qwen3-235B-A22B", "fp8"), ("Qwen3-30B-A3B", "bf16")]
@@ -90,13 +90,13 @@ def test_plan_reads_headers_only_and_tp_sizes(sources, recipe: str, extra, monke
 
     monkeypatch.setattr(safetensors_io.MappedFile, "__init__", no_data)
     src = sources[("Qwen3-235B-A22B", "fp8")]
-    plan = plan_for(src, DRY.recipe_of(recipe, list(extra)), 5 * 10**9)
+    plan = plan_for(src, recipe_of(recipe, list(extra)), 5 * 10**9)
     table = precision_table(plan)
     assert table["params"] == PARAMS["Qwen3-235B-A22B"]
     if recipe == "ascend-hybrid":
         routed = next(g for g in table["groups"] if g["name"] == "routed_experts")
         assert routed["bits_per_weight"] < 4.02  # 4-bit codes + one F32 scale per row
-    got = DRY.tp_sizes(src.config.raw, DRY.planned_modules(plan))
+    got = tp_sizes(src.config.raw, planned_modules(plan))
     tp, dp, needle = EXPECTED_235B[(recipe, extra)]
     assert (got["tp"], got["tp_attn_dp"]) == (tp, dp)
     assert needle in got["tp8_refusal"], got["tp8_refusal"]
@@ -110,8 +110,8 @@ def test_planned_modules_are_the_written_artifacts(recipe: str, tiny_qwen3, tmp_
     from hetquant.runtime import open_artifact
 
     src = SourceCheckpoint.open(tiny_qwen3["fp8"])
-    rec = DRY.recipe_of(recipe, [])
-    planned = DRY.planned_modules(plan_for(src, rec, 1 << 20))
+    rec = recipe_of(recipe, [])
+    planned = planned_modules(plan_for(src, rec, 1 << 20))
     convert(src, tmp_path / "out", rec, max_shard_size=1 << 20)
     written = open_artifact(tmp_path / "out").modules
     assert set(planned) == set(written)
