@@ -197,11 +197,9 @@ def _named(f: ConfigFields, key: str, known: Mapping[str, str], n: int) -> tuple
 
 
 def _expert_dtype(f: ConfigFields) -> str | None:
-    qc = f.mapping("quantization_config")
-    if qc.raw.get("quant_method") not in (None, "fp8"):
-        raise qc.fail("quant_method", qc.raw["quant_method"], "fp8 (DeepSeek-V4's source)")
+    qc = f.mapping("quantization_config")  # an artifact's config names its own method
     fmt = qc.text("scale_fmt", None)
-    if fmt not in (None, "ue8m0"):
+    if qc.raw.get("quant_method") == "fp8" and fmt not in (None, "ue8m0"):
         raise qc.fail("scale_fmt", fmt, "ue8m0 (the scale format DeepSeek-V4 ships)")
     top, nested = f.raw.get("expert_dtype"), qc.raw.get("expert_dtype")
     if top is not None and nested is not None and top != nested:
