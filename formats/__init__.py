@@ -4,6 +4,7 @@ from . import (  # noqa: F401  (registration)
     awq_w4a16,
     bf16,
     ct_pack_quantized,
+    fp4_cpu,
     fp4_e2m1,
     fp8_block,
     fp8_block_scale,

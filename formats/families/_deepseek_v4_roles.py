@@ -124,7 +124,8 @@ LAYER_ROLES: tuple[Role, ...] = (
       lambda c: (c.head_dim, _h(c)), fuse="fused_wqa_wkv"),
     R("kv_norm", "attn.kv_norm.weight", "layer", "norms", "norm", "replicate", None,
       lambda c: (c.head_dim,)),
-    R("sinks", "attn.attn_sink", "layer", "attention", "bias", "column", None,
+    # one sink per head; replicated (the loader splits 2-D weights; vLLM narrows it per rank)
+    R("sinks", "attn.attn_sink", "layer", "attention", "bias", "replicate", None,
       lambda c: (c.num_attention_heads,), kept=True),
     *_compressor("csa", "attn.compressor", 2, "head_dim"),
     *_compressor("csa", "attn.indexer.compressor", 2, "index_head_dim"),

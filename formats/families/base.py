@@ -279,12 +279,15 @@ class ModelFamily:
         return None if m is None else self.role(m.gate).module.split(".{e}")[0]
 
     def _layer_of(self, module: str) -> tuple[int, str] | None:
-        """(layer id, rest of the name) of a layer's module; None: not a layer's."""
-        if (m := self._matchers[0].fullmatch(module)) is not None:
-            return int(m.group(1)), m.group(2)
-        if self.mtp_prefix is not None and self.first_mtp is not None:
-            if (m := _prefix_regex(self.mtp_prefix, "mtp").fullmatch(module)) is not None:
-                return self.first_mtp + int(m.group(1)), m.group(2)
+        """(layer id, rest of the name) of a layer's module; None: not a layer's. A tensor
+        directly under the layer (DeepSeek-V4's ``layers.3.hc_attn_fn``) has the layer itself as
+        its module (``layers.3``) and an empty rest."""
+        mtp = self.mtp_prefix is not None and self.first_mtp is not None
+        for name in (module, module + "."):
+            if (m := self._matchers[0].fullmatch(name)) is not None:
+                return int(m.group(1)), m.group(2)
+            if mtp and (m := _prefix_regex(self.mtp_prefix, "mtp").fullmatch(name)) is not None:
+                return self.first_mtp + int(m.group(1)), m.group(2)  # type: ignore[operator]
         return None
 
     def locate(self, module: str) -> Located | None:
@@ -307,7 +310,7 @@ class ModelFamily:
 @functools.cache
 def _prefix_regex(prefix: str, field: str) -> re.Pattern[str]:
     """``layers.{layer}.`` → ``layers\\.(\\d+)\\.(.+)``."""
-    return re.compile(re.escape(prefix).replace(r"\{" + field + r"\}", r"(\d+)") + "(.+)")
+    return re.compile(re.escape(prefix).replace(r"\{" + field + r"\}", r"(\d+)") + "(.*)")
 
 
 @functools.cache
