@@ -11,6 +11,7 @@ from hetquant.formats.expert_repack import EXPERT_REPACKS, repack_target
 from hetquant.formats.fp4_cpu import dequantize_rows, expert_from_fp4, fp4_gemv_int8, stack_experts
 
 FP4 = get_format("fp4_e2m1")
+GOLDEN_EXPERT = "34f60fb9068d26dc81b49aac8069b1026a43806f00f0644f8c217814c8483e83"
 LAYOUT = get_expert_format("fp4_cpu_experts")
 
 
@@ -72,3 +73,25 @@ def test_bad_expert_refused() -> None:
         expert_from_fp4(bad, up, down)
     with pytest.raises(HetquantError, match="expected fp4_e2m1's weight and scale"):
         expert_from_fp4({"weight": gate["weight"]}, up, down)
+
+
+def test_golden_bytes_of_one_expert() -> None:
+    """A fixed expert (I = 32, H = 64; codes and exponents by formula) stacks to these bytes."""
+    import hashlib
+
+    def linear(n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
+        codes = (torch.arange(n * k).reshape(n, k) * (2 * seed + 1)) % 16
+        exps = 120 + (torch.arange(n * k // 32).reshape(n, k // 32) + seed) % 15
+        return {"weight": pack(codes), "scale": exps.to(torch.uint8).view(torch.float8_e8m0fnu)}
+
+    from hetquant.formats.fp4_e2m1 import pack_e2m1 as pack
+
+    layer = stack_experts(
+        [expert_from_fp4(linear(32, 64, 0), linear(32, 64, 1), linear(64, 32, 2))]
+    )
+    assert layer["gate_up_packed"][0, :2, :4].tolist() == [[0x10, 0x32, 0x54, 0x76],
+                                                           [0x30, 0x96, 0xFC, 0x52]]  # fmt: skip  # up: codes 0, 3, 6, …
+    assert layer["gate_up_scale"][0, :2].view(torch.uint8).tolist() == [[120, 121], [121, 122]]
+    digest = hashlib.sha256(b"".join(layer[k].contiguous().view(torch.uint8).numpy().tobytes()
+                                     for k in sorted(layer))).hexdigest()  # fmt: skip
+    assert digest == GOLDEN_EXPERT
