@@ -59,7 +59,8 @@ def _linear(what: str, t: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, tor
         raise HetquantError(f"{what}: expected fp4_e2m1's weight and scale, got {sorted(t)}")
     w = t["weight"]
     try:
-        _SOURCE.check_stored(t, (w.shape[0], 2 * w.shape[1]))
+        code = "U8" if w.dtype == torch.uint8 else "I8"  # another dtype: check_stored names it
+        Fp4E2m1(code_dtype=code).check_stored(t, (w.shape[0], 2 * w.shape[1]))
     except HetquantError as e:
         raise HetquantError(f"{what}: {e}") from None
     check_ue8m0(f"{what}.scale", t["scale"])

@@ -72,6 +72,10 @@ E2M1_X2 = tuple(int(2 * v) for v in E2M1)  # the codes as integers: 2·E2M1 ∈ 
 E2M1_MAX = 6.0
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive magnitudes 0..6
 SCALE_DTYPES = ("F8_E8M0",)
+CODE_DTYPES = (
+    "I8",
+    "U8",
+)  # DeepSeek ships I8; kt-kernel 0.7.2 also reads U8 (sft/deepseek_v4.py:157)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -110,8 +114,11 @@ class Fp4E2m1(WeightFormat):
     name: ClassVar[str] = "fp4_e2m1"
     keys: ClassVar[frozenset[str]] = frozenset({"weight", "scale"})
     scale_dtype: str = "F8_E8M0"
+    code_dtype: str = "I8"
 
     def __post_init__(self) -> None:
+        if self.code_dtype not in CODE_DTYPES:
+            raise HetquantError(f"fp4_e2m1: codes stored as {self.code_dtype}, not I8 / U8")
         if self.scale_dtype not in SCALE_DTYPES:
             raise HetquantError(
                 f"fp4_e2m1: scale dtype {self.scale_dtype} is not UE8M0 (F8_E8M0); DeepSeek-V4's "
@@ -120,9 +127,9 @@ class Fp4E2m1(WeightFormat):
 
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Fp4E2m1, tuple[int, int]]:
         w = metas["weight"]
-        if w.dtype != "I8" or len(w.shape) != 2:
+        if w.dtype not in CODE_DTYPES or len(w.shape) != 2:
             raise HetquantError(f"weight is {w.dtype}{list(w.shape)}, not I8 packed E2M1 codes")
-        variant = dataclasses.replace(self, scale_dtype=metas["scale"].dtype)
+        variant = dataclasses.replace(self, scale_dtype=metas["scale"].dtype, code_dtype=w.dtype)
         return variant, (w.shape[0], 2 * w.shape[1])
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
@@ -133,7 +140,7 @@ class Fp4E2m1(WeightFormat):
                 "(one UE8M0 scale per 32 inputs)"
             )
         return {
-            "weight": TensorMeta("I8", (n, k // 2)),
+            "weight": TensorMeta(self.code_dtype, (n, k // 2)),
             "scale": TensorMeta(self.scale_dtype, (n, k // GROUP)),
         }
 
@@ -156,7 +163,9 @@ class Fp4E2m1(WeightFormat):
             raise HetquantError("fp4_e2m1.quantize: a group's scale leaves the UE8M0 range")
         x = w / ue8m0_to_f32(e.to(torch.uint8))[..., None]  # |x| <= 6
         codes = _nearest_code(x).reshape(n, k)
-        return {"weight": pack_e2m1(codes).contiguous(),
+        packed = pack_e2m1(codes)
+        packed = packed.view(torch.uint8) if self.code_dtype == "U8" else packed
+        return {"weight": packed.contiguous(),
                 "scale": e.to(torch.uint8).view(torch.float8_e8m0fnu).contiguous()}  # fmt: skip
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

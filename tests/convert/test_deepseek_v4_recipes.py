@@ -180,3 +180,13 @@ def test_bad_config_refused_before_anything_is_written(
     res = run_cli("convert", bad, tmp_path / "o", "--recipe", "ascend-hybrid")
     assert res.exit_code == 2 and not (tmp_path / "o").exists()
     assert what in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_run_refuses_v4_in_one_line(v4: dict[str, Path], tmp_path: Path) -> None:
+    """No reference forward for V4 yet: ``hetquant run`` says so rather than run part of it."""
+    out = tmp_path / "bf16"
+    _convert(v4["deepseek"], out, "bf16")
+    res = run_cli("run", out, "--prompt", "hello")
+    assert res.exit_code == 2, res.stderr
+    line = res.stderr.strip()
+    assert len(line.splitlines()) == 1 and "not implemented in hetquant's reference forward" in line

@@ -25,7 +25,7 @@ VARIANTS: dict[str, tuple[list[dict], list[tuple[int, int]]]] = {
     "int4_cpu_group": ([{}, {"group_size": 64}], [(6, 128), (3, 64 * 5)]),
     "nvfp4": ([{}, {"with_input_scale": True}], [(6, 32), (160, 256)]),
     "nvfp4_ascend": ([{}, {"with_input_scale": True}], [(256, 64), (512, 128)]),
-    "fp4_e2m1": ([{}], [(7, 32), (2048, 4096)]),
+    "fp4_e2m1": ([{}, {"code_dtype": "U8"}], [(7, 32), (2048, 4096)]),
     "fp8_block_scale": ([{}, {"scale_dtype": "F32"}], [(160, 256), (7, 9), (129, 1000)]),
 }
 
