@@ -190,3 +190,14 @@ def test_run_refuses_v4_in_one_line(v4: dict[str, Path], tmp_path: Path) -> None
     assert res.exit_code == 2, res.stderr
     line = res.stderr.strip()
     assert len(line.splitlines()) == 1 and "not implemented in hetquant's reference forward" in line
+
+
+def test_mtp_layer_kept_or_dropped(v4: dict[str, Path], tmp_path: Path) -> None:
+    """The MTP layer (``mtp.0.``) goes through the hybrid as any layer, or is left out."""
+    for mtp, layers in (("keep", 5), ("drop", 4)):
+        out = tmp_path / mtp
+        _convert(v4["deepseek"], out, "ascend-hybrid", "--mtp", mtp)
+        names = set(_tensors(out))
+        assert any(n.startswith("mtp.0.") for n in names) == (mtp == "keep")
+        assert len(list((out / "cpu_experts").glob("*.safetensors"))) == layers
+        assert read_json(out / "config.json")["num_nextn_predict_layers"] == (mtp == "keep")
