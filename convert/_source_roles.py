@@ -24,6 +24,7 @@ __all__ = ["PLAIN", "PREFERRED", "attach_roles"]
 
 PLAIN = "plain"  # the format name of a tensor no weight format claims
 PLAIN_DTYPES = frozenset({"BF16", "F16", "F32", "F64"})
+INDEX_DTYPES = frozenset({"I32", "I64"})  # an ``index`` role's table (DeepSeek-V4's tid2eid)
 Entries = dict[str, tuple[str, HeaderEntry]]  # tensor name → (shard file, header entry)
 Attached = tuple[TensorRole, Entries, WeightFormat | None]  # role, parts by key, format
 
@@ -61,7 +62,7 @@ def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
             _check_group(out[name], prefix, schemes)
         else:
             out[name] = (role, {key: _plain(name, role, entries)}, None)
-    claimed = {f"{t.rpartition('.')[0]}.{k}" for t, (_, parts, _) in out.items() for k in parts}
+    claimed = {_join(t.rpartition(".")[0], k) for t, (_, parts, _) in out.items() for k in parts}
     unknown = [n for n in entries if n not in claimed]
     if unknown:
         raise HetquantError(
@@ -69,6 +70,11 @@ def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
             "for this config; is config.json from the same checkpoint?"
         )
     return out
+
+
+def _join(prefix: str, key: str) -> str:
+    """A stored name from its module prefix and key (a dot-less global name has no prefix)."""
+    return f"{prefix}.{key}" if prefix else key
 
 
 def _source_schemes(cfg: ModelConfig) -> CtQuantConfig | None:
@@ -134,7 +140,7 @@ def _plain(name: str, role: TensorRole, entries: Entries) -> tuple[str, HeaderEn
             f"{name}: shape {list(entry.shape)} disagrees with config.json, which implies "
             f"{list(role.shape)}"
         )
-    if entry.dtype not in PLAIN_DTYPES:
+    if entry.dtype not in PLAIN_DTYPES | (INDEX_DTYPES if role.role.kind == "index" else set()):
         key = name.rpartition(".")[2]
         need = missing_partners({key: entry.meta}, role.shape) if len(role.shape) == 2 else []
         raise HetquantError(

@@ -35,6 +35,7 @@ ST_DTYPES: dict[str, tuple[int, str, type]] = {
     "BF16": (2, "bfloat16", np.uint16),
     "F8_E4M3": (1, "float8_e4m3fn", np.uint8),
     "F8_E5M2": (1, "float8_e5m2", np.uint8),
+    "F8_E8M0": (1, "float8_e8m0fnu", np.uint8),  # UE8M0 scales: 2^(byte - 127), 0xFF NaN
     "I64": (8, "int64", np.int64),
     "I32": (4, "int32", np.int32),
     "I16": (2, "int16", np.int16),

@@ -10,6 +10,7 @@ compressed-tensors INT4, group 32) are kept, never rounded a second time.
 | source | expert-layer format | how |
 |---|---|---|
 | ``ct_pack_quantized`` (symmetric, group g, BF16 scales) | ``int4_cpu_group_experts`` (group g) | ``int4_cpu_group.expert_from_ct``: the I32 words viewed as bytes, scales as stored |
+| ``fp4_e2m1`` (DeepSeek-V4's FP4 experts) | ``fp4_cpu_experts`` | ``fp4_cpu.expert_from_fp4``: the I8 codes viewed as bytes, UE8M0 scales as stored |
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ._lazy import torch
+from .fp4_cpu import expert_from_fp4
 from .int4_cpu_group import expert_from_ct
 
 __all__ = ["EXPERT_REPACKS", "Repack", "repack_target"]
@@ -25,6 +27,7 @@ Repack = Callable[..., "dict[str, torch.Tensor]"]  # (gate, up, down stored dict
 
 EXPERT_REPACKS: dict[tuple[str, str], Repack] = {
     ("ct_pack_quantized", "int4_cpu_group_experts"): expert_from_ct,
+    ("fp4_e2m1", "fp4_cpu_experts"): expert_from_fp4,
 }
 
 

@@ -28,8 +28,10 @@ names would accept any config that happens to share them.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -130,7 +132,8 @@ class ModelConfig:
 
     @property
     def family(self) -> ModelFamily:
-        return get_family(self.family_name)
+        """The family, bound to this config where its MTP layers have a prefix of their own."""
+        return _bound(get_family(self.family_name), self.num_hidden_layers)
 
     @property
     def total_layers(self) -> int:
@@ -166,6 +169,19 @@ class ModelFamily:
     refused_types: tuple[tuple[str, str], ...] = ()
     # stored tensor names (regex, searched) a source of the family is refused for: (regex, why)
     refused: tuple[tuple[str, str], ...] = ()
+    # the MTP layers' own prefix (``mtp.{mtp}.``: DeepSeek-V4 names MTP layer n + m ``mtp.m.``;
+    # None: they take ``layer_prefix``), and the first MTP layer id, set by ``ModelConfig.family``
+    mtp_prefix: str | None = None
+    first_mtp: int | None = None
+    # which config.json of ``model_types`` this family reads (None: every one); several families
+    # of one model type tell their on-disk layouts apart by it
+    accepts: Callable[[Mapping[str, Any]], bool] | None = None
+
+    def prefix(self, layer: int) -> str:
+        """The tensor name prefix of decoder layer ``layer`` (MTP ones under ``mtp_prefix``)."""
+        if self.mtp_prefix is not None and self.first_mtp is not None and layer >= self.first_mtp:
+            return self.mtp_prefix.format(mtp=layer - self.first_mtp)
+        return self.layer_prefix.format(layer=layer)
 
     def refusal(self, name: str) -> str | None:
         """Why a stored tensor ``name`` no role takes is refused by name (None: not known)."""
@@ -186,7 +202,7 @@ class ModelFamily:
         r = self._by_name[role]
         if r.scope in (GLOBAL, GLOBAL_LAST):
             return r.pattern
-        return self.layer_prefix.format(layer=layer) + r.pattern.format(e=expert)
+        return self.prefix(layer) + r.pattern.format(e=expert)
 
     def module(self, role: str, layer: int | None = None, expert: int | None = None) -> str:
         """The module name of ``role`` (its tensor name without the local key)."""
@@ -215,9 +231,7 @@ class ModelFamily:
     def stacked_experts(self, layer: int) -> str | None:
         """The module under which an expert-layer format stacks ``layer``'s routed experts
         (the routed experts' module up to the expert index); None without routed experts."""
-        return (
-            None if self._stacked is None else self.layer_prefix.format(layer=layer) + self._stacked
-        )
+        return None if self._stacked is None else self.prefix(layer) + self._stacked
 
     def layer_roles(self, cfg: ModelConfig, layer: int) -> tuple[Role, ...]:
         """The roles decoder layer ``layer`` holds, in table order."""
@@ -247,7 +261,7 @@ class ModelFamily:
     def _matchers(self) -> tuple[re.Pattern[str], dict[str, Role], list[tuple[re.Pattern, Role]]]:
         """(layer prefix regex, module → role without an expert index (global ones under their
         full name, layer ones relative to the prefix), [(regex, role)] of the expert roles)."""
-        layer = re.compile(re.escape(self.layer_prefix).replace(r"\{layer\}", r"(\d+)") + "(.+)")
+        layer = _prefix_regex(self.layer_prefix, "layer")
         exact: dict[str, Role] = {}
         experts = []
         for r in self.roles:
@@ -264,13 +278,25 @@ class ModelFamily:
         m = self.mlp("routed")
         return None if m is None else self.role(m.gate).module.split(".{e}")[0]
 
+    def _layer_of(self, module: str) -> tuple[int, str] | None:
+        """(layer id, rest of the name) of a layer's module; None: not a layer's. A tensor
+        directly under the layer (DeepSeek-V4's ``layers.3.hc_attn_fn``) has the layer itself as
+        its module (``layers.3``) and an empty rest."""
+        mtp = self.mtp_prefix is not None and self.first_mtp is not None
+        for name in (module, module + "."):
+            if (m := self._matchers[0].fullmatch(name)) is not None:
+                return int(m.group(1)), m.group(2)
+            if mtp and (m := _prefix_regex(self.mtp_prefix, "mtp").fullmatch(name)) is not None:
+                return self.first_mtp + int(m.group(1)), m.group(2)  # type: ignore[operator]
+        return None
+
     def locate(self, module: str) -> Located | None:
         """What module ``module`` (a tensor name without its local key) is; None: not ours."""
-        layer_re, exact, experts = self._matchers
-        if (m := layer_re.fullmatch(module)) is None:
+        _, exact, experts = self._matchers
+        if (hit := self._layer_of(module)) is None:
             r = exact.get(module)
             return None if r is None else Located(r, None, None)
-        layer, rest = int(m.group(1)), m.group(2)
+        layer, rest = hit
         if (r := exact.get("." + rest)) is not None:
             return Located(r, layer, None)
         if rest == self._stacked:
@@ -279,6 +305,20 @@ class ModelFamily:
             if hit := pattern.fullmatch(rest):
                 return Located(r, layer, int(hit.group(1)))
         return None
+
+
+@functools.cache
+def _prefix_regex(prefix: str, field: str) -> re.Pattern[str]:
+    """``layers.{layer}.`` → ``layers\\.(\\d+)\\.(.+)``."""
+    return re.compile(re.escape(prefix).replace(r"\{" + field + r"\}", r"(\d+)") + "(.*)")
+
+
+@functools.cache
+def _bound(family: ModelFamily, first_mtp: int) -> ModelFamily:
+    """``family`` knowing its first MTP layer id (itself when its MTP layers take its layer prefix)."""
+    if family.mtp_prefix is None:
+        return family
+    return dataclasses.replace(family, first_mtp=first_mtp)
 
 
 # -- the registry -----------------------------------------------------------------------------
@@ -329,7 +369,7 @@ def family_for_config(raw: Mapping[str, Any], origin: str = "config.json") -> Mo
             "checkpoint's model_type to config.json"
         )
     for family in FAMILIES.values():
-        if model_type in family.model_types:
+        if model_type in family.model_types and (family.accepts is None or family.accepts(raw)):
             return family
         why = dict(family.refused_types).get(model_type)
         if why is not None:

@@ -30,7 +30,8 @@ __all__ = [
 
 GLOBAL, GLOBAL_LAST, MTP = "global", "global_last", "mtp"  # scopes every family shares
 TP_SPLITS = ("column", "row", "replicate", "vocab")
-KINDS = ("linear", "norm", "embedding", "head", "router", "bias")
+# "index": an integer table (DeepSeek-V4's token → expert hash routing)
+KINDS = ("linear", "norm", "embedding", "head", "router", "bias", "index")
 EXPERT_KINDS = (None, "shared", "routed")
 SCALE_SUFFIX = "_scale_inv"  # an FP8 block weight's scale partner: ``<weight name>_scale_inv``
 

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
 
+from ..kernels.fp4_gemv import fp4_gemv
 from ..kernels.int4_gemv import int4_gemv
 from ..kernels.int4_moe import int4_moe
 from ._expert_files import ExpertLayerInfo
@@ -219,7 +220,9 @@ class _Subpool:
         its first expert, ``kw`` the ``int4_gemv`` options plus ``fused`` (module docstring)."""
         t = self.tensors[layer]
         kw = dict(kw)
-        if kw.pop("fused"):
+        fp4 = t["gate_up_scale"].dtype == torch.float8_e8m0fnu  # formats/fp4_cpu.py
+        gemv = fp4_gemv if fp4 else int4_gemv
+        if kw.pop("fused") and not fp4:
             out = int4_moe(t, x32, r.experts - e0, r.offsets, r.tokens, r.weights, **kw)
             if out is not None:
                 return out
@@ -229,9 +232,9 @@ class _Subpool:
             i, a, b = e - e0, bounds[g], bounds[g + 1]
             tok, w = r.tokens[a:b], r.weights[a:b]
             xs = x32.index_select(0, tok)  # [n, H]
-            gu = int4_gemv(t["gate_up_packed"][i], t["gate_up_scale"][i], xs, **kw)  # [n, 2I/S]
+            gu = gemv(t["gate_up_packed"][i], t["gate_up_scale"][i], xs, **kw)  # [n, 2I/S]
             act = F.silu(gu[:, 0::2]) * gu[:, 1::2]  # [n, I/S]
-            y = int4_gemv(t["down_packed"][i], t["down_scale"][i], act, **kw)  # [n, H]
+            y = gemv(t["down_packed"][i], t["down_scale"][i], act, **kw)  # [n, H]
             out.index_add_(0, tok, y * w[:, None])
         return out
 

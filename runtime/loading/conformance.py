@@ -137,7 +137,8 @@ def _root_shapes(
             yield f"{info.prefix}.weight", (tuple(info.shape), root / file)
             continue
         for key, (file, entry) in info.entries.items():
-            yield f"{info.prefix}.{key}", (tuple(entry.shape), root / file)
+            name = f"{info.prefix}.{key}" if info.prefix else key  # a dot-less global name
+            yield name, (tuple(entry.shape), root / file)
 
 
 def _pool_shapes(

@@ -25,6 +25,8 @@ VARIANTS: dict[str, tuple[list[dict], list[tuple[int, int]]]] = {
     "int4_cpu_group": ([{}, {"group_size": 64}], [(6, 128), (3, 64 * 5)]),
     "nvfp4": ([{}, {"with_input_scale": True}], [(6, 32), (160, 256)]),
     "nvfp4_ascend": ([{}, {"with_input_scale": True}], [(256, 64), (512, 128)]),
+    "fp4_e2m1": ([{}, {"code_dtype": "U8"}], [(7, 32), (2048, 4096)]),
+    "fp8_block_scale": ([{}, {"scale_dtype": "F32"}], [(160, 256), (7, 9), (129, 1000)]),
 }
 
 
@@ -43,7 +45,7 @@ CASES = [
 def _pinned_by_shapes(name: str, params: dict, shape: tuple[int, int]) -> bool:
     """False where shapes alone leave a parameter open: an FP8 weight within one block of a
     non-default edge has a 1 x 1 grid, as it would with 128."""
-    return not (name == "fp8_block" and max(shape) <= params.get("block", 128))
+    return not (name.startswith("fp8_block") and max(shape) <= params.get("block", 128))
 
 
 @pytest.mark.parametrize(("name", "params", "shape"), CASES)
