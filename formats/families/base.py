@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import HetquantError
+from ..fused_experts import FusedExperts
 from ..json_io import load_json
 from .mappings import AwqMappings
 from .roles import (
@@ -166,6 +167,8 @@ class ModelFamily:
     refused_types: tuple[tuple[str, str], ...] = ()
     # stored tensor names (regex, searched) a source of the family is refused for: (regex, why)
     refused: tuple[tuple[str, str], ...] = ()
+    # the fused 3-D routed-expert layout its sources may store (None: per-expert only)
+    fused_experts: FusedExperts | None = None
 
     def refusal(self, name: str) -> str | None:
         """Why a stored tensor ``name`` no role takes is refused by name (None: not known)."""
