@@ -124,6 +124,12 @@ class ModelConfig:
         raise NotImplementedError
 
     @property
+    def decoder_raw(self) -> dict[str, Any]:
+        """The text decoder's config dict the reference forward reads: ``raw``; a VLM's text
+        config (``vlm.py``)."""
+        return self.raw
+
+    @property
     def quantization_config(self) -> dict[str, Any]:
         """config.json's ``quantization_config`` ({} when absent); an object whose
         ``quant_method`` / ``scale_fmt`` are strings (``fields.source_quantization``, at parse)."""
@@ -342,6 +348,14 @@ def family_for_config(raw: Mapping[str, Any], origin: str = "config.json") -> Mo
     for family in FAMILIES.values():
         if set(archs) & set(family.architectures):
             return family
+    text = raw.get("text_config")
+    if isinstance(text, Mapping):  # a vision-language wrapper: name its text decoder
+        raise HetquantError(
+            f"{origin}: model_type {model_type!r} is a vision-language model whose text decoder "
+            f"(text_config model_type {text.get('model_type')!r}) hetquant has no family for; it "
+            f"converts the model types {_known()} (a VLM over a known text family is one module: "
+            "formats/families/vlm.py)"
+        )
     raise HetquantError(
         f"{origin}: model_type {model_type!r} (architectures {archs}) is no model family hetquant "
         f"knows; it converts the model types {_known()}"

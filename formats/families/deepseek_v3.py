@@ -132,7 +132,7 @@ class DeepseekV3Config(ModelConfig):
 
     def router(self) -> RouterSpec:
         """The routing fields (read when a forward needs them: convert does not)."""
-        return RouterSpec.from_config(self.raw, self.n_routed_experts)
+        return RouterSpec.from_config(self.decoder_raw, self.n_routed_experts)
 
 
 # DeepSeek's routing methods (modeling_deepseek.py MoEGate: V2's greedy ones, V3's noaux_tc)

@@ -122,8 +122,9 @@ def _check_inputs(spec: RunSpec, world: int) -> tuple[CollectiveBackend | None, 
     from ..loading.loader import open_artifact
 
     art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
-    check_runnable(parse_config(art.config))
-    vocab = int(art.config.get("vocab_size", 0))
+    cfg = parse_config(art.config)
+    check_runnable(cfg)
+    vocab = cfg.vocab_size  # a VLM's is its text config's
     bad = [t for t in spec.tokens if not 0 <= t < vocab]
     if bad:
         raise HetquantError(
