@@ -1,7 +1,7 @@
 """Model families: one module per family, each registered by name in ``FAMILIES``
 (``base.py`` says what a family declares and how config.json picks one)."""
 
-from . import deepseek_v3, deepseek_v32, qwen3_moe, qwen3_vl_moe  # noqa: F401  (registration)
+from . import deepseek_v3, deepseek_v32, kimi_k25, qwen3_moe, qwen3_vl_moe  # noqa: F401  (registration)
 from .base import (
     FAMILIES,
     ModelConfig,

@@ -132,8 +132,9 @@ class ModelConfig:
     @property
     def quantization_config(self) -> dict[str, Any]:
         """config.json's ``quantization_config`` ({} when absent); an object whose
-        ``quant_method`` / ``scale_fmt`` are strings (``fields.source_quantization``, at parse)."""
-        return self.raw.get("quantization_config") or {}
+        ``quant_method`` / ``scale_fmt`` are strings (``fields.source_quantization``, at parse);
+        a VLM's is its text decoder's (``decoder_raw``: the top-level one, else text_config's)."""
+        return self.decoder_raw.get("quantization_config") or {}
 
     @property
     def family(self) -> ModelFamily:

@@ -83,7 +83,9 @@ class DeepseekV3Config(ModelConfig):
     @classmethod
     def parse(cls, raw: dict[str, Any], origin: str = "config.json") -> DeepseekV3Config:
         f = ConfigFields(raw, origin)
-        names = [x.name for x in fields(cls) if x.name not in _OPTIONAL]
+        names = [
+            x.name for x in fields(DeepseekV3Config) if x.name not in _OPTIONAL
+        ]  # not a subclass's
         f.require(names, "is this a DeepSeek-V3-family config?")
         values = {n: f.integer(n, lo=0 if n in _MAY_BE_ZERO else 1) for n in names}
         _router_fields(f, None)

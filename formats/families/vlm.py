@@ -99,6 +99,8 @@ class VlmSpec:
     decoder_raw: Callable[[dict[str, Any], str], dict[str, Any]]  # config.json → text config
     vision_counts: Callable[[ConfigFields], tuple[int, int]]  # (blocks, deepstack mergers)
     text_types: tuple[str, ...] = ()  # the text_config model_types it reads (absent: any)
+    # config.json → the vision config the shapes read (None: ``vision_key``'s object as it is)
+    vision_raw: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
     text_key: str = "text_config"
     vision_key: str = "vision_config"
 
@@ -188,7 +190,7 @@ def _config_type(name: str, text_type: type[ModelConfig], spec: VlmSpec) -> type
             text = {**text, "quantization_config": qc} if qc is not None else text
             cfg = super().parse(text, f"{origin}: {spec.text_key}")
             return dataclasses.replace(cfg, raw=raw, text_raw=text,
-                                       vision=_vision(raw[spec.vision_key], origin, spec))  # fmt: skip
+                                       vision=_vision(raw, origin, spec))  # fmt: skip
 
         @property
         def decoder_raw(self) -> dict[str, Any]:
@@ -203,7 +205,8 @@ def _config_type(name: str, text_type: type[ModelConfig], spec: VlmSpec) -> type
 
 
 def _vision(raw: dict[str, Any], origin: str, spec: VlmSpec) -> VisionConfig:
-    f = ConfigFields(raw, f"{origin}: {spec.vision_key}")
+    vision = raw[spec.vision_key] if spec.vision_raw is None else spec.vision_raw(raw, origin)
+    f = ConfigFields(vision, f"{origin}: {spec.vision_key}")
     f.require(spec.vision_fields, "is the vision config complete?")
     blocks, mergers = spec.vision_counts(f)
     return VisionConfig({k: f.integer(k) for k in spec.vision_fields}, blocks, mergers)
