@@ -96,7 +96,8 @@ def write_checkpoint(out: Path) -> Path:
     index = json.loads((k2 / "model.safetensors.index.json").read_text())
     text_cfg = json.loads((k2 / "config.json").read_text())
     qc = text_cfg["quantization_config"]
-    qc["ignore"] = [*qc["ignore"], "re:vision_tower.*", "re:mm_projector.*"]
+    qc["ignore"] = [("language_model.lm_head" if i == "lm_head" else i) for i in qc["ignore"]]
+    qc["ignore"] += ["re:vision_tower.*", "re:mm_projector.*"]  # the names under language_model.
     out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import load_file
 

@@ -32,7 +32,7 @@ compensation and the expert decisions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from .._lazy import torch
@@ -83,9 +83,9 @@ class DeepseekV3Config(ModelConfig):
     @classmethod
     def parse(cls, raw: dict[str, Any], origin: str = "config.json") -> DeepseekV3Config:
         f = ConfigFields(raw, origin)
-        names = [
-            x.name for x in fields(DeepseekV3Config) if x.name not in _OPTIONAL
-        ]  # not a subclass's
+        # a subclass's fields too (V3.2's indexer), but not those with a default (a VLM's)
+        names = [x.name for x in fields(cls) if x.name not in _OPTIONAL
+                 and x.default is MISSING and x.default_factory is MISSING]  # fmt: skip
         f.require(names, "is this a DeepSeek-V3-family config?")
         values = {n: f.integer(n, lo=0 if n in _MAY_BE_ZERO else 1) for n in names}
         _router_fields(f, None)
