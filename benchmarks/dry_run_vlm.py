@@ -6,12 +6,13 @@ loads at (``dry_run_qwen3.py``'s ``tp_sizes`` on ``planned_modules``).
 A recipe the source refuses (K2.5's INT4 experts re-quantized without ``--requantize``) is
 recorded with its error line, as ``dry_run_families.py`` does.
 
-    PATH=.venv/bin:$PATH python benchmarks/dry_run_vlm.py
+    PATH=.venv/bin:$PATH python benchmarks/dry_run_vlm.py [MODEL ...]
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,11 @@ def main() -> None:
     bench = _load(REPO / "benchmarks/dry_run_671b.py", "dry_run_671b")
     qwen3 = _load(REPO / "benchmarks/dry_run_qwen3.py", "dry_run_qwen3")
     rows = []
+    only = set(sys.argv[1:])  # model names to run (default: all)
     with tempfile.TemporaryDirectory() as tmp:
         for model, dtypes in layouts.MODELS.items():
+            if only and model not in only:
+                continue
             for dtype in dtypes:
                 src = layouts.write_layout(Path(tmp) / f"{model}-{dtype}", model, dtype)
                 source = SourceCheckpoint.open(src)
@@ -81,6 +85,8 @@ def main() -> None:
                         else:
                             row |= qwen3.tp_sizes(source.config.raw, planned_modules(qwen3, plan))
                     rows.append(row)
+                    print(row, flush=True)
+                    bench.write_results(RESULTS.with_suffix(".partial.json"), rows)
     print(f"{'model':<20} {'src':<5} {'recipe':<14} {'root GB':>8} {'cpu GB':>7} {'bits/w':>7} "
           f"{'dry-run s':>9}  TP sizes (with attn_dp)")  # fmt: skip
     for r in rows:

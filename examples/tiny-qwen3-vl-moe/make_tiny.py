@@ -144,7 +144,7 @@ def write_checkpoint(out: Path, dtype: str = "bf16") -> Path:
     _json(out / "model.safetensors.index.json",
           {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})  # fmt: skip
     config = model.config.to_dict()
-    config["dtype"] = "bfloat16"
+    config |= {"architectures": ["Qwen3VLMoeForConditionalGeneration"], "dtype": "bfloat16"}
     if dtype == "fp8":
         config["quantization_config"] = FP8_CONFIG
     _json(out / "config.json", config)
