@@ -35,9 +35,15 @@ def _load(path: Path, name: str) -> Any:
     return mod
 
 
+_BESIDE = (
+    "bias",
+    "e_score_correction_bias",
+)  # plain tensors a kept module stores beside its weight
+
+
 def planned_modules(qwen3: Any, plan: Plan) -> dict[str, ModuleInfo]:
     """``dry_run_qwen3.planned_modules``, where a kept module may store a bias beside its weight
-    (the vision tower's linears and LayerNorms): its shape is its weight's."""
+    (the vision tower's linears and LayerNorms, DeepSeek's router): its shape is its weight's."""
     import dataclasses
 
     from hetquant.formats.safetensors_io import HeaderEntry
@@ -46,11 +52,11 @@ def planned_modules(qwen3: Any, plan: Plan) -> dict[str, ModuleInfo]:
     for f in plan.files:
         for t in f.tensors if f.part == "root" else ():
             module, _, key = t.name.rpartition(".")
-            if key == "bias":
+            if key in _BESIDE:
                 keep.setdefault(module, {})[key] = t
     trimmed = dataclasses.replace(plan, files=[
         dataclasses.replace(f, tensors=[t for t in f.tensors if t.name.rpartition(".")[0] not in keep
-                                        or not t.name.endswith(".bias")]) for f in plan.files])  # fmt: skip
+                                        or t.name.rpartition(".")[2] not in _BESIDE]) for f in plan.files])  # fmt: skip
     out = qwen3.planned_modules(trimmed)
     for module, parts in keep.items():
         if module in out:
