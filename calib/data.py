@@ -87,11 +87,15 @@ def load_tokenizer(model_dir: str | Path) -> tuple[Any, int]:
 
 
 def _eos_id(cfg: Path, vocab: int) -> int:
-    """config.json's ``eos_token_id`` (the first of a list): a token id below ``vocab``."""
+    """config.json's ``eos_token_id`` (the first of a list; a VLM's in ``text_config``): a token
+    id below ``vocab``."""
     raw = load_json(cfg) if cfg.is_file() else {}
     if not isinstance(raw, dict):
         raise HetquantError(f"{cfg}: expected a JSON object")
     eos = raw.get("eos_token_id")
+    text = raw.get("text_config")
+    if eos is None and isinstance(text, dict):  # a vision-language model's: its text decoder's
+        eos = text.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     if eos is None:

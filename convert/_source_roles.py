@@ -18,6 +18,7 @@ from hetquant.formats.base import identify, missing_partners, show_meta
 from hetquant.formats.ct_pack_quantized import CtPackQuantized
 from hetquant.formats.ct_scheme import CT_METHOD, CtQuantConfig
 from hetquant.formats.families import ModelConfig, TensorRole, expected_tensors
+from hetquant.formats.fused_experts import unfuse
 from hetquant.formats.safetensors_io import HeaderEntry
 
 __all__ = ["PLAIN", "PREFERRED", "attach_roles"]
@@ -39,7 +40,9 @@ PREFERRED: tuple[Callable[[ModelConfig], WeightFormat], ...] = (
 
 
 def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
-    """Role tensor name → (role, its stored tensors by local key, format or None)."""
+    """Role tensor name → (role, its stored tensors by local key, format or None); fused 3-D
+    experts are read as the per-expert tensors they hold (``formats/fused_experts.py``)."""
+    entries = unfuse(cfg, entries)
     expected = expected_tensors(cfg)
     _refuse_by_name(cfg, entries, expected)
     modules: dict[str, Entries] = {}

@@ -31,6 +31,7 @@ from typing import Any
 
 from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta, get_format
 from hetquant.formats.families import TensorRole
+from hetquant.formats.families.vlm import check_vision_kept
 
 from .containers import SAFETENSORS, Container, OutTensor, SafetensorsFile, make_container
 from .recipes import COPY, DROP, ROOT, Recipe, Target
@@ -167,6 +168,7 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
     stacked: dict[str, Container] = {}
     experts: dict[tuple[str, int, int], dict[str, SourceItem]] = {}
     assigned = [(i, _as_stored(i, _target(recipe, i))) for i in items]
+    check_vision_kept(((i.name, i.role, t.fmt) for i, t in assigned), recipe.name)
     groups = _amax_groups(assigned)
     for item, target in assigned:
         if target.fmt == DROP:

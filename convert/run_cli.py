@@ -216,7 +216,9 @@ def eval_(
     must_exist(text)
     if json_out is not None:
         writable_output(json_out, "--json")
-    _check_eval_size(load_config(artifact / "config.json").raw, samples, seq_len)  # validated
+    _check_eval_size(
+        load_config(artifact / "config.json").decoder_raw, samples, seq_len
+    )  # validated
     root, revision = resolve_source(reference, None, None)
     src = SourceCheckpoint.open(root, revision)
     _check_reference(artifact, src, reference)

@@ -72,6 +72,16 @@ class HeaderEntry:
     def nbytes(self) -> int:
         return self.end - self.start
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of the bytes ``[start, end)`` as stored (a view entry's differs from
+        ``shape``: ``fused_experts.ExpertSlice``)."""
+        return self.shape
+
+    def pick(self, block: np.ndarray) -> np.ndarray:
+        """The tensor from its stored ``block`` (a plain entry: the block itself)."""
+        return block
+
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
@@ -189,15 +199,16 @@ class MappedFile:
 
 
 def array_view(buf: mmap.mmap | None, entry: HeaderEntry) -> np.ndarray:
-    """A zero-copy numpy array over ``entry``'s bytes in ``buf`` (copied only if misaligned),
+    """A zero-copy numpy array over ``entry``'s bytes in ``buf`` (copied only if misaligned, or
+    where a view entry picks from its block: ``HeaderEntry.pick``),
     BF16 and FP8 as their bits (``dtypes.numpy_dtype``)."""
     dtype = numpy_dtype(entry.dtype)
     if entry.nbytes == 0 or buf is None:
         return np.empty(entry.shape, dtype=dtype)
-    raw = np.frombuffer(buf, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
+    raw = np.frombuffer(buf, dtype=np.uint8, count=entry.end - entry.start, offset=entry.start)
     if entry.start % itemsize(entry.dtype):
         raw = raw.copy()
-    return raw.view(dtype).reshape(entry.shape)
+    return entry.pick(raw.view(dtype).reshape(entry.block_shape))
 
 
 def tensor_view(buf: mmap.mmap | None, entry: HeaderEntry) -> torch.Tensor:

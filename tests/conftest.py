@@ -9,6 +9,7 @@ from support import (  # noqa: F401  (fixtures, registered by being imported her
     tiny_artifact_1mb,
     tiny_hybrid,
     tiny_qwen3,
+    tiny_qwen3_vl,
     tiny_ro,
     tiny_ro_hashes,
     tiny_src,

@@ -431,6 +431,25 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {d: gen.write_checkpoint(base / d, d) for d in ("fp8", "bf16")}
 
 
+TINY_QWEN3_VL = REPO / "examples" / "tiny-qwen3-vl-moe" / "make_tiny.py"
+
+
+def make_tiny_qwen3_vl() -> Any:
+    """``examples/tiny-qwen3-vl-moe/make_tiny.py`` as a namespace (``write_checkpoint``, ...)."""
+    import runpy
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**runpy.run_path(str(TINY_QWEN3_VL)))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Qwen3-VL-MoE checkpoint (transformers' classes, vision tower included), generated
+    once per session: {"bf16": dir (fused experts), "fp8": dir (per expert)}. Read-only."""
+    base, gen = tmp_path_factory.mktemp("tiny-qwen3-vl"), make_tiny_qwen3_vl()
+    return {d: gen.write_checkpoint(base / d, d) for d in ("bf16", "fp8")}
+
+
 def _convert_once(
     src: Path, tmp_path_factory: pytest.TempPathFactory, name: str, *opts: str
 ) -> Path:

@@ -201,6 +201,8 @@ def artifact_metadata(
     """(config.json of the root part, {extra file name: JSON document})."""
     cfg = copy.deepcopy(source_config)
     cfg.pop("quantization_config", None)  # the source's FP8 block config no longer applies
+    if isinstance(cfg.get("text_config"), dict):  # a VLM's text decoder may carry it (Kimi K2.5)
+        cfg["text_config"].pop("quantization_config", None)
     if any(i.role.mtp for i in plan.items) and not any(
         plan.item(j.source).role.mtp for j in plan.jobs
     ):

@@ -1,7 +1,14 @@
 """Model families: one module per family, each registered by name in ``FAMILIES``
 (``base.py`` says what a family declares and how config.json picks one)."""
 
-from . import deepseek_v3, deepseek_v4, deepseek_v32, qwen3_moe  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration)
+    deepseek_v3,
+    deepseek_v4,
+    deepseek_v32,
+    kimi_k25,
+    qwen3_moe,
+    qwen3_vl_moe,
+)
 from .base import (
     FAMILIES,
     ModelConfig,

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import HetquantError
+from ..fused_experts import FusedExperts
 from ..json_io import load_json
 from .mappings import AwqMappings
 from .roles import (
@@ -125,10 +126,17 @@ class ModelConfig:
         raise NotImplementedError
 
     @property
+    def decoder_raw(self) -> dict[str, Any]:
+        """The text decoder's config dict the reference forward reads: ``raw``; a VLM's text
+        config (``vlm.py``)."""
+        return self.raw
+
+    @property
     def quantization_config(self) -> dict[str, Any]:
         """config.json's ``quantization_config`` ({} when absent); an object whose
-        ``quant_method`` / ``scale_fmt`` are strings (``fields.source_quantization``, at parse)."""
-        return self.raw.get("quantization_config") or {}
+        ``quant_method`` / ``scale_fmt`` are strings (``fields.source_quantization``, at parse);
+        a VLM's is its text decoder's (``decoder_raw``: the top-level one, else text_config's)."""
+        return self.decoder_raw.get("quantization_config") or {}
 
     @property
     def family(self) -> ModelFamily:
@@ -169,6 +177,8 @@ class ModelFamily:
     refused_types: tuple[tuple[str, str], ...] = ()
     # stored tensor names (regex, searched) a source of the family is refused for: (regex, why)
     refused: tuple[tuple[str, str], ...] = ()
+    # the fused 3-D routed-expert layout its sources may store (None: per-expert only)
+    fused_experts: FusedExperts | None = None
     # the MTP layers' own prefix (``mtp.{mtp}.``: DeepSeek-V4 names MTP layer n + m ``mtp.m.``;
     # None: they take ``layer_prefix``), and the first MTP layer id, set by ``ModelConfig.family``
     mtp_prefix: str | None = None
@@ -379,6 +389,14 @@ def family_for_config(raw: Mapping[str, Any], origin: str = "config.json") -> Mo
     for family in FAMILIES.values():
         if set(archs) & set(family.architectures):
             return family
+    text = raw.get("text_config")
+    if isinstance(text, Mapping):  # a vision-language wrapper: name its text decoder
+        raise HetquantError(
+            f"{origin}: model_type {model_type!r} is a vision-language model whose text decoder "
+            f"(text_config model_type {text.get('model_type')!r}) hetquant has no family for; it "
+            f"converts the model types {_known()} (a VLM over a known text family is one module: "
+            "formats/families/vlm.py)"
+        )
     raise HetquantError(
         f"{origin}: model_type {model_type!r} (architectures {archs}) is no model family hetquant "
         f"knows; it converts the model types {_known()}"

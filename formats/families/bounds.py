@@ -17,6 +17,11 @@ it. ``check_index_holds`` compares, cheapest first and in time linear in the ind
 Before them, a name the family refuses (``ModelFamily.refusal``: a layout it does not read, such as
 fused 3-D experts, whose one tensor stands for every expert) is refused with its own reason.
 
+A family's fused 3-D experts (``ModelFamily.fused_experts``): one stored tensor stands for every
+expert of its layer, so the index bounds no expert count; the expert checks (1's and 2's experts,
+3) are left to ``fused_experts.unfuse``, which requires each fused tensor's stored shape — bytes
+the shard holds — to be the config's ``E`` before any name is expanded. The layer checks stay.
+
 A config claiming *fewer* layers or experts than the index holds is left to the role matching
 (``convert/_source_roles.py``), which names the first tensor no role takes.
 """
@@ -43,6 +48,21 @@ def _seen_ids(cfg: ModelConfig, names: Collection[str]) -> tuple[int, int]:
     return layer, expert
 
 
+def _holds_fused(cfg: ModelConfig, names: Collection[str]) -> bool:
+    """Whether a name is one of the family's fused expert tensors (a leaf it declares under a
+    layer's stacked expert module)."""
+    layout = cfg.family.fused_experts
+    if layout is None:
+        return False
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        if leaf in (layout.gate_up, layout.down):
+            hit = cfg.family.locate(module)
+            if hit is not None and hit.role is None and hit.layer is not None:
+                return True
+    return False
+
+
 def expected_count(cfg: ModelConfig) -> int:
     """How many names ``expected_tensors(cfg)`` yields, counted per layer (time linear in the
     layers, not in layers × experts)."""
@@ -67,18 +87,19 @@ def check_index_holds(cfg: ModelConfig, names: Collection[str], origin: str) -> 
     for name in names:  # a layout the family does not read: its own reason, not a count
         if (why := cfg.family.refusal(name)) is not None:
             raise HetquantError(f"tensor {name!r}: {why}")
+    fused = _holds_fused(cfg, names)
     n, layers = len(names), cfg.total_layers
     what = f"{layers} decoder layers ({cfg.num_hidden_layers} + {cfg.num_mtp_layers} MTP)"
     if layers > n:
         raise _disagree(origin, what, f"names only {n} tensors")
-    if cfg.num_experts > n:
+    if cfg.num_experts > n and not fused:
         raise _disagree(origin, f"{cfg.num_experts} routed experts", f"names only {n} tensors")
     top_layer, top_expert = _seen_ids(cfg, names)
     if layers > top_layer + 1:
         held = f"names layers 0..{top_layer} only" if top_layer >= 0 else "names no layer"
         raise _disagree(origin, what, held)
-    if cfg.moe_layers and cfg.num_experts > top_expert + 1:
+    if cfg.moe_layers and cfg.num_experts > top_expert + 1 and not fused:
         held = f"names experts 0..{top_expert} only" if top_expert >= 0 else "names no expert"
         raise _disagree(origin, f"{cfg.num_experts} routed experts per MoE layer", held)
-    if (count := expected_count(cfg)) > n:
+    if not fused and (count := expected_count(cfg)) > n:
         raise _disagree(origin, f"{count:,} tensors (its layers × roles × experts)", f"names {n:,}")

@@ -32,7 +32,7 @@ compensation and the expert decisions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from .._lazy import torch
@@ -83,7 +83,9 @@ class DeepseekV3Config(ModelConfig):
     @classmethod
     def parse(cls, raw: dict[str, Any], origin: str = "config.json") -> DeepseekV3Config:
         f = ConfigFields(raw, origin)
-        names = [x.name for x in fields(cls) if x.name not in _OPTIONAL]
+        # a subclass's fields too (V3.2's indexer), but not those with a default (a VLM's)
+        names = [x.name for x in fields(cls) if x.name not in _OPTIONAL
+                 and x.default is MISSING and x.default_factory is MISSING]  # fmt: skip
         f.require(names, "is this a DeepSeek-V3-family config?")
         values = {n: f.integer(n, lo=0 if n in _MAY_BE_ZERO else 1) for n in names}
         _router_fields(f, None)
@@ -132,7 +134,7 @@ class DeepseekV3Config(ModelConfig):
 
     def router(self) -> RouterSpec:
         """The routing fields (read when a forward needs them: convert does not)."""
-        return RouterSpec.from_config(self.raw, self.n_routed_experts)
+        return RouterSpec.from_config(self.decoder_raw, self.n_routed_experts)
 
 
 # DeepSeek's routing methods (modeling_deepseek.py MoEGate: V2's greedy ones, V3's noaux_tc)

@@ -13,11 +13,11 @@ renormalised iff ``norm_topk_prob`` (transformers' default False; released confi
 a ``RouterSpec`` with one group, no bias and scaling 1. The -FP8 repos are DeepSeek's 128×128
 block format (``quantization_config.weight_block_size``).
 
-Per-expert tensors only: later Qwen releases (Qwen3.5 / 3.6, ``qwen3_5_moe``) store fused 3-D
-``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] under another prefix, and their
-architecture (shared expert, linear attention) is not this one: such tensors are refused by name
-(``ModelFamily.refused``), as are the model types ``qwen3`` (dense, out of scope) and
-``qwen3_5_moe`` / ``qwen3_next``.
+Experts per expert (the released checkpoints, and what transformers 5.24's ``save_pretrained``
+writes: it reverts its in-memory fused tensors, ``conversion_mapping.py:1386-1398``), or fused
+3-D ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] (transformers' module
+layout; ``formats/fused_experts.py``, either orientation by shape). The model types ``qwen3``
+(dense, out of scope) and ``qwen3_5_moe`` / ``qwen3_next`` (other architectures) are refused.
 
 AWQ (AutoAWQ's ``Qwen3MoeAWQForCausalLM`` mappings, as data):
 
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import HetquantError
+from ..fused_experts import FusedExperts
 from ._common import DENSE_MLP, GLOBALS, LAYER_NORMS, ROUTED_EXPERTS, ROUTER
 from .base import ModelConfig, ModelFamily, register_family
 from .deepseek_v3 import RouterSpec
@@ -221,12 +222,6 @@ AWQ = AwqMappings(
     clip_skip=("q_proj", "k_proj"),
 )
 
-_FUSED = (
-    "fused 3-D experts (mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I], the Qwen3.5 / "
-    "3.6 layout) are not supported: hetquant reads Qwen3-MoE's per-expert tensors "
-    "(mlp.experts.N.{gate,up,down}_proj.weight); use the per-expert checkpoint"
-)
-
 FAMILY = register_family(
     ModelFamily(
         "qwen3_moe",
@@ -238,9 +233,9 @@ FAMILY = register_family(
         refused_types=(
             ("qwen3", "a dense Qwen3 (no experts) is out of scope: hetquant converts MoE models "
                       "(Qwen3-MoE: model_type qwen3_moe)"),
-            ("qwen3_5_moe", f"Qwen3.5-MoE (shared expert, linear attention) is not supported; {_FUSED}"),
+            ("qwen3_5_moe", "Qwen3.5-MoE (shared expert, linear attention) is not supported"),
             ("qwen3_next", "Qwen3-Next (shared expert, Gated DeltaNet attention) is not supported"),
         ),
-        refused=((r"\.mlp\.experts\.(gate_up_proj|down_proj)(\.weight)?$", _FUSED),),
+        fused_experts=FusedExperts(transposed=False),
     )
 )  # fmt: skip

@@ -139,7 +139,7 @@ class DecoderReference:
     router: RouterSpec | None
 
     def __init__(self, cfg: ModelConfig, weights: Weights, *, dtype: torch.dtype) -> None:
-        raw = cfg.raw
+        raw = cfg.decoder_raw
         check_runnable(cfg)
         if raw.get("hidden_act", "silu") != "silu":
             raise HetquantError(f"config.json: hidden_act {raw['hidden_act']!r}; expected silu")
@@ -242,12 +242,12 @@ class DeepseekV3Reference(DecoderReference):
     def __init__(
         self, cfg: DeepseekV3Config, weights: Weights, *, dtype: torch.dtype = torch.float32
     ):
-        if cfg.raw.get("attention_bias") or cfg.raw.get("tie_word_embeddings"):
+        if cfg.decoder_raw.get("attention_bias") or cfg.decoder_raw.get("tie_word_embeddings"):
             raise HetquantError(
                 "config.json: attention_bias / tie_word_embeddings are not DeepSeek-V3 features"
             )
         super().__init__(cfg, weights, dtype=dtype)
-        self.rope = RopeSpec.from_config(cfg.raw, cfg.qk_rope_head_dim)
+        self.rope = RopeSpec.from_config(cfg.decoder_raw, cfg.qk_rope_head_dim)
         self.softmax_scale = cfg.qk_head_dim**-0.5 * self.rope.softmax_mscale
 
     def attention(

@@ -56,7 +56,7 @@ class Qwen3MoeReference(DecoderReference):
     def __init__(
         self, cfg: Qwen3MoeConfig, weights: Weights, *, dtype: torch.dtype = torch.float32
     ):
-        raw = cfg.raw
+        raw = cfg.decoder_raw
         bad = [k for k in ("attention_bias", "tie_word_embeddings", "use_sliding_window")
                if raw.get(k)]  # fmt: skip
         if raw.get("rope_scaling"):

@@ -122,7 +122,7 @@ def _check_inputs(spec: RunSpec, world: int) -> tuple[CollectiveBackend | None, 
 
     art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
     check_runnable(art.cfg)
-    vocab = art.cfg.vocab_size
+    vocab = art.cfg.vocab_size  # a VLM's is its text config's
     bad = [t for t in spec.tokens if not 0 <= t < vocab]
     if bad:
         raise HetquantError(

@@ -116,8 +116,10 @@ def test_expert_tensors_missing_in_one_layer(cli, tiny_qwen3, tmp_path: Path) ->
              f"'{gone}up_proj.weight'", f"'{gone}down_proj.weight'")  # fmt: skip
 
 
-def test_fused_3d_experts_refused(cli, tiny_qwen3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """The Qwen3.5 layout (gate_up_proj [E, 2I, H], down_proj [E, H, I]) instead of per-expert."""
+def test_fused_3d_experts_convert(cli, tiny_qwen3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """transformers' module layout (gate_up_proj [E, 2I, H], down_proj [E, H, I]) in one layer
+    instead of per-expert: converted, the experts read from the fused tensors bit-exactly
+    (``tests/formats/test_fused_experts.py`` covers both orientations)."""
     src = _copy(tiny_qwen3["bf16"], tmp_path)
     p = "model.layers.0.mlp.experts"
 
@@ -133,7 +135,12 @@ def test_fused_3d_experts_refused(cli, tiny_qwen3, tmp_path: Path) -> None:  # t
         return out
 
     _edit_shards(src, fuse)
-    _refused(cli, src, tmp_path, "mlp.experts.", "fused 3-D experts", "per-expert")
+    res = cli("convert", src, tmp_path / "out", "--recipe", "bf16")
+    assert res.exit_code == 0, res.stderr
+    ref = SourceCheckpoint.open(tiny_qwen3["bf16"])
+    art = open_artifact(tmp_path / "out").load(ParallelLayout())
+    name = f"{p}.5.up_proj.weight"
+    assert torch.equal(art[name].view(torch.int16), ref.weight(name).view(torch.int16))
 
 
 @pytest.mark.parametrize(

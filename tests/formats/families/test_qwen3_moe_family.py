@@ -55,7 +55,7 @@ def test_layer_rules_and_generic_facts() -> None:
         (_raw(num_experts=0), ("num_experts is 0", "dense Qwen3", "out of scope")),
         (_raw(model_type="qwen3", architectures=["Qwen3ForCausalLM"]),
          ("model_type 'qwen3'", "dense Qwen3", "out of scope")),
-        (_raw(model_type="qwen3_5_moe"), ("qwen3_5_moe", "fused 3-D experts")),
+        (_raw(model_type="qwen3_5_moe"), ("qwen3_5_moe", "linear attention")),
         (_raw(num_key_value_heads=3), ("num_attention_heads 8", "num_key_value_heads 3")),
         ({k: v for k, v in _raw().items() if k != "num_key_value_heads"},
          ("missing field", "num_key_value_heads")),
@@ -78,7 +78,7 @@ def test_awq_mappings_and_refused_tensor_names() -> None:
     assert o.when(parse_config(_raw(num_key_value_heads=8)))
     assert set(FAMILY.awq.mlp_input.linears) >= {"expert_gate", "expert_up", "dense_gate"}
     assert FAMILY.awq.mlp_input.compensate == "router"
-    for name in ("model.layers.0.mlp.experts.gate_up_proj",
-                 "model.language_model.layers.3.mlp.experts.down_proj"):  # fmt: skip
-        assert "fused 3-D experts" in FAMILY.refusal(name)
-    assert FAMILY.refusal("model.layers.0.mlp.experts.0.down_proj.weight") is None
+    assert (
+        FAMILY.fused_experts is not None and not FAMILY.fused_experts.transposed
+    )  # read, not refused
+    assert FAMILY.refusal("model.layers.0.mlp.experts.gate_up_proj") is None
