@@ -19,7 +19,7 @@ from hetquant.formats import HetquantError
 
 from .cli_base import HetquantGroup, must_exist
 from .exporters import EXPORTERS
-from .os_errors import errors_as_hetquant
+from .fs.os_errors import errors_as_hetquant
 from .run_cli import eval_, run
 
 __all__ = ["main"]

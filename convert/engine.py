@@ -1,7 +1,7 @@
 """Plan → validate → execute, resumable and safe to interrupt: the body of ``hetquant convert``.
 
-One convert at a time holds OUTPUT (``output_lock``). The work happens in
-``OUTPUT/.hetquant-partial/`` (``workdir``): containers are created at their final size (space
+One convert at a time holds OUTPUT (``fs/lock.py``). The work happens in
+``OUTPUT/.hetquant-partial/`` (``fs/workdir.py``): containers are created at their final size (space
 checked first, from the plan's exact sizes, and reserved but on tmpfs), jobs write their byte
 ranges, in this process or in workers (``execute``), in ``hashing.fill_order``, a journal records
 finished jobs, and each file is hashed and fsynced as it fills (``hashing``). Re-running the same
@@ -32,18 +32,18 @@ from hetquant.formats import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 from hetquant.formats.manifest_schema import read_manifest
 
-from .diskspace import free_bytes, free_inodes, inode_error, space_error, space_needed
 from .execute import Stopped, run_jobs, sigbus_exits, stop_on_signals
 from .finalize import artifact_names, build, carried_files, json_size, metadata_docs, move_in
+from .fs.diskspace import free_bytes, free_inodes, inode_error, space_error, space_needed
+from .fs.lock import LOCK_NAME, OutputLock
+from .fs.os_errors import DISK_FULL, os_error
+from .fs.source_guard import SourceGuard, job_files
+from .fs.workdir import JOURNAL, WorkDir
 from .hashing import FileHashes, fill_order, hash_threads
-from .os_errors import DISK_FULL, os_error
-from .output_lock import LOCK_NAME, OutputLock
 from .plan import Plan, plan_for
 from .recipes import Recipe
 from .source import SourceCheckpoint
-from .source_guard import SourceGuard, job_files
 from .transaction import check_target
-from .workdir import JOURNAL, WorkDir
 
 __all__ = [
     "ConvertResult",

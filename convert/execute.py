@@ -33,12 +33,12 @@ from hetquant.formats import HetquantError
 from hetquant.formats.native import load_defined
 
 from . import workers as W
+from .fs.os_errors import naming
+from .fs.source_guard import SourceGuard
 from .jobs import JobRunner
 from .native_jobs import needs_torch
-from .os_errors import naming
 from .plan import Job, Plan
 from .source import SourceCheckpoint
-from .source_guard import SourceGuard
 
 __all__ = ["CALIBRATION_DIR", "Stopped", "run_jobs", "sigbus_exits", "stop_on_signals"]
 

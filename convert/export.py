@@ -8,10 +8,10 @@ source and an exporter (``exporters.py``) as the recipe:
   one ``HetquantError`` naming the layer, before anything is written) and names every output
   tensor; the outputs become containers (``containers.py``: ``raw`` for kt's ``.kt`` files,
   ``safetensors``), one job per (layer, expert) owning its byte ranges;
-- execute: OUTPUT locked (``output_lock.py``), free space checked against the plan's sizes, the
-  containers created at their final size in ``OUTPUT/.hetquant-partial/`` (``workdir.py``), the
+- execute: OUTPUT locked (``fs/lock.py``), free space checked against the plan's sizes, the
+  containers created at their final size in ``OUTPUT/.hetquant-partial/`` (``fs/workdir.py``), the
   jobs' bytes written with ``PieceWriter`` and journaled, the source files guarded
-  (``source_guard.py``: a layer file changed under a job is an error, and on resume its jobs
+  (``fs/source_guard.py``: a layer file changed under a job is an error, and on resume its jobs
   are redone); re-running after an interruption resumes, re-running a finished export says so;
 - finish: every file hashed into ``hetquant.json`` (written last, ``complete: true``) whose
   ``export`` entry records the target, the NUMA count and the layers, from which ``hetquant
@@ -35,17 +35,17 @@ from hetquant.formats.int4_cpu import LAYER_KEYS
 from hetquant.formats.safetensors_io import MappedFile, read_header
 
 from .containers import Container, OutTensor, make_container
-from .diskspace import free_bytes, space_error, space_needed
 from .engine import check_paths, finished_manifest, only_lock_left, refuse_foreign
 from .execute import Stopped, stop_on_signals
 from .exporters import ExpertLayer, Exporter, get_exporter
+from .fs.diskspace import free_bytes, space_error, space_needed
+from .fs.lock import OutputLock
+from .fs.os_errors import os_error
+from .fs.source_guard import SourceGuard
+from .fs.workdir import JOURNAL, WorkDir
 from .manifest import SCHEMA_VERSION, digest_files, hetquant_version, write_json_atomic
-from .os_errors import os_error
-from .output_lock import OutputLock
 from .plan import OutPiece
-from .source_guard import SourceGuard
 from .transaction import check_target, move_in
-from .workdir import JOURNAL, WorkDir
 from .writer import PieceWriter
 
 __all__ = ["ExportJob", "ExportPlan", "ExportResult", "export", "plan_export", "replay_export"]

@@ -25,13 +25,13 @@ from typing import Any
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
 
 from .aux_files import AuxFiles, aux_files
+from .fs.os_errors import naming
+from .fs.source_guard import SourceGuard
 from .manifest import build_manifest, digest_files, write_json_atomic
-from .os_errors import naming
 from .plan import Plan
 from .recipes import ROOT
 from .recipes.metadata import artifact_metadata
 from .source import SourceCheckpoint
-from .source_guard import SourceGuard
 from .transaction import move_in
 
 __all__ = ["ARTIFACT_CARD", "artifact_names", "build", "carried_files", "metadata_docs", "move_in"]

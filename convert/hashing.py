@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from .containers import Container
+from .fs.os_errors import naming
 from .manifest import HASH_READ, hash_threads
-from .os_errors import naming
 from .plan import Job, Plan
 
 __all__ = ["FileHashes", "fill_order", "hash_threads"]

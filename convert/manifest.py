@@ -24,7 +24,7 @@ from hetquant.formats.base import identify
 from hetquant.formats.filenames import MANIFEST_NAME, READABLE_SCHEMAS
 from hetquant.formats.safe_paths import open_binary
 
-from .os_errors import naming
+from .fs.os_errors import naming
 from .plan import Plan
 from .recipes import COPY, ROOT
 

@@ -35,7 +35,7 @@ from hetquant.formats.safe_paths import inside
 from hetquant.formats.safetensors_io import HeaderEntry, MappedFile, read_header
 
 from ._source_roles import PLAIN, attach_roles
-from .os_errors import naming
+from .fs.os_errors import naming
 
 __all__ = ["INDEX_NAME", "PLAIN", "SINGLE_NAME", "SourceCheckpoint", "SourceTensor"]
 

@@ -33,11 +33,11 @@ from typing import Any
 from hetquant.formats import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
+from .fs.workdir import OWNED
 from .manifest import file_digest, write_json_atomic
 
-__all__ = ["OWNED", "check_move", "check_target", "move_in", "owned_files"]
+__all__ = ["check_move", "check_target", "move_in", "owned_files"]
 
-OWNED = "owned.json"  # in the work directory while a move is unfinished: {"files": [names]}
 _PROBE = ".hetquant-probe"
 Want = Mapping[str, Any] | Path | None  # what a new file will be (see ``_differs``)
 

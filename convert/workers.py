@@ -33,10 +33,10 @@ from typing import Any
 
 from hetquant.formats._lazy import torch
 
+from .fs.source_guard import Identity, SourceGuard, job_files
 from .jobs import JobRunner
 from .plan import Job, plan_for
 from .source import SourceCheckpoint
-from .source_guard import Identity, SourceGuard, job_files
 
 __all__ = [
     "CALIBRATION_DIR",

@@ -23,7 +23,7 @@ from typing import Any
 from hetquant.formats.safetensors_io import byte_view, write_at
 
 from .containers import Container
-from .os_errors import naming
+from .fs.os_errors import naming
 
 __all__ = ["PieceWriter"]
 

@@ -26,8 +26,9 @@ from support import (
     wait_for_jobs,
 )
 
-from hetquant.convert import containers, engine, finalize, output_lock
-from hetquant.convert.output_lock import LOCK_NAME, OutputLock
+from hetquant.convert import containers, engine, finalize
+from hetquant.convert.fs import lock as output_lock
+from hetquant.convert.fs.lock import LOCK_NAME, OutputLock
 from hetquant.convert.verify import artifact_files, count_files
 from hetquant.convert.writer import PieceWriter
 from hetquant.formats import HetquantError

@@ -11,7 +11,7 @@ import pytest
 from support import tree_hashes
 
 from hetquant.convert import workers
-from hetquant.convert.output_lock import OutputLock
+from hetquant.convert.fs.lock import OutputLock
 
 TIMINGS = "hetquant.convert: timings "
 

@@ -5,7 +5,7 @@
 opened, or what was being done.
 ``errors_as_hetquant`` wraps a function so that any ``OSError`` escaping it becomes a
 ``HetquantError`` (exit 2, one line); a full disk has its own message, with the bytes needed
-(``convert/diskspace.py``), raised where the plan is known.
+(``convert/fs/diskspace.py``), raised where the plan is known.
 """
 
 from __future__ import annotations

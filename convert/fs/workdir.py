@@ -7,8 +7,8 @@
 - ``source.json``: each source file's ``[size, mtime_ns, inode]`` when the work began.
 - the containers, created at their final size and filled by jobs; then the artifact's other
   files and, last, its manifest: a complete artifact waiting to be moved into OUTPUT.
-- ``lock`` (``output_lock.py``), which clearing the work directory keeps; and ``owned.json``
-  (``transaction.py``) while OUTPUT has no manifest: the files an unfinished move must still
+- ``lock`` (``lock.py``), which clearing the work directory keeps; and ``owned.json``
+  (``engine/transaction.py``) while OUTPUT has no manifest: the files an unfinished move must still
   remove.
 """
 
@@ -18,18 +18,21 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetquant.formats.filenames import MANIFEST_NAME
 
+from .lock import LOCK_NAME
 from .os_errors import naming
-from .output_lock import LOCK_NAME
-from .plan import Plan
 from .source_guard import Identity
-from .transaction import OWNED
 
-__all__ = ["JOURNAL", "WorkDir"]
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+__all__ = ["JOURNAL", "OWNED", "WorkDir"]
 
 JOURNAL = "journal"
+OWNED = "owned.json"  # while a move into OUTPUT is unfinished: {"files": [names]} (transaction)
 SOURCE_IDS = "source.json"
 _PLAN = "plan "
 

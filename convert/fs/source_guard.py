@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetquant.formats import HetquantError
 from hetquant.formats.filenames import INDEX_NAME
 
-from .plan import Job
+if TYPE_CHECKING:
+    from ..plan import Job
 
 __all__ = ["SourceGuard", "job_files", "source_files"]
 
