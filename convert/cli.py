@@ -194,8 +194,7 @@ def convert(
     from .engine import convert as run_convert
     from .engine import plan_for
     from .hub import parse_repo_spec, resolve_source
-    from .inspect import format_precision
-    from .manifest import precision_table
+    from .manifest import format_precision, precision_table
     from .plan import parse_size
     from .recipes import get_recipe
     from .source import SourceCheckpoint

@@ -95,8 +95,8 @@ def _publish(
     token: str | None,
 ) -> None:
     from .hub import check_credentials, check_hub_limits, parse_repo_spec, upload_artifact
+    from .hub.model_card import CardInputs, base_model_from, render_card
     from .manifest import MANIFEST_NAME
-    from .model_card import CardInputs, base_model_from, render_card
     from .verify import (
         artifact_files,
         count_files,
@@ -219,7 +219,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _source_license(artifact: Path, manifest: dict[str, Any], base_model: str | None) -> str | None:
-    from .model_card import license_from_text
+    from .hub.model_card import license_from_text
 
     card = license_file = None
     src = (manifest.get("source") or {}).get("path")  # the convert's source, outside by design

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support import MANIFEST, PARTIAL, read_json, write_json
 
-from hetquant.convert.inspect import format_precision
+from hetquant.convert.manifest import format_precision
 
 
 def _one_error_line(res, *words: str) -> str:

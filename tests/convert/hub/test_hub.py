@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 import pytest
 from click.testing import CliRunner
-from fake_hub import FakeHub  # tests/convert is on sys.path (rootdir-relative import)
+from fake_hub import FakeHub  # tests/convert is on sys.path (its conftest.py)
 from support import run_cli
 
 from hetquant.convert.hub import (
@@ -28,18 +28,18 @@ from hetquant.convert.hub import (
     redact,
     resolve_source,
 )
-from hetquant.convert.manifest import MANIFEST_NAME
-from hetquant.convert.model_card import (
+from hetquant.convert.hub.model_card import (
     CardInputs,
     base_model_from,
     license_from_text,
     parse_front_matter,
     render_card,
 )
+from hetquant.convert.manifest import MANIFEST_NAME
 from hetquant.convert.publish_cli import publish
 from hetquant.formats import HetquantError
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-deepseek-v3"
+TINY = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
 TOKEN = "hf_QuiteDistinctiveFakeToken4242xyzNeverPrint"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 

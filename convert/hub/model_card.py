@@ -26,6 +26,8 @@ from typing import Any
 from hetquant.formats import HetquantError
 from hetquant.formats.families import family_for_config
 
+from ..manifest import format_label
+
 __all__ = [
     "CardInputs",
     "base_model_from",
@@ -281,8 +283,6 @@ def _precision_section(table: Mapping[str, Any] | None) -> list[str]:
         "| group | format | params | bytes | bits/weight |",
         "|---|---|---:|---:|---:|",
     ]
-    from .inspect import format_label
-
     for g in table.get("groups", []):
         out.append(
             f"| {_md(g['name'])} | {_md(format_label(g['format']))} | {g['params']:,} | {g['bytes']:,} | "

@@ -2,21 +2,22 @@
 
 This module is the public face; the code lives by responsibility in:
 
-- :mod:`.hub_source`: ``resolve_source("org/name@rev", download_dir, token)``, a ``SOURCE``
+- :mod:`.source`: ``resolve_source("org/name@rev", download_dir, token)``, a ``SOURCE``
   argument → local checkpoint directory and commit sha (only the files a conversion reads).
-- :mod:`.hub_limits`: ``check_hub_limits``, the Hub's limits applied before anything is sent.
-- :mod:`.hub_upload`: ``check_credentials`` (the token, before anything else), and
+- :mod:`.limits`: ``check_hub_limits``, the Hub's limits applied before anything is sent.
+- :mod:`.upload`: ``check_credentials`` (the token, before anything else), and
   ``upload_artifact``, a resumable upload that makes no commit when nothing
   changed.
-- :mod:`._hub_common`: ``HF_ENDPOINT``/``HF_HUB_OFFLINE`` read at call time, token redaction.
+- :mod:`.common`: ``HF_ENDPOINT``/``HF_HUB_OFFLINE`` read at call time, token redaction.
+- :mod:`.model_card`: the README.md ``hetquant publish`` puts beside an artifact (pure).
 
 The token is passed through to huggingface_hub and never printed, logged or put in a message.
 """
 
 from __future__ import annotations
 
-from ._hub_common import hub_endpoint, hub_offline, redact
-from .hub_limits import (
+from .common import hub_endpoint, hub_offline, redact
+from .limits import (
     FOLDER_ENTRIES_MAX,
     HARD_FILE_BYTES,
     PRIVATE_FREE_BYTES,
@@ -25,8 +26,8 @@ from .hub_limits import (
     LimitReport,
     check_hub_limits,
 )
-from .hub_source import SOURCE_META_IGNORE, parse_repo_spec, resolve_source
-from .hub_upload import UploadResult, check_credentials, upload_artifact
+from .source import SOURCE_META_IGNORE, parse_repo_spec, resolve_source
+from .upload import UploadResult, check_credentials, upload_artifact
 
 __all__ = [
     "FOLDER_ENTRIES_MAX",

@@ -6,7 +6,7 @@ huggingface_hub ≥ 1.20 with hf_xet (the default install) a streamed, multi-com
 upload; on the legacy LFS path one commit whose already-uploaded objects are not sent again.
 Unchanged files are never re-committed, so re-running after an interruption resumes, and
 re-running after success makes no commit. Check the files first with
-:func:`hetquant.convert.hub_limits.check_hub_limits`.
+:func:`hetquant.convert.hub.limits.check_hub_limits`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from hetquant.formats import HetquantError
 from hetquant.formats.safe_paths import inside
 
-from ._hub_common import _first_line, hub_endpoint, hub_offline
+from .common import _first_line, hub_endpoint, hub_offline
 
 __all__ = ["UploadResult", "check_credentials", "upload_artifact"]
 

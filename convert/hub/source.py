@@ -31,8 +31,8 @@ from hetquant.formats import HetquantError
 from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
 from hetquant.formats.json_io import load_json
 
-from ._hub_common import _first_line, hub_endpoint, hub_offline
-from .aux_files import WEIGHT_SUFFIXES
+from ..aux_files import WEIGHT_SUFFIXES
+from .common import _first_line, hub_endpoint, hub_offline
 
 __all__ = ["SOURCE_META_IGNORE", "parse_repo_spec", "resolve_source"]
 
