@@ -8,7 +8,7 @@ library's version — a re-publish of the same artifact is then a no-op):
     license: <id>
     library_name: <transformers | vllm>
     pipeline_tag: text-generation
-    tags: [<family>, <model_type>, hetquant, quantized, <recipe and format tags>]
+    tags: [<family>, <model_type>, hetquant, quantized, <recipe>, <Recipe.tags>]
 
 Body: what the artifact is, the recipe, the precision table (manifest["precision"]), the
 accuracy table when the manifest has one (manifest["accuracy"]), how to serve it (vllm-ascend,
@@ -27,6 +27,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.families import family_for_config
 
 from ..manifest import format_label
+from ..recipes import RECIPES
 
 __all__ = [
     "CardInputs",
@@ -40,16 +41,6 @@ __all__ = [
 PIPELINE_TAG = "text-generation"
 REQUIRED_KEYS = ("license", "library_name", "pipeline_tag", "tags")
 
-# Per recipe: extra tags, the library the Hub should show, and which engines read the format.
-_RECIPE_TAGS = {
-    "bf16": ["bf16"],
-    "ascend-hybrid": ["ascend", "w8a8", "int8", "int4", "cpu-offload"],
-    "ascend-w8a8": ["ascend", "w8a8", "int8"],
-    "awq-w4a16": ["awq", "int4", "w4a16"],
-    "fp4": ["nvfp4", "fp4"],
-    "ct-w4a16": ["compressed-tensors", "int4", "w4a16"],
-}
-_LIBRARY = {"bf16": "transformers"}  # the rest are read by serving engines, not transformers
 _KNOWN_LICENSES = (  # repo id prefix → license of its model card, when the card can't be read
     ("deepseek-ai/DeepSeek-V3", "mit"),
     ("deepseek-ai/DeepSeek-R1", "mit"),
@@ -156,10 +147,11 @@ def card_metadata(inp: CardInputs) -> dict[str, Any]:
         meta["base_model"] = inp.base_model
         meta["base_model_relation"] = "quantized"
     meta["license"] = inp.license
-    meta["library_name"] = _LIBRARY.get(inp.recipe, "vllm")
+    recipe = RECIPES.get(inp.recipe)  # None: a recipe this hetquant does not know
+    meta["library_name"] = recipe.library if recipe else "vllm"
     meta["pipeline_tag"] = PIPELINE_TAG
     tags = _model_tags(inp.config)
-    tags += ["hetquant", "quantized", inp.recipe, *_RECIPE_TAGS.get(inp.recipe, [])]
+    tags += ["hetquant", "quantized", inp.recipe, *(recipe.tags if recipe else ())]
     meta["tags"] = list(dict.fromkeys(tags))
     return meta
 
@@ -349,48 +341,8 @@ def _serving_section(inp: CardInputs) -> list[str]:
             "directory cannot serve this artifact by themselves.",
             "",
         ]
-    elif recipe.startswith("ascend"):
-        out += [
-            "On Ascend NPUs with [vllm-ascend](https://github.com/vllm-project/vllm-ascend), which "
-            "reads `quant_model_description.json` (set `--tensor-parallel-size` to your card count):",
-            "",
-            "```bash",
-            f"vllm serve {repo} --quantization ascend --tensor-parallel-size 8 --trust-remote-code",
-            "```",
-            "",
-        ]
-    elif recipe == "bf16":
-        out += [
-            "A plain BF16 checkpoint: vLLM (vllm-ascend on Ascend NPUs) and SGLang load it without "
-            "a quantization flag (set the parallel size to your card count):",
-            "",
-            "```bash",
-            f"vllm serve {repo} --tensor-parallel-size 8 --trust-remote-code",
-            f"python -m sglang.launch_server --model-path {repo} --tp 8 --trust-remote-code",
-            "```",
-            "",
-        ]
-    elif recipe.startswith("awq"):
-        out += [
-            "AutoAWQ GEMM format; vLLM serves DeepSeek AWQ checkpoints through its MoE kernel, "
-            "SGLang (also on Ascend NPUs) through its AWQ methods:",
-            "",
-            "```bash",
-            f"vllm serve {repo} --quantization moe_wna16 --tensor-parallel-size 8 --trust-remote-code",
-            f"python -m sglang.launch_server --model-path {repo} --tp 8 --trust-remote-code",
-            "```",
-            "",
-        ]
-    elif recipe.startswith("ct"):
-        out += [
-            "compressed-tensors pack-quantized W4A16 experts; vLLM and, on Ascend NPUs, vllm-ascend "
-            "(its W4A16 MoE method) detect the format from `config.json`, no edits needed:",
-            "",
-            "```bash",
-            f"vllm serve {repo} --tensor-parallel-size 8 --trust-remote-code",
-            "```",
-            "",
-        ]
+    elif recipe in RECIPES:  # how engines read the root (``Recipe.serving``)
+        out += [line.replace("{repo}", repo) for line in RECIPES[recipe].serving]
     out += [
         "With hetquant's loader, which reads only the bytes each rank keeps and repacks them for "
         "the backend (npu, cuda or cpu):",

@@ -41,7 +41,8 @@ K2 Thinking source's INT4 experts, kept as they are by ``ascend-w4a16``, refuse 
 
 from __future__ import annotations
 
-from . import register_recipe
+from . import serving
+from .base import register_recipe
 from .quantized import _KEEP_DENSE_DOWN, _KEEPS, _MTP, KEEP, RuleRecipe
 
 __all__: list[str] = []
@@ -58,6 +59,8 @@ register_recipe(
         rules={**_W8A8, "routed": "w4a8_dynamic", "mtp_routed": "w8a8_dynamic"},
         choices={**_MTP, **_KEEP_DENSE_DOWN},
         **_CALIBRATED,
+        tags=("ascend", "w4a8", "int4", "int8"),
+        serving=serving.VLLM_ASCEND,
     )
 )
 register_recipe(
@@ -69,5 +72,7 @@ register_recipe(
         # vllm-ascend's W4A16 MoE scheme declares weight_shape int32 (methods/w4a16.py:237-238)
         fixed={"ct_pack_quantized": (("shape_dtype", "I32"),)},
         **_CALIBRATED,
+        tags=("ascend", "w4a16", "int4"),
+        serving=serving.VLLM_ASCEND,
     )
 )

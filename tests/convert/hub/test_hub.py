@@ -37,6 +37,7 @@ from hetquant.convert.hub.model_card import (
 )
 from hetquant.convert.manifest import MANIFEST_NAME
 from hetquant.convert.publish_cli import publish
+from hetquant.convert.recipes import RECIPES
 from hetquant.formats import HetquantError
 
 TINY = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
@@ -567,6 +568,25 @@ def test_card_front_matter_parses_and_carries_tables(artifact: Path) -> None:
     meta = parse_front_matter(odd)
     assert meta["license"] == "no" and "base_model" not in meta
     assert "--base-model" in odd
+
+
+def test_card_says_what_the_recipe_declares(artifact: Path) -> None:
+    """Tags, library and serving text come from the recipe (``Recipe.tags / library /
+    serving``): every registered recipe has tags, ascend-w4a8 and ascend-w4a16 included, and a
+    root-only artifact's card shows the recipe's serving lines with the repository filled in."""
+    manifest = json.loads((artifact / MANIFEST_NAME).read_text())
+    for name, recipe in RECIPES.items():
+        assert recipe.tags, name
+        doc = {**manifest, "recipe": {**manifest["recipe"], "name": name}}
+        text = render_card(CardInputs(doc, "acme/x", license="mit", base_model=None, config={}))
+        meta = parse_front_matter(text)
+        assert meta["library_name"] == recipe.library
+        assert set(recipe.tags) <= set(meta["tags"]), name
+        for line in recipe.serving:
+            assert line.replace("{repo}", "acme/x") in text
+    assert {"ascend", "w4a8"} <= set(RECIPES["ascend-w4a8"].tags)
+    assert {"ascend", "w4a16"} <= set(RECIPES["ascend-w4a16"].tags)
+    assert "--quantization ascend" in "".join(RECIPES["ascend-w4a8"].serving)
 
 
 def test_license_sources() -> None:

@@ -153,7 +153,7 @@ def test_config_refused_through_the_cli(cli, tiny_qwen3, tmp_path: Path, change,
 
 # ---- the CLI end to end: calibrated AWQ, eval, run -----------------------------------------
 
-TEXT = Path(__file__).resolve().parents[2] / "examples" / "tiny-tools"
+TEXT = Path(__file__).resolve().parents[3] / "examples" / "tiny-tools"
 
 
 def test_calibrated_awq_eval_and_run(cli, tiny_qwen3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
