@@ -253,9 +253,9 @@ def make_shape_only(src: Path, out: Path, recipe: str, options: dict[str, Any]) 
     is the source's with the recipe's ``quantization_config``; the manifest says ``shape_only``.
     """
     from hetquant.convert.engine import plan_for
-    from hetquant.convert.plan import parse_size
+    from hetquant.convert.planning.plan import parse_size
+    from hetquant.convert.planning.source import SourceCheckpoint
     from hetquant.convert.recipes import get_recipe
-    from hetquant.convert.source import SourceCheckpoint
 
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     plan = plan_for(SourceCheckpoint.open(src), rec, parse_size("5GB"))

@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hetquant.convert.plan import Plan, plan_for
+from hetquant.convert.planning.plan import Plan, plan_for
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import HetquantError, get_format
 from hetquant.formats.base import FORMATS
 from hetquant.formats.safetensors_io import HeaderEntry

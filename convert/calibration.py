@@ -18,7 +18,7 @@ from hetquant.formats import HetquantError, get_format
 from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
-from .plan import Plan, SourceItem
+from .planning.plan import Plan, SourceItem
 from .recipes import COPY, Target
 
 __all__ = ["CALIB_OPTIONS", "calibrate_for", "calibration_targets"]

@@ -195,9 +195,9 @@ def convert(
     from .engine import plan_for
     from .hub import parse_repo_spec, resolve_source
     from .manifest import format_precision, precision_table
-    from .plan import parse_size
+    from .planning.plan import parse_size
+    from .planning.source import SourceCheckpoint
     from .recipes import get_recipe
-    from .source import SourceCheckpoint
     from .verify import artifact_files, count_files
 
     workers = _cap_workers(workers)

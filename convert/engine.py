@@ -40,9 +40,9 @@ from .fs.os_errors import DISK_FULL, os_error
 from .fs.source_guard import SourceGuard, job_files
 from .fs.workdir import JOURNAL, WorkDir
 from .hashing import FileHashes, fill_order, hash_threads
-from .plan import Plan, plan_for
+from .planning.plan import Plan, plan_for
+from .planning.source import SourceCheckpoint
 from .recipes import Recipe
-from .source import SourceCheckpoint
 from .transaction import check_target
 
 __all__ = [

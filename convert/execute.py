@@ -37,8 +37,8 @@ from .fs.os_errors import naming
 from .fs.source_guard import SourceGuard
 from .jobs import JobRunner
 from .native_jobs import needs_torch
-from .plan import Job, Plan
-from .source import SourceCheckpoint
+from .planning.plan import Job, Plan
+from .planning.source import SourceCheckpoint
 
 __all__ = ["CALIBRATION_DIR", "Stopped", "run_jobs", "sigbus_exits", "stop_on_signals"]
 

@@ -6,7 +6,7 @@ source and an exporter (``exporters.py``) as the recipe:
 - plan: the artifact's manifest and the layer files' headers give each MoE layer's format and
   dims (:class:`~hetquant.convert.exporters.ExpertLayer`); the exporter checks them (bad input:
   one ``HetquantError`` naming the layer, before anything is written) and names every output
-  tensor; the outputs become containers (``containers.py``: ``raw`` for kt's ``.kt`` files,
+  tensor; the outputs become containers (``planning/containers.py``: ``raw`` for kt's ``.kt`` files,
   ``safetensors``), one job per (layer, expert) owning its byte ranges;
 - execute: OUTPUT locked (``fs/lock.py``), free space checked against the plan's sizes, the
   containers created at their final size in ``OUTPUT/.hetquant-partial/`` (``fs/workdir.py``), the
@@ -34,7 +34,6 @@ from hetquant.formats.filenames import MANIFEST_NAME
 from hetquant.formats.int4_cpu import LAYER_KEYS
 from hetquant.formats.safetensors_io import MappedFile, read_header
 
-from .containers import Container, OutTensor, make_container
 from .engine import check_paths, finished_manifest, only_lock_left, refuse_foreign
 from .execute import Stopped, stop_on_signals
 from .exporters import ExpertLayer, Exporter, get_exporter
@@ -44,7 +43,8 @@ from .fs.os_errors import os_error
 from .fs.source_guard import SourceGuard
 from .fs.workdir import JOURNAL, WorkDir
 from .manifest import SCHEMA_VERSION, digest_files, hetquant_version, write_json_atomic
-from .plan import OutPiece
+from .planning.containers import Container, OutTensor, make_container
+from .planning.plan import OutPiece
 from .transaction import check_target, move_in
 from .writer import PieceWriter
 

@@ -66,7 +66,7 @@ def _views(layer: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class Exporter:
     name: ClassVar[str]
     source_fmt: ClassVar[str]  # the expert-layer format it repacks losslessly
-    container: ClassVar[str]  # convert/containers.py kind of its files
+    container: ClassVar[str]  # convert/planning/containers.py kind of its files
 
     def check(self, layer: ExpertLayer, numa: int) -> None:
         """Raise HetquantError naming the layer unless it can be exported with ``numa`` slices."""

@@ -24,14 +24,14 @@ from typing import Any
 
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
 
-from .aux_files import AuxFiles, aux_files
 from .fs.os_errors import naming
 from .fs.source_guard import SourceGuard
 from .manifest import build_manifest, digest_files, write_json_atomic
-from .plan import Plan
+from .planning.aux_files import AuxFiles, aux_files
+from .planning.plan import Plan
+from .planning.source import SourceCheckpoint
 from .recipes import ROOT
 from .recipes.metadata import artifact_metadata
-from .source import SourceCheckpoint
 from .transaction import move_in
 
 __all__ = ["ARTIFACT_CARD", "artifact_names", "build", "carried_files", "metadata_docs", "move_in"]
@@ -57,7 +57,7 @@ def json_size(doc: Any) -> int:
 
 
 def carried_files(plan: Plan, source: SourceCheckpoint) -> AuxFiles:
-    """The source's small non-weight files the artifact carries (``convert/aux_files.py``).
+    """The source's small non-weight files the artifact carries (``convert/planning/aux_files.py``).
 
     Never one of the artifact's own names: its containers, index, config.json, the recipe's
     description files, the manifest, and README.md (the source's card describes the source;

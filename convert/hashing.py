@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .containers import Container
 from .fs.os_errors import naming
 from .manifest import HASH_READ, hash_threads
-from .plan import Job, Plan
+from .planning.containers import Container
+from .planning.plan import Job, Plan
 
 __all__ = ["FileHashes", "fill_order", "hash_threads"]
 

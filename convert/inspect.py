@@ -10,7 +10,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
 from .manifest import format_precision
-from .source import PLAIN, SourceCheckpoint
+from .planning.source import PLAIN, SourceCheckpoint
 from .verify import artifact_files, count_files, load_manifest
 
 __all__ = ["describe", "source_precision"]

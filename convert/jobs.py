@@ -23,9 +23,9 @@ from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
 from .native_jobs import NativeJobs
-from .plan import Job, OutPiece, Plan
+from .planning.plan import Job, OutPiece, Plan
+from .planning.source import SourceCheckpoint
 from .recipes import COPY
-from .source import SourceCheckpoint
 from .writer import PieceWriter
 
 __all__ = ["JobRunner", "job_peak_bytes"]

@@ -25,7 +25,7 @@ from hetquant.formats.filenames import MANIFEST_NAME, READABLE_SCHEMAS
 from hetquant.formats.safe_paths import open_binary
 
 from .fs.os_errors import naming
-from .plan import Plan
+from .planning.plan import Plan
 from .recipes import COPY, ROOT
 
 __all__ = [

@@ -33,9 +33,9 @@ from hetquant.formats.dtypes import numpy_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
-from .plan import Job, OutPiece
+from .planning.plan import Job, OutPiece
+from .planning.source import SourceCheckpoint
 from .recipes import COPY
-from .source import SourceCheckpoint
 from .writer import PieceWriter
 
 __all__ = ["NativeJobs", "needs_torch"]

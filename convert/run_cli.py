@@ -210,7 +210,7 @@ def eval_(
     from hetquant.runtime.serving.run import local_model
 
     from .hub import resolve_source
-    from .source import SourceCheckpoint
+    from .planning.source import SourceCheckpoint
 
     must_exist(artifact)
     must_exist(text)

@@ -35,8 +35,8 @@ from hetquant.formats._lazy import torch
 
 from .fs.source_guard import Identity, SourceGuard, job_files
 from .jobs import JobRunner
-from .plan import Job, plan_for
-from .source import SourceCheckpoint
+from .planning.plan import Job, plan_for
+from .planning.source import SourceCheckpoint
 
 __all__ = [
     "CALIBRATION_DIR",

@@ -22,8 +22,8 @@ from typing import Any
 
 from hetquant.formats.safetensors_io import byte_view, write_at
 
-from .containers import Container
 from .fs.os_errors import naming
+from .planning.containers import Container
 
 __all__ = ["PieceWriter"]
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from hetquant.formats import HetquantError
 
 if TYPE_CHECKING:
-    from ..containers import Container
+    from ..planning.containers import Container
 
 __all__ = ["free_bytes", "free_inodes", "inode_error", "space_error", "space_needed"]
 

@@ -20,7 +20,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.filenames import INDEX_NAME
 
 if TYPE_CHECKING:
-    from ..plan import Job
+    from ..planning.plan import Job
 
 __all__ = ["SourceGuard", "job_files", "source_files"]
 

@@ -27,7 +27,7 @@ from .os_errors import naming
 from .source_guard import Identity
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..planning.plan import Plan
 
 __all__ = ["JOURNAL", "OWNED", "WorkDir"]
 

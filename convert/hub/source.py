@@ -31,7 +31,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
 from hetquant.formats.json_io import load_json
 
-from ..aux_files import WEIGHT_SUFFIXES
+from ..planning.aux_files import WEIGHT_SUFFIXES
 from .common import _first_line, hub_endpoint, hub_offline
 
 __all__ = ["SOURCE_META_IGNORE", "parse_repo_spec", "resolve_source"]
@@ -39,7 +39,7 @@ __all__ = ["SOURCE_META_IGNORE", "parse_repo_spec", "resolve_source"]
 log = logging.getLogger("hetquant.hub")
 
 # What a conversion reads besides the shards: every top-level file that is not a weight. The
-# artifact carries the small ones (convert/aux_files.py: tokenizers in any form, chat templates,
+# artifact carries the small ones (convert/planning/aux_files.py: tokenizers in any form, chat templates,
 # remote code); publish reads the source's model card for its licence and base model. Patterns
 # are fnmatch'ed against repository paths, where "*" also matches "/": "*/*" is every file in a
 # sub-directory (other checkpoints, figures, inference code), left on the Hub.

@@ -41,7 +41,9 @@ class Target:
     part: str = ROOT
     params: tuple[tuple[str, Any], ...] = ()
     file: str | None = None  # parts other than the root name their file (e.g. one per layer)
-    container: str = "safetensors"  # the file's layout (convert/containers.py); root: safetensors
+    container: str = (
+        "safetensors"  # the file's layout (convert/planning/containers.py); root: safetensors
+    )
 
 
 @dataclass(frozen=True)

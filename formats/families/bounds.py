@@ -18,7 +18,7 @@ Before them, a name the family refuses (``ModelFamily.refusal``: a layout it doe
 fused 3-D experts, whose one tensor stands for every expert) is refused with its own reason.
 
 A config claiming *fewer* layers or experts than the index holds is left to the role matching
-(``convert/_source_roles.py``), which names the first tensor no role takes.
+(``convert/planning/roles.py``), which names the first tensor no role takes.
 """
 
 from __future__ import annotations

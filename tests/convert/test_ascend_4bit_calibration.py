@@ -25,9 +25,9 @@ from test_hybrid_calibration import (
 
 from hetquant.convert.calibration import calibrate_for, calibration_targets
 from hetquant.convert.engine import convert
-from hetquant.convert.plan import plan_for
+from hetquant.convert.planning.plan import plan_for
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import get_format
 
 RECIPES = {"ascend-w4a8": "w4a8_dynamic", "ascend-w4a16": "ct_pack_quantized"}

@@ -43,7 +43,7 @@ def test_inspect_counts_a_packed_int4_source_by_its_logical_shape(cli, tmp_path:
     every stored part, 4.5 bits per weight (group 32), format named, totals = the shards' data."""
     from support import make_kimi_k2
 
-    from hetquant.convert.source import SourceCheckpoint
+    from hetquant.convert.planning.source import SourceCheckpoint
 
     src = make_kimi_k2(tmp_path / "k2t", "thinking")
     rows = _group_rows(cli("inspect", src).stdout)

@@ -33,8 +33,8 @@ def hybrid(tiny_hybrid: Path) -> Path:
 def k2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(Kimi K2 Thinking source, its ascend-hybrid artifact: group-32 CPU experts)."""
     from hetquant.convert.engine import convert
+    from hetquant.convert.planning.source import SourceCheckpoint
     from hetquant.convert.recipes import get_recipe
-    from hetquant.convert.source import SourceCheckpoint
 
     base = tmp_path_factory.mktemp("k2")
     src = make_kimi_k2(base / "src", "thinking")

@@ -12,9 +12,9 @@ import torch
 
 from hetquant.convert.hashing import FileHashes, fill_order
 from hetquant.convert.manifest import file_digest
-from hetquant.convert.plan import make_plan, plan_for
+from hetquant.convert.planning.plan import make_plan, plan_for
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.convert.writer import PieceWriter
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-deepseek-v3"

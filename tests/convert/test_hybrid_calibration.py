@@ -26,9 +26,9 @@ from hetquant.calib.quantizer import quantizer_for
 from hetquant.calib.transforms import apply_transform
 from hetquant.convert.calibration import calibrate_for, calibration_targets
 from hetquant.convert.engine import convert
-from hetquant.convert.plan import plan_for
+from hetquant.convert.planning.plan import plan_for
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import int4_cpu, int4_cpu_group
 from hetquant.formats.bits import unpack_nibbles_u8
 

@@ -19,9 +19,9 @@ import pytest
 from golden_artifacts import CASES, GOLDEN, TINY, artifact_digest
 
 from hetquant.convert.native_jobs import needs_torch
-from hetquant.convert.plan import plan_for
+from hetquant.convert.planning.plan import plan_for
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import _quant_native as Q
 
 GOLDEN_FILES = {case: doc["files"] for case, doc in json.loads(GOLDEN.read_text()).items()}

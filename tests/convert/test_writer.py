@@ -11,7 +11,7 @@ import torch
 from support import tmpfs
 
 from hetquant.convert import writer
-from hetquant.convert.containers import OutTensor, SafetensorsFile
+from hetquant.convert.planning.containers import OutTensor, SafetensorsFile
 from hetquant.convert.writer import PieceWriter
 from hetquant.formats import TensorMeta
 

@@ -12,10 +12,10 @@ from support import TINY, read_json, tree_hashes
 from test_bad_input import assert_refused
 
 from hetquant.convert.calibration import calibration_targets
-from hetquant.convert.plan import SourceItem, make_plan, plan_for
+from hetquant.convert.planning.plan import SourceItem, make_plan, plan_for
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import get_recipe
 from hetquant.convert.recipes.quantized import role_class
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import HetquantError
 from hetquant.formats.families import load_json
 from hetquant.runtime.serving.run import local_model

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hetquant.convert.engine import convert
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.convert.verify import verify_artifact
 from hetquant.formats import HetquantError
 from hetquant.runtime import ParallelLayout, open_artifact

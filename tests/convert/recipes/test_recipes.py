@@ -13,8 +13,8 @@ from support import TINY, tree_hashes
 
 from hetquant.convert.engine import convert
 from hetquant.convert.manifest import MANIFEST_NAME
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.convert.verify import replay_plan, verify_artifact
 from hetquant.formats import get_expert_format, get_format
 from hetquant.formats.families import load_json

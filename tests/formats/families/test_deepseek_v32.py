@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from support import INDEX, REPO, TINY, bf16_bits, read_json, st_bytes, write_json
 
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.formats import HetquantError
 from hetquant.formats.families import ModelConfig, expected_tensors, get_family
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from hetquant.convert.engine import convert
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import HetquantError
 from hetquant.formats.families import ModelConfig, expected_tensors
 from hetquant.runtime.forward.model import DenseWeights

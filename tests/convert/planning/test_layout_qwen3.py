@@ -20,10 +20,10 @@ import pytest
 
 from hetquant.convert.engine import plan_for
 from hetquant.convert.manifest import precision_table
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.formats import safetensors_io
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PARAMS = {"Qwen3-235B-A22B": 235_093_634_560, "Qwen3-30B-A3B": 30_532_122_624}
 
 

@@ -10,11 +10,11 @@ import pytest
 
 from hetquant.convert.engine import plan_for
 from hetquant.convert.manifest import precision_table
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import RECIPES
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import safetensors_io
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MAIN_PARAMS = 671_026_419_200  # layers 0-60 + embeddings + head: DeepSeek's "671B"
 MTP_PARAMS = 13_463_426_304  # layer 61 with its extras: "685B = 671B + 14B MTP"
 

@@ -32,8 +32,8 @@ from typing import Any
 from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta, get_format
 from hetquant.formats.families import TensorRole
 
+from ..recipes import COPY, DROP, ROOT, Recipe, Target
 from .containers import SAFETENSORS, Container, OutTensor, SafetensorsFile, make_container
-from .recipes import COPY, DROP, ROOT, Recipe, Target
 
 __all__ = [
     "Job",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hetquant.convert.aux_files import WEIGHT_SUFFIXES, aux_files
+from hetquant.convert.planning.aux_files import WEIGHT_SUFFIXES, aux_files
 
 K2_FILES = ("tiktoken.model", "tokenization_kimi.py", "tokenizer_config.json",
             "chat_template.jinja", "generation_config.json", "configuration_deepseek.py",

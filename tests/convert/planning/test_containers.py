@@ -1,4 +1,4 @@
-"""The writer seam (convert/containers.py): both containers' layouts, and a whole convert whose
+"""The writer seam (convert/planning/containers.py): both containers' layouts, and a whole convert whose
 routed experts go to headerless ``raw`` blobs — two workers, SIGKILL, resume, manifest, verify."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from support import (
     wait_for_jobs,
 )
 
-from hetquant.convert import containers
-from hetquant.convert.containers import (
+from hetquant.convert.planning import containers
+from hetquant.convert.planning.containers import (
     CONTAINERS,
     OutTensor,
     RawFile,
@@ -34,7 +34,7 @@ from hetquant.convert.writer import PieceWriter
 from hetquant.formats import HetquantError, TensorMeta
 
 TENSORS = [OutTensor("a", TensorMeta("I32", (2, 3))), OutTensor("b", TensorMeta("BF16", (5,)))]
-CONVERT_DIR = Path(__file__).parent
+CONVERT_DIR = Path(__file__).parent.parent  # raw_container_recipe.py lives there
 
 
 def _filled(kind: str, tmp_path: Path) -> tuple[object, Path]:

@@ -36,7 +36,7 @@ from hetquant.formats import HetquantError, TensorMeta
 from hetquant.formats.safe_paths import open_binary
 from hetquant.formats.safetensors_io import build_header, read_header
 
-from .fs.os_errors import naming
+from ..fs.os_errors import naming
 
 __all__ = [
     "CONTAINERS",

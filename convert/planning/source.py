@@ -34,8 +34,8 @@ from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
 from hetquant.formats.safe_paths import inside
 from hetquant.formats.safetensors_io import HeaderEntry, MappedFile, read_header
 
-from ._source_roles import PLAIN, attach_roles
-from .fs.os_errors import naming
+from ..fs.os_errors import naming
+from .roles import PLAIN, attach_roles
 
 __all__ = ["INDEX_NAME", "PLAIN", "SINGLE_NAME", "SourceCheckpoint", "SourceTensor"]
 

@@ -10,11 +10,11 @@ import pytest
 
 from hetquant.convert.engine import plan_for
 from hetquant.convert.manifest import precision_table
+from hetquant.convert.planning.source import SourceCheckpoint
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import HetquantError, get_format, safetensors_io
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LAYOUT = REPO / "examples" / "deepseek-v3-layout"
 K2_PARAMS = 1_026_408_232_448  # 61 layers (1 dense), 384 experts, vocab 163,840: "1.04T" cards
 K2_ROUTED = 384 * 3 * 7168 * 2048 * 60
