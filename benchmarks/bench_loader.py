@@ -252,10 +252,7 @@ def make_shape_only(src: Path, out: Path, recipe: str, options: dict[str, Any]) 
     The convert plan gives every output file's tensors, in order, and its header bytes; config.json
     is the source's with the recipe's ``quantization_config``; the manifest says ``shape_only``.
     """
-    from hetquant.convert.engine import plan_for
-    from hetquant.convert.planning.plan import parse_size
-    from hetquant.convert.planning.source import SourceCheckpoint
-    from hetquant.convert.recipes import get_recipe
+    from hetquant.convert import SourceCheckpoint, get_recipe, parse_size, plan_for
 
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     plan = plan_for(SourceCheckpoint.open(src), rec, parse_size("5GB"))

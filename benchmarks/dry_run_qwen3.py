@@ -19,9 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hetquant.convert.planning.plan import Plan, plan_for
-from hetquant.convert.planning.source import SourceCheckpoint
-from hetquant.convert.recipes import get_recipe
+from hetquant.convert import Plan, SourceCheckpoint, get_recipe, plan_for
 from hetquant.formats import HetquantError, get_format
 from hetquant.formats.base import FORMATS
 from hetquant.formats.safetensors_io import HeaderEntry

@@ -9,7 +9,7 @@ from typing import Any
 from hetquant.formats import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
-from .manifest import format_precision
+from .engine.manifest import format_precision
 from .planning.source import PLAIN, SourceCheckpoint
 from .verify import artifact_files, count_files, load_manifest
 

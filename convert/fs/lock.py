@@ -7,6 +7,9 @@ lock file lives in the work directory, which the engine never deletes while it r
 it but for the lock); the owner removes it last, when the artifact is complete. Because a loser
 may open the file just before the owner unlinks it, a winner checks that the file it locked is
 still the one at the path, and tries again if not.
+
+Before locking: SOURCE and OUTPUT must not contain each other (``check_paths``), and OUTPUT must
+be empty or hold a hetquant artifact or work (``refuse_foreign``).
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import socket
 from pathlib import Path
 
 from hetquant.formats import HetquantError
-from hetquant.formats.filenames import PARTIAL_DIR
+from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
-__all__ = ["LOCK_NAME", "OutputLock"]
+__all__ = ["LOCK_NAME", "OutputLock", "check_paths", "refuse_foreign"]
 
 LOCK_NAME = "lock"
 _HELD: set[int] = set()  # descriptors of the locks this process holds
@@ -125,3 +128,24 @@ def _unlink_quietly(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def check_paths(src: Path, out: Path) -> None:
+    if out == src or out.is_relative_to(src):
+        raise HetquantError(
+            f"OUTPUT {out} is inside SOURCE {src}; the source is never written — choose another OUTPUT"
+        )
+    if src.is_relative_to(out):
+        raise HetquantError(f"SOURCE {src} is inside OUTPUT {out}; choose another OUTPUT")
+
+
+def refuse_foreign(out: Path) -> None:
+    """OUTPUT must be a directory that is empty, or holds a hetquant artifact or work."""
+    if out.exists() and not out.is_dir():
+        raise HetquantError(f"OUTPUT {out} is a file, not a directory; choose a directory")
+    ours = (out / MANIFEST_NAME).exists() or (out / PARTIAL_DIR).exists()
+    if out.exists() and not ours and any(out.iterdir()):
+        raise HetquantError(
+            f"OUTPUT {out} is not empty and not a hetquant artifact; choose a new or empty "
+            "directory (it is never deleted, even with --overwrite)"
+        )

@@ -26,7 +26,7 @@ from typing import Any
 from hetquant.formats import HetquantError
 from hetquant.formats.families import family_for_config
 
-from ..manifest import format_label
+from ..engine.manifest import format_label
 from ..recipes import RECIPES
 
 __all__ = [

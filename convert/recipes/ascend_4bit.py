@@ -33,7 +33,7 @@ are not searched but scored with ``w8a8_dynamic``'s weights and scaled where a s
 shares their input (the shared experts); the MTP layer stays round-to-nearest. Without
 ``--calib-data`` the manifest has no calibration entry, as before these recipes calibrated. A
 K2 Thinking source's INT4 experts, kept as they are by ``ascend-w4a16``, refuse calibration
-(``convert/calibration.py``).
+(``convert/engine/calibration.py``).
 
 ``--keep-dense-down`` keeps the dense layers' MLP down_proj in BF16 (``FLOAT``), as on
 ``ascend-w8a8`` (``recipes/quantized.py``).

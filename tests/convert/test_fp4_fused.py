@@ -13,10 +13,7 @@ import torch
 from safetensors.torch import load_file
 from support import REPO, TINY
 
-from hetquant.convert.engine import convert
-from hetquant.convert.planning.plan import plan_for
-from hetquant.convert.planning.source import SourceCheckpoint
-from hetquant.convert.recipes import get_recipe
+from hetquant.convert import SourceCheckpoint, convert, get_recipe, plan_for
 from hetquant.convert.recipes.quantized import KEEP, RuleRecipe
 from hetquant.formats.nvfp4 import E2M1_MAX, FP8_E4M3_MAX
 from hetquant.formats.nvfp4_ascend import to_canonical

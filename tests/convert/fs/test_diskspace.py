@@ -9,8 +9,8 @@ from pathlib import Path
 
 from support import MANIFEST, error_line, journal_jobs, tmpfs, tree_hashes, wait_for_jobs
 
-from hetquant.convert import engine
-from hetquant.convert.writer import PieceWriter
+from hetquant.convert.engine import convert as engine
+from hetquant.convert.engine.writer import PieceWriter
 
 BF16 = ("--recipe", "bf16")
 

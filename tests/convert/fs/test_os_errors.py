@@ -17,7 +17,7 @@ from pathlib import Path
 
 from support import HETQUANT_MAIN, MANIFEST, PARTIAL, REPO, error_line, process_group
 
-from hetquant.convert import writer
+from hetquant.convert.engine import writer
 
 BF16 = ("--recipe", "bf16")
 HANG_GUARD = 300  # seconds

@@ -19,6 +19,9 @@ from click.testing import CliRunner
 from fake_hub import FakeHub  # tests/convert is on sys.path (its conftest.py)
 from support import run_cli
 
+from hetquant.convert import RECIPES
+from hetquant.convert.cli.publish import publish
+from hetquant.convert.engine.manifest import MANIFEST_NAME
 from hetquant.convert.hub import (
     FOLDER_ENTRIES_MAX,
     HARD_FILE_BYTES,
@@ -35,9 +38,6 @@ from hetquant.convert.hub.model_card import (
     parse_front_matter,
     render_card,
 )
-from hetquant.convert.manifest import MANIFEST_NAME
-from hetquant.convert.publish_cli import publish
-from hetquant.convert.recipes import RECIPES
 from hetquant.formats import HetquantError
 
 TINY = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
@@ -105,9 +105,7 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny example converted with the bf16 recipe."""
-    from hetquant.convert.engine import convert
-    from hetquant.convert.planning.source import SourceCheckpoint
-    from hetquant.convert.recipes import get_recipe
+    from hetquant.convert import SourceCheckpoint, convert, get_recipe
 
     out = tmp_path_factory.mktemp("art") / "tiny-bf16"
     convert(SourceCheckpoint.open(TINY), out, get_recipe("bf16"), max_shard_size=5 * 10**9)
@@ -264,9 +262,7 @@ def test_interrupted_publish_resumes_without_resending(hub: FakeHub, artifact: P
 
 def test_publish_nested_parts(hub: FakeHub, tmp_path: Path) -> None:
     """The hybrid artifact's cpu_experts/ folder goes up as it is; the card says who loads it."""
-    from hetquant.convert.engine import convert
-    from hetquant.convert.planning.source import SourceCheckpoint
-    from hetquant.convert.recipes import get_recipe
+    from hetquant.convert import SourceCheckpoint, convert, get_recipe
 
     art = tmp_path / "hybrid"
     convert(SourceCheckpoint.open(TINY), art, get_recipe("ascend-hybrid"), max_shard_size=10**9)
@@ -598,7 +594,7 @@ def test_license_sources() -> None:
 
 # known gaps in code this change does not own (see the hand-over notes) ----------------------------
 def test_cache_snapshot_opens_as_a_source(hub: FakeHub) -> None:
-    from hetquant.convert.planning.source import SourceCheckpoint
+    from hetquant.convert import SourceCheckpoint
 
     _seed_source(hub, "acme/src")
     root, sha = resolve_source("acme/src", None, TOKEN)
@@ -610,9 +606,7 @@ def test_hub_source_brings_every_small_file_and_no_sub_directory(
 ) -> None:
     """A K2-style tokenizer (``tiktoken.model`` + remote code) comes down with the shards and
     travels into the artifact; a sub-directory (another checkpoint) and the card stay behind."""
-    from hetquant.convert.engine import convert
-    from hetquant.convert.planning.source import SourceCheckpoint
-    from hetquant.convert.recipes import get_recipe
+    from hetquant.convert import SourceCheckpoint, convert, get_recipe
 
     extra = {"tiktoken.model": b"YQ== 0\n", "tokenization_kimi.py": b"# remote code\n",
              "original/model.safetensors": b"x" * 64, "figures/a.png": b"png"}  # fmt: skip
@@ -635,7 +629,7 @@ def test_downloaded_published_artifact_verifies(
 ) -> None:
     from huggingface_hub import snapshot_download
 
-    from hetquant.convert.verify import verify_artifact
+    from hetquant.convert import verify_artifact
 
     assert _run(str(artifact), "acme/dl", "--license", "mit", "--token", TOKEN).exit_code == 0
     local = snapshot_download(

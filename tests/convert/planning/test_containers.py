@@ -21,6 +21,8 @@ from support import (
     wait_for_jobs,
 )
 
+from hetquant.convert import RECIPES
+from hetquant.convert.engine.writer import PieceWriter
 from hetquant.convert.planning import containers
 from hetquant.convert.planning.containers import (
     CONTAINERS,
@@ -29,8 +31,6 @@ from hetquant.convert.planning.containers import (
     SafetensorsFile,
     make_container,
 )
-from hetquant.convert.recipes import RECIPES
-from hetquant.convert.writer import PieceWriter
 from hetquant.formats import HetquantError, TensorMeta
 
 TENSORS = [OutTensor("a", TensorMeta("I32", (2, 3))), OutTensor("b", TensorMeta("BF16", (5,)))]

@@ -13,9 +13,7 @@ import pytest
 import torch
 from support import INDEX, make_kimi_k2, read_json, resave_shard, shard_of, st_bytes, write_json
 
-from hetquant.convert.planning.plan import SourceItem, make_plan
-from hetquant.convert.planning.source import SourceCheckpoint
-from hetquant.convert.recipes import get_recipe
+from hetquant.convert import SourceCheckpoint, SourceItem, get_recipe, make_plan
 from hetquant.formats import get_format
 
 EXPERT = "model.layers.1.mlp.experts.4.down_proj"

@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hetquant.convert.engine import plan_for
-from hetquant.convert.manifest import precision_table
-from hetquant.convert.planning.source import SourceCheckpoint
-from hetquant.convert.recipes import RECIPES
+from hetquant.convert import RECIPES, SourceCheckpoint, plan_for, precision_table
 from hetquant.formats import safetensors_io
 
 REPO = Path(__file__).resolve().parents[3]

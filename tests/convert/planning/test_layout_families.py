@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hetquant.convert.engine import plan_for
-from hetquant.convert.manifest import precision_table
-from hetquant.convert.planning.source import SourceCheckpoint
-from hetquant.convert.recipes import get_recipe
+from hetquant.convert import SourceCheckpoint, get_recipe, plan_for, precision_table
 from hetquant.formats import HetquantError, get_format, safetensors_io
 
 REPO = Path(__file__).resolve().parents[3]

@@ -18,9 +18,7 @@ from typing import Any
 
 import pytest
 
-from hetquant.convert.engine import plan_for
-from hetquant.convert.manifest import precision_table
-from hetquant.convert.planning.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, plan_for, precision_table
 from hetquant.formats import safetensors_io
 
 REPO = Path(__file__).resolve().parents[3]
@@ -106,7 +104,7 @@ def test_plan_reads_headers_only_and_tp_sizes(sources, recipe: str, extra, monke
 def test_planned_modules_are_the_written_artifacts(recipe: str, tiny_qwen3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """What the TP predictions above rest on: the plan's modules (format, shape, stored tensors)
     are those ``open_artifact`` reads from the artifact the plan writes."""
-    from hetquant.convert.engine import convert
+    from hetquant.convert import convert
     from hetquant.runtime import open_artifact
 
     src = SourceCheckpoint.open(tiny_qwen3["fp8"])

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from support import INDEX, TINY, read_json, st_bytes, write_json
 
-from hetquant.convert.planning.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint
 from hetquant.formats import HetquantError, get_format
 
 CT = get_format("ct_pack_quantized", group_size=32)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from support import INDEX, TINY, make_kimi_k2, read_json, st_bytes
 
-from hetquant.convert.planning.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint
 from hetquant.formats.families import ModelConfig, expected_tensors
 
 DESC = "quant_model_description.json"

@@ -11,10 +11,14 @@ import torch
 from support import TINY, read_json, tree_hashes
 from test_bad_input import assert_refused
 
-from hetquant.convert.calibration import calibration_targets
-from hetquant.convert.planning.plan import SourceItem, make_plan, plan_for
-from hetquant.convert.planning.source import SourceCheckpoint
-from hetquant.convert.recipes import get_recipe
+from hetquant.convert import (
+    SourceCheckpoint,
+    SourceItem,
+    calibration_targets,
+    get_recipe,
+    make_plan,
+    plan_for,
+)
 from hetquant.convert.recipes.quantized import role_class
 from hetquant.formats import HetquantError
 from hetquant.formats.families import load_json

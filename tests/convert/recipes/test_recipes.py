@@ -11,11 +11,8 @@ import torch
 from safetensors import safe_open
 from support import TINY, tree_hashes
 
-from hetquant.convert.engine import convert
-from hetquant.convert.manifest import MANIFEST_NAME
-from hetquant.convert.planning.source import SourceCheckpoint
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.verify import replay_plan, verify_artifact
+from hetquant.convert import SourceCheckpoint, convert, get_recipe, replay_plan, verify_artifact
+from hetquant.convert.engine.manifest import MANIFEST_NAME
 from hetquant.formats import get_expert_format, get_format
 from hetquant.formats.families import load_json
 from hetquant.formats.int4_cpu import dequantize_expert
@@ -254,7 +251,7 @@ PROBES = {
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_golden_format_listing(recipe: str, source: SourceCheckpoint) -> None:
-    from hetquant.convert.engine import plan_for
+    from hetquant.convert import plan_for
 
     plan = plan_for(source, get_recipe(recipe), 1 << 40)
     fmt_of = {
