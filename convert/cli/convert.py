@@ -230,6 +230,7 @@ def convert(
             overwrite=overwrite,
             progress=progress,
             calibrate=calibrate,
+            plan=plan,
         )
     finally:
         progress.close()

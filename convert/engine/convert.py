@@ -67,8 +67,12 @@ def convert(
     progress: Callable[[int], None] | None = None,
     calibration: Any = None,
     calibrate: Callable[[], Any] | None = None,
+    plan: Plan | None = None,
 ) -> ConvertResult:
     """Convert ``source`` into the artifact directory ``output`` (see module docstring).
+
+    ``plan``: ``plan_for(source, recipe, max_shard_size)`` when the caller already made it (the
+    CLI, for ``--dry-run`` and the calibration check): the plan is built once.
 
     ``calibration`` (a ``calib.CalibrationResult``), or ``calibrate`` returning one once OUTPUT is
     locked: AWQ transforms applied to the weights, norms and routers it covers before they are
@@ -78,7 +82,10 @@ def convert(
     if (calibration is not None or calibrate is not None) and not recipe.calibrates:
         raise HetquantError(f"recipe {recipe.name} does not calibrate; drop --calib-data")
     entered = time.time()
-    plan = plan_for(source, recipe, max_shard_size)
+    if plan is None:
+        plan = plan_for(source, recipe, max_shard_size)
+    elif plan.recipe != recipe or plan.max_shard_size != max_shard_size:
+        raise ValueError(f"the plan given is of recipe {plan.recipe.name}, shards of {plan.max_shard_size} bytes, not {recipe.name}, {max_shard_size}")  # fmt: skip
     run = _Run(source, plan, tx)
     tx.jobs = len(plan.jobs)
     run.timings.update(entered=entered, plan_s=time.time() - entered)
