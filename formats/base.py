@@ -420,6 +420,9 @@ class ExpertLayerFormat(ABC):
     """
 
     name: ClassVar[str]
+    # declared capability: ``quantize_rows(rows)`` quantizes any block of one linear's rows (the
+    # engine then streams an expert's rows instead of loading its weights whole)
+    streams_rows: ClassVar[bool] = False
 
     @abstractmethod
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:

@@ -18,8 +18,8 @@ from hetquant.formats import HetquantError, get_format
 from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
-from ..planning.plan import Plan, SourceItem
-from ..recipes import COPY, Target
+from ..planning.plan import JobKind, Plan, SourceItem
+from ..recipes import Target
 
 __all__ = ["CALIB_OPTIONS", "calibrate_for", "calibration_record", "calibration_targets"]
 
@@ -34,7 +34,7 @@ def calibration_targets(plan: Plan) -> tuple[dict[str, Any], set[str]]:
     targets: dict[str, Any] = {}
     searched: set[str] = set()
     for job in plan.jobs:
-        if job.kind == COPY:
+        if job.kind is JobKind.COPY:
             continue
         for name in job.sources:
             item = plan.item(name)
@@ -62,7 +62,7 @@ def _kept_codes(item: SourceItem, target: Target) -> bool:
     if repack is None:
         return False
     src = get_format(item.fmt, **dict(item.params))
-    return repack.holds(src, get_format(target.fmt, **dict(target.params))) is None
+    return repack.holds(src, target.format()) is None
 
 
 def calibrate_for(

@@ -10,21 +10,19 @@ the (4- or 8-bit) output however large the weight.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetquant.formats import HetquantError, get_expert_format, get_format
+from hetquant.formats import HetquantError
 from hetquant.formats._lazy import torch
 from hetquant.formats.base import check_finite
 from hetquant.formats.dtypes import st_dtype, torch_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
-from ..planning.plan import Job, OutPiece, Plan
+from ..planning.plan import Job, JobKind, OutPiece, Plan
 from ..planning.source import SourceCheckpoint
-from ..recipes import COPY
 from .native_jobs import NativeJobs
 from .writer import PieceWriter
 
@@ -45,7 +43,11 @@ class JobRunner:
 
     def __post_init__(self) -> None:
         self._out = PieceWriter(self.plan.files, self.work_dir, mapped=self.shared)
-        self._handlers = {COPY: self._copy, "linear": self._linear, "experts": self._experts}
+        self._handlers = {
+            JobKind.COPY: self._copy,
+            JobKind.LINEAR: self._linear,
+            JobKind.EXPERTS: self._experts,
+        }
         self._native = NativeJobs(self.source, self._out)
         self._threads: int | None = None  # torch's threads before this runner's first torch job
 
@@ -89,7 +91,7 @@ class JobRunner:
             yield row0, rows
 
     def _linear(self, job: Job) -> None:
-        fmt = get_format(job.target.fmt, **dict(job.target.params))
+        fmt = job.target.format()
         src = self.source.tensors[job.source]
         if src.fmt == fmt and not self._calibrated(job.source):
             self._as_stored(job)
@@ -149,13 +151,13 @@ class JobRunner:
         return max(self.source.absmax(name) for name in job.amax_group or job.sources)
 
     def _experts(self, job: Job) -> None:
-        fmt = dataclasses.replace(get_expert_format(job.target.fmt), **dict(job.target.params))
+        fmt = job.target.format()
         source_fmt = self.source.tensors[job.source].fmt_name
         repack = EXPERT_REPACKS.get((source_fmt, job.target.fmt))
         if repack is not None:
             self._repack(job, repack)
             return
-        if hasattr(fmt, "quantize_rows"):
+        if fmt.streams_rows:
             self._experts_streaming(job, fmt.quantize_rows)
             return
         gate, up, down = (self._whole(name) for name in job.sources)
@@ -215,7 +217,7 @@ def _row_bytes(t: torch.Tensor) -> int:
 def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
     """Estimated transient memory of one job: streamed block rows plus assembled outputs, or
     whole weights for formats that cannot stream."""
-    if job.kind == COPY:
+    if job.kind is JobKind.COPY:
         return 0
     total = 0
     for name in job.sources:
@@ -227,6 +229,7 @@ def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
 
 
 def _streams(job: Job, shape: tuple[int, int]) -> bool:
-    if job.kind == "experts":  # stream their rows, calibrated or not
-        return hasattr(get_expert_format(job.target.fmt), "quantize_rows")
-    return get_format(job.target.fmt, **dict(job.target.params)).streaming(shape) is not None
+    fmt = job.target.format()
+    if job.kind is JobKind.EXPERTS:  # stream their rows, calibrated or not
+        return fmt.streams_rows
+    return fmt.streaming(shape) is not None

@@ -19,14 +19,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from hetquant.formats import get_format
 from hetquant.formats.base import identify
 from hetquant.formats.filenames import MANIFEST_NAME, READABLE_SCHEMAS
 from hetquant.formats.safe_paths import open_binary
 
 from ..fs.os_errors import naming
-from ..planning.plan import Plan
-from ..recipes import COPY, ROOT
+from ..planning.plan import JobKind, Plan
+from ..recipes import ROOT
 
 __all__ = [
     "HASH_READ",
@@ -146,7 +145,7 @@ def precision_table(plan: Plan) -> dict[str, Any]:
         job = job_of.get(item.name)
         g = group(item.name)
         g["formats"].add(
-            "dropped" if job is None else item.dtype if job.kind == COPY else job.target.fmt
+            "dropped" if job is None else item.dtype if job.kind is JobKind.COPY else job.target.fmt
         )
         g["params"] += _numel(item.role.shape)
     for job in plan.jobs:
@@ -181,13 +180,13 @@ def module_formats(plan: Plan) -> dict[str, dict[str, Any]]:
         if job.target.part != ROOT:
             continue
         prefix, _, key = job.source.rpartition(".")
-        if job.kind == COPY:
+        if job.kind is JobKind.COPY:
             got = identify({key: job.outputs[0].meta}, name=job.source)
             if got is None or got.keys != {key}:
                 continue
             fmt, shape = got.fmt, got.shape
         else:
-            fmt = get_format(job.target.fmt, **dict(job.target.params))
+            fmt = job.target.format()
             shape = plan.item(job.source).role.shape
         out[prefix] = {"format": fmt.name, "params": fmt.params, "shape": list(shape)}
     return out

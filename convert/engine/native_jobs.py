@@ -27,15 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from hetquant.formats import get_expert_format, get_format
 from hetquant.formats.arrays import NotNative, require_finite
 from hetquant.formats.dtypes import numpy_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
-from ..planning.plan import Job, OutPiece
+from ..planning.plan import Job, JobKind, OutPiece
 from ..planning.source import SourceCheckpoint
-from ..recipes import COPY
 from .writer import PieceWriter
 
 __all__ = ["NativeJobs", "needs_torch"]
@@ -52,7 +50,11 @@ class NativeJobs:
     out: PieceWriter
 
     def __post_init__(self) -> None:
-        self._handlers = {COPY: self._copy, "linear": self._linear, "experts": self._experts}
+        self._handlers = {
+            JobKind.COPY: self._copy,
+            JobKind.LINEAR: self._linear,
+            JobKind.EXPERTS: self._experts,
+        }
 
     def run(self, job: Job) -> bool:
         """Run ``job`` natively; False (nothing promised about its bytes) where it cannot."""
@@ -65,9 +67,9 @@ class NativeJobs:
     def declines(self, job: Job) -> bool:
         """Whether ``job`` goes to the torch code whatever its data says (its formats alone)."""
         try:
-            if job.kind == "linear":
+            if job.kind is JobKind.LINEAR:
                 self._linear_plan(job)
-            elif job.kind == "experts":
+            elif job.kind is JobKind.EXPERTS:
                 self._experts_format(job)
         except NotNative:
             return True
@@ -83,7 +85,7 @@ class NativeJobs:
 
     def _linear_plan(self, job: Job) -> tuple[Any, Any]:
         """(streaming plan, its ``quantize_array``) of a linear job; NotNative where none."""
-        fmt = get_format(job.target.fmt, **dict(job.target.params))
+        fmt = job.target.format()
         src = self.source.tensors[job.source]
         if src.fmt == fmt or (src.fmt_name, fmt.name) in LINEAR_REPACKS:
             raise NotNative("kept as stored, or repacked")
@@ -118,7 +120,7 @@ class NativeJobs:
 
     def _experts_format(self, job: Job) -> Any:
         """The expert format's ``quantize_rows_array``; NotNative where it has none."""
-        fmt = dataclasses.replace(get_expert_format(job.target.fmt), **dict(job.target.params))
+        fmt = job.target.format()
         quantize = getattr(fmt, "quantize_rows_array", None)
         source_fmt = self.source.tensors[job.source].fmt_name
         if quantize is None or (source_fmt, job.target.fmt) in EXPERT_REPACKS:

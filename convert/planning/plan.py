@@ -27,9 +27,10 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
-from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta, get_format
+from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta
 from hetquant.formats.families import TensorRole
 
 from ..recipes import COPY, DROP, ROOT, Recipe, Target
@@ -72,12 +73,20 @@ class OutPiece:
     meta: TensorMeta
 
 
+class JobKind(str, Enum):
+    """How a job turns its sources into outputs (a str: the plan digest records the value)."""
+
+    COPY = "copy"  # the source bytes as they are
+    LINEAR = "linear"  # one weight into its target format
+    EXPERTS = "experts"  # one expert's gate/up/down into its slice of an expert-layer format
+
+
 @dataclass(frozen=True)
 class Job:
-    """Convert ``sources`` with ``target`` into ``outputs``. kind: copy | linear | experts."""
+    """Convert ``sources`` with ``target`` into ``outputs``."""
 
     id: int
-    kind: str
+    kind: JobKind
     sources: tuple[str, ...]
     target: Target
     outputs: tuple[OutPiece, ...]
@@ -216,7 +225,7 @@ def _amax_groups(assigned: list[tuple[SourceItem, Target]]) -> dict[str, tuple[s
         label = item.role.role.fused
         if label is None or target.fmt in (COPY, DROP) or target.fmt in EXPERT_FORMATS:
             continue
-        fmt = get_format(target.fmt, **dict(target.params))
+        fmt = target.format()
         streaming = fmt.streaming(item.role.shape)  # type: ignore[arg-type]
         if streaming is not None and streaming.needs_amax:
             key = (item.role.layer, item.role.expert, label, target)
@@ -227,15 +236,17 @@ def _amax_groups(assigned: list[tuple[SourceItem, Target]]) -> dict[str, tuple[s
 def _job(idx: int, item: SourceItem, target: Target, amax_group: tuple[str, ...] = ()) -> Job:
     if target.fmt == COPY:
         meta = TensorMeta(item.dtype, item.role.shape)
-        return Job(idx, COPY, (item.name,), target, (OutPiece(item.name, item.name, 0, meta),))
-    fmt = get_format(target.fmt, **dict(target.params))
+        return Job(
+            idx, JobKind.COPY, (item.name,), target, (OutPiece(item.name, item.name, 0, meta),)
+        )
+    fmt = target.format()
     prefix = item.name.removesuffix(WEIGHT_SUFFIX)
     try:
         stored = fmt.stored(item.role.shape)  # type: ignore[arg-type]
     except HetquantError as e:  # a shape the format cannot store: name the tensor
         raise HetquantError(f"{item.name} {list(item.role.shape)}: {e}") from None
     outputs = tuple(OutPiece(f"{prefix}.{k}", k, 0, m) for k, m in stored.items())
-    return Job(idx, "linear", (item.name,), target, outputs, amax_group)
+    return Job(idx, JobKind.LINEAR, (item.name,), target, outputs, amax_group)
 
 
 def _expert_job(
@@ -269,7 +280,7 @@ def _expert_job(
         per = TensorMeta(m.dtype, m.shape[1:])
         pieces.append(OutPiece(f"{prefix}.{k}", k, e * per.nbytes, per))
     sources = tuple(members[r].name for r in EXPERT_PARTS)
-    return Job(idx, "experts", sources, target, tuple(pieces))
+    return Job(idx, JobKind.EXPERTS, sources, target, tuple(pieces))
 
 
 def _shard_root(jobs: list[Job], max_shard_size: int) -> list[Container]:
@@ -277,7 +288,7 @@ def _shard_root(jobs: list[Job], max_shard_size: int) -> list[Container]:
     size = 0
     for job in jobs:
         if job.target.part != ROOT:
-            if job.kind != "experts":
+            if job.kind is not JobKind.EXPERTS:
                 raise HetquantError(
                     f"recipe sent {job.source} to part {job.target.part}, which only takes stacked experts"
                 )

@@ -8,10 +8,13 @@ it goes to and in which format. ``copy`` keeps the source bytes as they are; :fu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-from hetquant.formats import HetquantError
+from hetquant.formats import EXPERT_FORMATS, HetquantError, get_expert_format, get_format
+from hetquant.formats.base import ExpertLayerFormat, WeightFormat
 from hetquant.formats.families import TensorRole
 
 __all__ = [
@@ -20,6 +23,7 @@ __all__ = [
     "DROP",
     "RECIPES",
     "ROOT",
+    "Action",
     "Recipe",
     "Target",
     "get_recipe",
@@ -33,9 +37,22 @@ ROOT = "root"
 AS_STORED = frozenset({"plain", "bf16"})  # source formats kept byte for byte at source precision
 
 
+class Action(Enum):
+    """What becomes of a source tensor: its bytes as they are, nothing, or written in a format
+    (quantized, dequantized or repacked: ``Target.format()`` says how)."""
+
+    COPY = COPY
+    DROP = DROP
+    CONVERT = "convert"
+
+
 @dataclass(frozen=True)
 class Target:
-    """Where one source tensor goes: artifact part and format name (``copy`` = bytes as they are)."""
+    """Where one source tensor goes: artifact part and format name (``copy`` = bytes as they are).
+
+    ``fmt`` stays the name (recipes, the plan digest and manifests record it); ``action`` and
+    ``format()`` are what the engine acts on.
+    """
 
     fmt: str
     part: str = ROOT
@@ -44,6 +61,19 @@ class Target:
     container: str = (
         "safetensors"  # the file's layout (convert/planning/containers.py); root: safetensors
     )
+
+    @property
+    def action(self) -> Action:
+        return Action(self.fmt) if self.fmt in (COPY, DROP) else Action.CONVERT
+
+    def format(self) -> WeightFormat | ExpertLayerFormat:
+        """The format object written, with ``params`` applied: a per-linear format, or an
+        expert-layer one (all routed experts of a layer stacked)."""
+        if self.action is not Action.CONVERT:
+            raise HetquantError(f"a {self.fmt} target writes no format")
+        if self.fmt in EXPERT_FORMATS:
+            return dataclasses.replace(get_expert_format(self.fmt), **dict(self.params))
+        return get_format(self.fmt, **dict(self.params))
 
 
 @dataclass(frozen=True)
@@ -102,8 +132,6 @@ class Recipe:
 
     def with_options(self, options: dict[str, Any]) -> Recipe:
         """This recipe with ``options`` (e.g. ``{"group_size": 64}``) replacing its defaults."""
-        import dataclasses
-
         return dataclasses.replace(self, options={**self.options, **options})
 
     def quantization_config(self) -> dict[str, Any] | None:

@@ -235,7 +235,7 @@ _TARGET_PARAMS: dict[str, Callable[[RuleRecipe, TensorRole], tuple[tuple[str, An
 
 
 def _variant(target: Target) -> Any:
-    return get_format(target.fmt, **dict(target.params))
+    return target.format()
 
 
 @functools.cache
