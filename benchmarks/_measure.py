@@ -474,7 +474,7 @@ def open_sources(description: str) -> list[tuple[str, Any]]:
     checkpoints (default: the two embedded tiny models; relative paths from the repository)."""
     import argparse
 
-    from hetquant.convert.source import SourceCheckpoint
+    from hetquant.convert import SourceCheckpoint
 
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("sources", nargs="*", default=list(TINY_SOURCES))

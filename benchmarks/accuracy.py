@@ -4,7 +4,7 @@ Converts ``examples/tiny-deepseek-v3-trained`` with bf16, ascend-hybrid (per-cha
 ``--cpu-group-size`` 64 / 32 CPU experts), ascend-w8a8, awq-w4a16, ct-w4a16, ascend-w4a8,
 ascend-w4a16 and fp4 — the calibrating recipes round-to-nearest and AWQ-calibrated on
 ``calib.txt`` (training-split text), through the converter's own calibration targets
-(``convert/calibration.py``) — then scores each artifact on the held-out text (``heldout.txt``,
+(``convert/engine/calibration.py``) — then scores each artifact on the held-out text (``heldout.txt``,
 never trained or calibrated on) through the runtime's quantized ops (W8A8 activation
 quantization included, the CPU expert pool's INT4 GEMV for the hybrid's experts): perplexity,
 ΔPPL against the FP8 reference, mean KL(reference ‖ artifact) of next-token distributions, top-1
@@ -35,11 +35,7 @@ import torch
 
 from hetquant.calib.data import load_tokenizer, token_blocks
 from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
-from hetquant.convert.calibration import calibrate_for
-from hetquant.convert.engine import convert
-from hetquant.convert.plan import plan_for
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, calibrate_for, convert, get_recipe, plan_for
 from hetquant.runtime.serving.run import local_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,9 +16,7 @@ from pathlib import Path
 from hetquant.calib.calibrate import AwqOptions, calibrate
 from hetquant.calib.data import load_tokenizer, token_blocks
 from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, convert, get_recipe
 from hetquant.runtime.serving.run import local_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -305,7 +305,7 @@ def _loadavg() -> list[float] | None:
 
 def bench_trained(args: argparse.Namespace) -> dict[str, Any]:
     from hetquant.calib import load_tokenizer, token_blocks
-    from hetquant.convert.source import SourceCheckpoint
+    from hetquant.convert import SourceCheckpoint
 
     model = Path(args.model_dir).resolve()
     src = SourceCheckpoint.open(model)
@@ -405,7 +405,7 @@ def ensure_synthetic(
 
 
 def bench_synthetic(args: argparse.Namespace) -> dict[str, Any]:
-    from hetquant.convert.source import SourceCheckpoint
+    from hetquant.convert import SourceCheckpoint
 
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -40,9 +40,7 @@ sys.path.insert(0, str(HERE))
 
 from _measure import machine_info, median, write_result  # noqa: E402
 
-from hetquant.convert.engine import convert  # noqa: E402
-from hetquant.convert.recipes import get_recipe  # noqa: E402
-from hetquant.convert.source import SourceCheckpoint  # noqa: E402
+from hetquant.convert import SourceCheckpoint, convert, get_recipe  # noqa: E402
 from hetquant.runtime.serving.run import RunSpec, run_artifact  # noqa: E402
 
 TINY = HERE.parent / "examples" / "tiny-deepseek-v3"

@@ -253,11 +253,8 @@ def make_shape_only(src: Path, out: Path, recipe: str, options: dict[str, Any]) 
     is the source's with the recipe's ``quantization_config``; the manifest is the converter's
     (``build_manifest``: every file's size and sha256) and says ``shape_only``.
     """
-    from hetquant.convert.engine import plan_for
-    from hetquant.convert.manifest import build_manifest, digest_files
-    from hetquant.convert.plan import parse_size
-    from hetquant.convert.recipes import get_recipe
-    from hetquant.convert.source import SourceCheckpoint
+    from hetquant.convert import SourceCheckpoint, digest_files, get_recipe, parse_size, plan_for
+    from hetquant.convert.engine.manifest import build_manifest
 
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     source = SourceCheckpoint.open(src)

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import machine_info, median, warm_page_cache, write_result
 
-from hetquant.convert.manifest import digest_files, file_digest, hash_threads
+from hetquant.convert.engine.manifest import digest_files, file_digest, hash_threads
 
 
 def synthetic(work: Path, files: int, size: int) -> dict[str, Path]:

@@ -22,10 +22,13 @@ import torch
 
 from hetquant.calib.calibrate import AwqOptions, calibrate
 from hetquant.calib.data import load_tokenizer, token_blocks
-from hetquant.convert.calibration import CALIB_OPTIONS, calibration_targets
-from hetquant.convert.plan import plan_for
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import (
+    CALIB_OPTIONS,
+    SourceCheckpoint,
+    calibration_targets,
+    get_recipe,
+    plan_for,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "examples" / "tiny-deepseek-v3-trained"

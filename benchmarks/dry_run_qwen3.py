@@ -20,8 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hetquant.convert.plan import plan_for
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, plan_for
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "dry_run_qwen3.json"

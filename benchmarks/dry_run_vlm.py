@@ -17,8 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hetquant.convert.plan import Plan, plan_for
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import Plan, SourceCheckpoint, plan_for
 from hetquant.formats import HetquantError
 from hetquant.runtime.parallel.pieces import ModuleInfo
 

@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
         jobs=args.jobs,
     )
     if args.check:
-        from hetquant.convert.source import SourceCheckpoint
+        from hetquant.convert import SourceCheckpoint
 
         src = SourceCheckpoint.open(args.dir)
         print(f"hetquant: {len(src.tensors)} tensors, {src.total_bytes:,} bytes, roles OK")

@@ -176,7 +176,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write-golden", action="store_true")
     args = ap.parse_args()
-    from hetquant.convert.source import SourceCheckpoint
+    from hetquant.convert import SourceCheckpoint
 
     src = SourceCheckpoint.open(TINY)
     model, names = build(src)

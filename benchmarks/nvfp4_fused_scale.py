@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from _measure import open_sources
 
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint
 from hetquant.formats import get_format
 
 RESULTS = Path(__file__).parent / "results" / "nvfp4_fused_scale.json"

@@ -35,9 +35,7 @@ from pathlib import Path
 import torch
 from _measure import open_sources
 
-from hetquant.convert.plan import plan_for
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, get_recipe, plan_for
 from hetquant.formats import get_format
 from hetquant.formats.w8a8_npu import INT8_MAX, INT8_MIN, SCALE_FLOOR
 

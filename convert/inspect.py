@@ -7,38 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from hetquant.formats import HetquantError
+from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 
-from .engine import PARTIAL_DIR
-from .manifest import MANIFEST_NAME
-from .source import PLAIN, SourceCheckpoint
+from .engine.manifest import format_precision
+from .planning.source import PLAIN, SourceCheckpoint
 from .verify import artifact_files, count_files, load_manifest
 
-__all__ = ["describe", "format_label", "format_precision", "source_precision"]
-
-
-def format_label(fmt: str) -> str:
-    """A precision-table format as shown: ``+``-joined parts in one case, each named once.
-
-    The table records a copied tensor by its stored dtype (``BF16``, ``F32``) and a converted one
-    by its format name (``bf16``, ``w8a8_dynamic``); a BF16 copy and the ``bf16`` format are the
-    same bytes, so both read ``bf16``.
-    """
-    return "+".join(sorted({part.lower() for part in fmt.split("+")}))
-
-
-def format_precision(table: dict[str, Any]) -> str:
-    """The precision table as aligned text; the format column is as wide as its longest entry."""
-    labels = [format_label(g["format"]) for g in table["groups"]]
-    w = max([len("format"), *map(len, labels)])
-    lines = [f"{'group':<16} {'format':<{w}} {'params':>16} {'bytes':>16} {'bits/w':>7}"]
-    for g, label in zip(table["groups"], labels, strict=True):
-        lines.append(
-            f"{g['name']:<16} {label:<{w}} {g['params']:>16,} {g['bytes']:>16,} {g['bits_per_weight']:>7.3f}"
-        )
-    lines.append(
-        f"{'total':<16} {'':<{w}} {table['params']:>16,} {table['bytes']:>16,} {table['effective_bits_per_weight']:>7.3f}"
-    )
-    return "\n".join(lines)
+__all__ = ["describe", "source_precision"]
 
 
 def describe(path: Path) -> str:

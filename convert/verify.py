@@ -30,11 +30,11 @@ from hetquant.formats.manifest_schema import read_manifest
 from hetquant.formats.safe_paths import inside
 from hetquant.formats.safetensors_io import read_header
 
-from .export import replay_export
-from .manifest import MANIFEST_NAME, digest_files, module_formats
-from .plan import Plan, SourceItem, make_plan
+from .engine.manifest import MANIFEST_NAME, digest_files, module_formats
+from .export.plan import replay_export
+from .planning.plan import Plan, SourceItem, make_plan
+from .planning.source import INDEX_NAME, PLAIN
 from .recipes import get_recipe
-from .source import INDEX_NAME, PLAIN
 
 __all__ = [
     "USER_DOCS",

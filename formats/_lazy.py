@@ -1,7 +1,7 @@
 """``torch``, imported where it is first used rather than where it is named.
 
 ``import torch`` costs 1.5-4.5 s (more than a whole small conversion), and a conversion whose every
-job has a native kernel never needs it (``convert/native_jobs.py``). The modules of
+job has a native kernel never needs it (``convert/engine/native_jobs.py``). The modules of
 :mod:`hetquant.formats` and the conversion's path in :mod:`hetquant.convert` therefore write
 ``from hetquant.formats._lazy import torch``: an attribute of this stand-in (``torch.float32``,
 ``torch.empty``, ``torch.nn.functional``) imports torch on first use and is then looked up in it,
@@ -9,7 +9,7 @@ so code reads as it would with the module itself, and whatever runs without touc
 imports it. The stand-in is not put in ``sys.modules``: other libraries' "is torch loaded" checks
 stay true to fact. Type annotations stay strings (``from __future__ import annotations``).
 
-``tests/convert/test_native_lane.py`` checks that the native conversions import no torch.
+``tests/convert/engine/test_native_lane.py`` checks that the native conversions import no torch.
 """
 
 from __future__ import annotations

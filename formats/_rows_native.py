@@ -15,7 +15,7 @@ non-contiguous tensor) or the input is bad (NaN codes, NaN/Inf values): the call
 the torch code, which gives the result or raises the format's own error. The kernels take numpy
 arrays (``*_array``: what the native conversion lane calls, without torch); the functions of
 the torch code's callers are thin adapters over them (zero-copy views of CPU tensors).
-Single-threaded: a conversion runs one kernel per worker process (``convert/execute.py``).
+Single-threaded: a conversion runs one kernel per worker process (``convert/engine/execute.py``).
 
 Precision notes, checked against the torch code (tests/formats/test_rows_native.py):
 ``f32(code)`` is exact (E4M3 bits moved into a float32 and multiplied by 2^120, as
@@ -46,7 +46,7 @@ def _ptr(a: np.ndarray) -> int:
 
 
 # The kernels on numpy arrays (BF16 as its bits, ``uint16``: ``dtypes.numpy_dtype``); the
-# conversion's native lane (``convert/native_jobs.py``) calls these, without torch.
+# conversion's native lane (``convert/engine/native_jobs.py``) calls these, without torch.
 
 
 def fp8_dequant_rows_array(

@@ -1,6 +1,6 @@
 """The formats' side of the native conversion lane: numpy rows in, numpy stored tensors out.
 
-A conversion whose jobs all have native kernels runs without torch (``convert/native_jobs.py``).
+A conversion whose jobs all have native kernels runs without torch (``convert/engine/native_jobs.py``).
 For that a format may offer, beside its torch methods, the same operation on numpy arrays (BF16
 and FP8 as their bits, ``dtypes.numpy_dtype``), computed by the kernels of ``_rows_native`` and
 ``_quant_native`` — the C++ is the one rule; nothing here re-states a quantization in numpy:

@@ -72,7 +72,7 @@ class Streaming:
     the whole tensor when ``axes[key]`` is None (a value of the weight as a whole). With
     ``needs_amax`` the converter first computes the whole weight's absmax and passes it as
     ``weight_amax=`` (the joint absmax of the linears engines merge with it, so that they share
-    the per-tensor scale it sets: ``convert/plan.py``). ``finish``, when set, turns the assembled tensors into the stored ones
+    the per-tensor scale it sets: ``convert/planning/plan.py``). ``finish``, when set, turns the assembled tensors into the stored ones
     (e.g. a tiling); without it, keys along dim 0 may be written as chunks arrive.
     """
 
@@ -420,6 +420,9 @@ class ExpertLayerFormat(ABC):
     """
 
     name: ClassVar[str]
+    # declared capability: ``quantize_rows(rows)`` quantizes any block of one linear's rows (the
+    # engine then streams an expert's rows instead of loading its weights whole)
+    streams_rows: ClassVar[bool] = False
 
     @abstractmethod
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:

@@ -393,6 +393,7 @@ class Int4CpuExperts(ExpertLayerFormat):
     """The per-layer stacked layout above, as a registered expert-layer format."""
 
     name: ClassVar[str] = "int4_cpu_experts"
+    streams_rows: ClassVar[bool] = True  # quantize_rows
     clip_search: bool = False
 
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:

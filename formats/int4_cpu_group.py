@@ -295,6 +295,7 @@ class Int4CpuGroupExperts(ExpertLayerFormat):
     """The per-layer stacked layout above, as a registered expert-layer format."""
 
     name: ClassVar[str] = "int4_cpu_group_experts"
+    streams_rows: ClassVar[bool] = True  # quantize_rows
     group_size: int = 32
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ breaks it with one :class:`HetquantError` naming the field (``recipe.options``,
 ``files["config.json"].size``). Fields it does not list (``calibration``, ``accuracy``, ...) are
 free-form and kept as they are. Two shapes: an artifact's (``convert``: ``recipe``, the source's
 dtypes, the precision table) and an export's (``hetquant export``: an ``export`` entry instead).
-This module only reads; ``convert/manifest.py`` writes manifests.
+This module only reads; ``convert/engine/manifest.py`` writes manifests.
 """
 
 from __future__ import annotations

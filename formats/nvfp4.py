@@ -35,7 +35,7 @@ NaN/Inf weights are refused.
 Merged modules share ``s2``: linears an engine runs as one GEMM (a gated MLP's gate and up, per
 routed expert too) get ``s2`` from their joint ``amax``, as ModelOpt's export writes them
 (``modelopt/torch/export/quant_utils.py:1490-1562``) and vLLM loads them (one value per merged
-module); ``quantize(weight_amax=...)`` takes it and ``convert/plan.py`` groups the members.
+module); ``quantize(weight_amax=...)`` takes it and ``convert/planning/plan.py`` groups the members.
 
 ``input_scale`` is the global scale of the *activations* for W4A4 on Blackwell (GEMM alpha =
 input_scale * weight_scale_2). It needs calibration (``act_amax``) and is unused on Ascend, where

@@ -476,9 +476,7 @@ def tiny_artifact_1mb(
 @pytest.fixture(scope="session")
 def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ascend-hybrid artifact of the tiny model (per-channel CPU experts). Read-only for tests."""
-    from hetquant.convert.engine import convert
-    from hetquant.convert.recipes import get_recipe
-    from hetquant.convert.source import SourceCheckpoint
+    from hetquant.convert import SourceCheckpoint, convert, get_recipe
 
     out = tmp_path_factory.mktemp("hybrid") / "art"
     convert(SourceCheckpoint.open(TINY), out, get_recipe("ascend-hybrid"), max_shard_size=10**9)

@@ -1,18 +1,26 @@
 """Recipes: what becomes of each source tensor. A small registry keyed by name.
 
-A recipe looks at one source tensor (its role in the model family's table and its source format:
-a registered format's name, or ``plain``) and returns a :class:`Target`: which part of the artifact
-it goes to and in which format. ``copy`` keeps the source bytes as they are; :func:`keep` is
-"at source precision". Recipes are data; the engine never branches on their names.
+:mod:`.base` holds the contract (``Recipe``, ``Target``, the registry); ``bf16``, ``quantized``
+and ``ascend_4bit`` register the recipes; ``metadata`` writes the root part's metadata files and
+``serving`` the model card's serving text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
-from hetquant.formats import HetquantError
-from hetquant.formats.families import TensorRole
+from . import ascend_4bit, bf16, quantized  # noqa: F401  (registration)
+from .base import (
+    AS_STORED,
+    COPY,
+    DROP,
+    RECIPES,
+    ROOT,
+    Action,
+    Recipe,
+    Target,
+    get_recipe,
+    keep,
+    register_recipe,
+)
 
 __all__ = [
     "AS_STORED",
@@ -20,112 +28,10 @@ __all__ = [
     "DROP",
     "RECIPES",
     "ROOT",
+    "Action",
     "Recipe",
     "Target",
     "get_recipe",
     "keep",
     "register_recipe",
 ]
-
-COPY = "copy"  # the source bytes as they are
-DROP = "drop"  # left out of the artifact (e.g. the MTP layer with --mtp drop)
-ROOT = "root"
-AS_STORED = frozenset({"plain", "bf16"})  # source formats kept byte for byte at source precision
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where one source tensor goes: artifact part and format name (``copy`` = bytes as they are)."""
-
-    fmt: str
-    part: str = ROOT
-    params: tuple[tuple[str, Any], ...] = ()
-    file: str | None = None  # parts other than the root name their file (e.g. one per layer)
-    container: str = "safetensors"  # the file's layout (convert/containers.py); root: safetensors
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """A named conversion: ``assign`` maps (role, source dtype) to a Target."""
-
-    name: str
-    summary: str
-    options: dict[str, Any] = field(default_factory=dict)
-    # option → allowed values, the default first
-    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    calibrates: bool = False  # takes --calib-data (AWQ); the manifest then says how
-    # without --calib-data the manifest says {"method": "rtn"} (awq-w4a16's contract); False:
-    # it has no calibration entry, as the recipe's artifacts had before it calibrated
-    records_rtn: bool = True
-
-    def __post_init__(self) -> None:
-        for key, value in self.options.items():
-            allowed = self.choices.get(key)
-            if allowed is None:
-                takes = ", ".join(self.choices) or "none"
-                raise HetquantError(f"recipe {self.name} has no option {key!r}; it takes: {takes}")
-            if value not in allowed:
-                shown = ", ".join("unset" if v is None else repr(v) for v in allowed)
-                raise HetquantError(f"recipe {self.name}: {key}={value!r} is not one of {shown}")
-
-    def option(self, key: str) -> Any:
-        """The value of option ``key``: given, or the default (first choice)."""
-        return self.options.get(key, self.choices[key][0])
-
-    def assign(self, role: TensorRole, source_fmt: str) -> Target:
-        raise NotImplementedError
-
-    def calibration(self, role: TensorRole) -> str | None:
-        """What ``--calib-data`` does to a tensor of ``role``: ``"search"`` (a quantized linear
-        whose AWQ scale and clip are searched), ``"quantized"`` (quantized, its quantizer in the
-        objectives, not searched), None (not quantized). Here: None (no calibration)."""
-        return None
-
-    def refine(
-        self, target: Target, source_params: tuple[tuple[str, Any], ...], source_fmt: str = ""
-    ) -> Target:
-        """``target`` given the source variant's format and parameters (``SourceItem.fmt``,
-        ``.params``); as is here."""
-        return target
-
-    def check_model(self, roles: list[TensorRole]) -> None:
-        """Refuse (HetquantError) an option the model gives nothing to act on, ``roles`` being
-        every source tensor's; here nothing is refused."""
-
-    def with_options(self, options: dict[str, Any]) -> Recipe:
-        """This recipe with ``options`` (e.g. ``{"group_size": 64}``) replacing its defaults."""
-        import dataclasses
-
-        return dataclasses.replace(self, options={**self.options, **options})
-
-    def quantization_config(self) -> dict[str, Any] | None:
-        """The ``quantization_config`` of the root part's config.json (None: unquantized)."""
-        return None
-
-
-def keep(source_fmt: str) -> Target:
-    """At source precision: plain tensors and BF16 weights as they are, a weight in any other
-    source format (FP8 blocks, compressed-tensors INT4, ...) dequantized exactly to BF16."""
-    return Target(COPY) if source_fmt in AS_STORED else Target("bf16")
-
-
-RECIPES: dict[str, Recipe] = {}
-
-
-def register_recipe(recipe: Recipe) -> Recipe:
-    if recipe.name in RECIPES:
-        raise RuntimeError(f"recipe {recipe.name!r} registered twice")
-    RECIPES[recipe.name] = recipe
-    return recipe
-
-
-def get_recipe(name: str) -> Recipe:
-    try:
-        return RECIPES[name]
-    except KeyError:
-        raise HetquantError(
-            f"unknown recipe {name!r}; `hetquant recipes` lists them: {', '.join(sorted(RECIPES))}"
-        ) from None
-
-
-from . import ascend_4bit, bf16, quantized  # noqa: E402,F401  (registration)

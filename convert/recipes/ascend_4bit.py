@@ -33,7 +33,7 @@ are not searched but scored with ``w8a8_dynamic``'s weights and scaled where a s
 shares their input (the shared experts); the MTP layer stays round-to-nearest. Without
 ``--calib-data`` the manifest has no calibration entry, as before these recipes calibrated. A
 K2 Thinking source's INT4 experts, kept as they are by ``ascend-w4a16``, refuse calibration
-(``convert/calibration.py``).
+(``convert/engine/calibration.py``).
 
 ``--keep-dense-down`` keeps the dense layers' MLP down_proj in BF16 (``FLOAT``), as on
 ``ascend-w8a8`` (``recipes/quantized.py``).
@@ -41,7 +41,8 @@ K2 Thinking source's INT4 experts, kept as they are by ``ascend-w4a16``, refuse 
 
 from __future__ import annotations
 
-from . import register_recipe
+from . import serving
+from .base import register_recipe
 from .quantized import _KEEP_DENSE_DOWN, _KEEPS, _MTP, KEEP, RuleRecipe
 
 __all__: list[str] = []
@@ -58,6 +59,8 @@ register_recipe(
         rules={**_W8A8, "routed": "w4a8_dynamic", "mtp_routed": "w8a8_dynamic"},
         choices={**_MTP, **_KEEP_DENSE_DOWN},
         **_CALIBRATED,
+        tags=("ascend", "w4a8", "int4", "int8"),
+        serving=serving.VLLM_ASCEND,
     )
 )
 register_recipe(
@@ -69,5 +72,7 @@ register_recipe(
         # vllm-ascend's W4A16 MoE scheme declares weight_shape int32 (methods/w4a16.py:237-238)
         fixed={"ct_pack_quantized": (("shape_dtype", "I32"),)},
         **_CALIBRATED,
+        tags=("ascend", "w4a16", "int4"),
+        serving=serving.VLLM_ASCEND,
     )
 )

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from hetquant.formats.families import TensorRole
 
-from . import Recipe, Target, keep, register_recipe
+from . import serving
+from .base import Recipe, Target, keep, register_recipe
 
 __all__ = ["Bf16Recipe"]
 
@@ -23,6 +24,10 @@ class Bf16Recipe(Recipe):
 
 register_recipe(
     Bf16Recipe(
-        "bf16", "every FP8 weight dequantized to BF16 (DeepSeek's fp8_cast_bf16, on CPU, streaming)"
+        "bf16",
+        "every FP8 weight dequantized to BF16 (DeepSeek's fp8_cast_bf16, on CPU, streaming)",
+        tags=("bf16",),
+        library="transformers",
+        serving=serving.PLAIN,
     )
 )

@@ -45,7 +45,7 @@ from hetquant.formats.families import parse_config
 from hetquant.formats.nvfp4 import BLOCK, hf_quant_config
 from hetquant.formats.w8a8_npu import QUANT_TYPE_FLOAT, description_entries, description_header
 
-from . import COPY, ROOT
+from .base import COPY, ROOT
 
 __all__ = ["DESCRIPTION_NAME", "HF_QUANT_CONFIG_NAME", "artifact_metadata", "unconverted_modules"]
 

@@ -60,7 +60,8 @@ from hetquant.formats.families.roles import MTP
 from hetquant.formats.int4_cpu_group import GROUP_SIZES as CPU_GROUP_SIZES
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
-from . import DROP, Recipe, Target, keep, register_recipe
+from . import serving
+from .base import DROP, Recipe, Target, keep, register_recipe
 
 __all__ = ["KEEP", "LOW_BITS", "RuleRecipe", "density", "role_class"]
 
@@ -234,7 +235,7 @@ _TARGET_PARAMS: dict[str, Callable[[RuleRecipe, TensorRole], tuple[tuple[str, An
 
 
 def _variant(target: Target) -> Any:
-    return get_format(target.fmt, **dict(target.params))
+    return target.format()
 
 
 @functools.cache
@@ -284,6 +285,8 @@ register_recipe(
         calibrates=True,
         records_rtn=False,
         search=frozenset({"routed"}),
+        tags=("ascend", "w8a8", "int8", "int4", "cpu-offload"),
+        serving=serving.VLLM_ASCEND,
     )
 )
 register_recipe(
@@ -299,6 +302,8 @@ register_recipe(
             **_KEEPS,
         },
         choices={**_MTP, **_KEEP_DENSE_DOWN},
+        tags=("ascend", "w8a8", "int8"),
+        serving=serving.VLLM_ASCEND,
     )
 )
 register_recipe(
@@ -315,17 +320,17 @@ register_recipe(
         },
         choices={**_MTP, "group_size": (128, 64)},
         calibrates=True,
+        tags=("awq", "int4", "w4a16"),
+        serving=serving.AWQ,
     )
 )
 register_recipe(RuleRecipe(
     "fp4", "NVFP4 (E2M1 + E4M3 per 16 + F32 global) for dense MLP and experts, Ascend 8×8 tiled layout by default",
     rules={"attention": KEEP, "absorbed": KEEP, "dense": "nvfp4*", "shared": "nvfp4*", "routed": "nvfp4*", **_KEEPS},
-    choices={**_MTP, "fp4_layout": ("ascend", "nvfp4")},
-))  # fmt: skip
+    choices={**_MTP, "fp4_layout": ("ascend", "nvfp4")}, tags=("nvfp4", "fp4"),))  # fmt: skip
 register_recipe(RuleRecipe(
     "ct-w4a16",
     "compressed-tensors pack-quantized W4A16 (symmetric, group 32 or 128) for the routed experts, the rest at source precision, as vllm-ascend's W4A16 MoE and vLLM load it; AWQ-calibrated with --calib-data, else round-to-nearest",
     rules={"attention": KEEP, "absorbed": KEEP, "dense": KEEP, "shared": KEEP, "routed": "ct_pack_quantized", **_KEEPS},
     choices={**_MTP, "group_size": (32, 128)},
-    calibrates=True,
-))  # fmt: skip
+    calibrates=True, tags=("compressed-tensors", "int4", "w4a16"), serving=serving.COMPRESSED_TENSORS,))  # fmt: skip

@@ -36,7 +36,7 @@ offset per epoch, shuffled (``--seed``).
 After training, mandatory check: ``DeepseekV3Reference(cfg, DenseWeights(trained fp32 state))``
 from ``hetquant.runtime.forward.model`` gives the training module's logits within float32
 summation-order tolerance (the run stops before writing otherwise). Then the checkpoint is
-written, read back through ``hetquant.convert.source.SourceCheckpoint``, dequantized with
+written, read back through ``hetquant.convert.planning.source.SourceCheckpoint``, dequantized with
 DeepSeek's formula, and the held-out perplexity of (a) the float model (training module, fp32)
 and (b) the FP8 checkpoint through the runtime reference are printed and written.
 

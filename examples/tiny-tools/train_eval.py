@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint
 from hetquant.formats.families import ModelConfig
 from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
 

@@ -23,7 +23,7 @@ expert of its layer, so the index bounds no expert count; the expert checks (1's
 the shard holds — to be the config's ``E`` before any name is expanded. The layer checks stay.
 
 A config claiming *fewer* layers or experts than the index holds is left to the role matching
-(``convert/_source_roles.py``), which names the first tensor no role takes.
+(``convert/planning/roles.py``), which names the first tensor no role takes.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from calib_consts import (  # tests/calib is on sys.path (rootdir-relative impor
 
 from hetquant.calib import AwqOptions, calibrate, load_tokenizer, token_blocks
 from hetquant.calib.forward import source_tensor_fn
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from hetquant.calib.eval import (
     per_sequence,
     reference_forward_from_source,
 )
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint
 from hetquant.formats import HetquantError
 from hetquant.formats.int4_cpu import dequantize_expert, quantize_expert, stack_experts
 

@@ -21,7 +21,7 @@ from support import make_tiny_qwen3
 from hetquant.calib import AwqOptions, calibrate
 from hetquant.calib.calibrate import apply_transform
 from hetquant.calib.forward import Capture, LayerRunner, LayerWeights, layer_names
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint
 from hetquant.runtime.forward.model import DenseWeights
 from hetquant.runtime.forward.qwen3_moe import Qwen3MoeReference
 

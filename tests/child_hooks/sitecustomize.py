@@ -24,8 +24,8 @@ _TRUNCATE = os.environ.get("HETQUANT_TEST_TRUNCATE")
 _KILL = os.environ.get("HETQUANT_TEST_KILL_WORKERS")
 
 if _DELAY or _TRUNCATE or _KILL:
-    from hetquant.convert import jobs
-    from hetquant.convert.source_guard import job_files
+    from hetquant.convert.engine import jobs
+    from hetquant.convert.fs.source_guard import job_files
 
     _run = jobs.JobRunner.run
     _half = float(_DELAY or 0) / 2

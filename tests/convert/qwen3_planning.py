@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hetquant.convert.plan import Plan
+from hetquant.convert import Plan
 from hetquant.convert.recipes import get_recipe
 from hetquant.formats import HetquantError, get_format
 from hetquant.formats.base import FORMATS

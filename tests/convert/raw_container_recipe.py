@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hetquant.convert.recipes import RECIPES, Recipe, Target, get_recipe
+from hetquant.convert import RECIPES, Recipe, Target, get_recipe
 from hetquant.convert.recipes.quantized import RuleRecipe
 from hetquant.formats.families import TensorRole
 

@@ -19,9 +19,7 @@ from sglang_npu_port import moe_report
 from support import TINY, make_kimi_k2
 from vllm_ascend_load import load_report
 
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, convert, get_recipe
 
 LOADABLE = ["ascend-w8a8", "ascend-w4a8", "ascend-w4a16"]
 

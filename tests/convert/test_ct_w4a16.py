@@ -15,9 +15,7 @@ from safetensors.torch import load_file
 from support import REPO, TINY, TOOLS, make_kimi_k2, read_json
 from torch import nn
 
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, convert, get_recipe
 from hetquant.formats import get_format
 
 CALIB = ["--calib-data", str(TOOLS / "calib.txt"), "--calib-samples", "4", "--calib-seq-len", "64"]

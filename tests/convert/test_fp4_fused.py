@@ -13,11 +13,8 @@ import torch
 from safetensors.torch import load_file
 from support import REPO, TINY
 
-from hetquant.convert.engine import convert
-from hetquant.convert.plan import plan_for
-from hetquant.convert.recipes import get_recipe
+from hetquant.convert import SourceCheckpoint, convert, get_recipe, plan_for
 from hetquant.convert.recipes.quantized import KEEP, RuleRecipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats.nvfp4 import E2M1_MAX, FP8_E4M3_MAX
 from hetquant.formats.nvfp4_ascend import to_canonical
 

@@ -8,12 +8,9 @@ from pathlib import Path
 import pytest
 from support import make_kimi_k2, read_json
 
-from hetquant.convert.aux_files import aux_files
-from hetquant.convert.engine import convert
+from hetquant.convert import SourceCheckpoint, convert, get_recipe, verify_artifact
+from hetquant.convert.planning.aux_files import aux_files
 from hetquant.convert.recipes import RECIPES as REGISTERED
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
-from hetquant.convert.verify import verify_artifact
 
 RECIPES = sorted(REGISTERED)  # every recipe
 K2_FILES = ["chat_template.jinja", "generation_config.json", "tiktoken.model",

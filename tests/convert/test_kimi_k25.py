@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint
 from hetquant.convert.verify import verify_artifact
 from hetquant.formats.families.vlm import VlmFamily
 from hetquant.runtime.serving.run import RunSpec, run_artifact

@@ -41,7 +41,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint
 from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
 
 TOOLS = Path(__file__).resolve().parents[2] / "examples" / "tiny-tools"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support import MANIFEST, hf_cache_snapshot, no_hang, read_json, write_json
 
-from hetquant.convert.hub_upload import upload_artifact
+from hetquant.convert.hub.upload import upload_artifact
 from hetquant.formats import HetquantError
 
 SECRET = b"TOPSECRET api key 0123456789\n"

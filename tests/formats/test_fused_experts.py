@@ -18,9 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hetquant.convert.engine import convert
+from hetquant.convert import SourceCheckpoint, convert
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats import HetquantError
 from hetquant.formats.fused_experts import ExpertSlice
 

@@ -8,7 +8,7 @@ to the cores) and prints the aggregate rate, so a part that does not scale stand
   (the inode lock serializes writers of one file);
 * ``pwrite-own``: the same into one file per process;
 * ``mmap-one``: the same bytes stored into a shared memory map of ONE file, each piece's pages
-  populated first (``MADV_POPULATE_WRITE``), as ``convert/writer.py`` does;
+  populated first (``MADV_POPULATE_WRITE``), as ``convert/engine/writer.py`` does;
 * ``dequant``: the FP8 → BF16 kernel on a cached block row (compute and cache bandwidth);
 * ``map-read``: the kernel over a private memory map of a shared source file, each process its
   own slice, first touch (page faults and page-cache reads, what a worker does to its source);

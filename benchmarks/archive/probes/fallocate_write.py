@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from hetquant.convert.containers import allocate
+from hetquant.convert.planning.containers import allocate
 
 CHUNK = 8 << 20
 

@@ -33,12 +33,8 @@ from pathlib import Path
 from hetquant.calib.calibrate import AwqOptions, calibrate
 from hetquant.calib.data import load_tokenizer, token_blocks
 from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
-from hetquant.convert.calibration import calibration_targets
-from hetquant.convert.engine import convert
-from hetquant.convert.plan import plan_for
-from hetquant.convert.recipes import get_recipe
+from hetquant.convert import SourceCheckpoint, calibration_targets, convert, get_recipe, plan_for
 from hetquant.convert.recipes.quantized import KEEP
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.runtime.serving.run import local_model
 
 REPO = Path(__file__).resolve().parents[3]

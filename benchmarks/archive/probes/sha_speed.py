@@ -2,7 +2,7 @@
 
 Prints the CPU's SHA extensions, OpenSSL's own figure, and hashlib's rate on a buffer in memory,
 read back with preadv (8 MB, 1 MB and 256 KB reads) from a file on tmpfs (what
-convert/hashing.py does), and through mmap,
+convert/engine/hashing.py does), and through mmap,
 each alone and with N processes copying memory (the converters' load). JSON on stdout.
 """
 

@@ -28,10 +28,8 @@ import torch.nn.functional as F
 from hetquant.calib.data import load_tokenizer, token_blocks
 from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
 from hetquant.calib.smooth import dynamic_fake_quant
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import get_recipe
+from hetquant.convert import SourceCheckpoint, convert, get_recipe
 from hetquant.convert.recipes.quantized import KEEP
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.runtime.serving.run import local_model
 
 REPO = Path(__file__).resolve().parents[3]

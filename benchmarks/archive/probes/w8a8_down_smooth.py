@@ -29,9 +29,7 @@ from hetquant.calib import awq
 from hetquant.calib.data import load_tokenizer, token_blocks
 from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
 from hetquant.calib.smooth import smooth_candidates
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, convert, get_recipe
 from hetquant.formats import get_format
 from hetquant.runtime.kernels.ops import QuantLinear
 from hetquant.runtime.serving.run import local_model

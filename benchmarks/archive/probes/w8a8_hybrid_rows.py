@@ -31,12 +31,8 @@ import torch
 from hetquant.calib.calibrate import AwqOptions, CalibrationResult, Transform
 from hetquant.calib.data import load_tokenizer, token_blocks
 from hetquant.calib.eval import evaluate, per_sequence, reference_forward_from_source
-from hetquant.convert.calibration import calibrate_for
-from hetquant.convert.engine import convert
-from hetquant.convert.plan import plan_for
-from hetquant.convert.recipes import get_recipe
+from hetquant.convert import SourceCheckpoint, calibrate_for, convert, get_recipe, plan_for
 from hetquant.convert.recipes.quantized import KEEP
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.runtime.serving.run import local_model
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from support import INDEX, REPO, TINY, bf16_bits, read_json, st_bytes, write_json
 
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint
 from hetquant.formats import HetquantError
 from hetquant.formats.families import ModelConfig, expected_tensors, get_family
 
@@ -33,8 +33,7 @@ def v32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def artifacts(v32: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from hetquant.convert.engine import convert
-    from hetquant.convert.recipes import get_recipe
+    from hetquant.convert import convert, get_recipe
 
     base = tmp_path_factory.mktemp("v32-art")
     src = SourceCheckpoint.open(v32)

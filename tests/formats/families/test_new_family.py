@@ -17,10 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
-from hetquant.convert.verify import verify_artifact
+from hetquant.convert import SourceCheckpoint, convert, get_recipe, verify_artifact
 from hetquant.formats.families import (
     AwqMappings,
     Balance,

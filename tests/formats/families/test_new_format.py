@@ -15,10 +15,15 @@ import pytest
 import torch
 from test_new_family import TOY, write_toy_checkpoint
 
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import RECIPES, Recipe, Target, keep
-from hetquant.convert.source import SourceCheckpoint
-from hetquant.convert.verify import verify_artifact
+from hetquant.convert import (
+    RECIPES,
+    Recipe,
+    SourceCheckpoint,
+    Target,
+    convert,
+    keep,
+    verify_artifact,
+)
 from hetquant.formats import FORMATS, TensorMeta, WeightFormat
 from hetquant.formats.base import identify
 from hetquant.formats.families import TensorRole, register_family, unregister_family

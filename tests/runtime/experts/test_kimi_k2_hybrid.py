@@ -13,9 +13,7 @@ from gemv_reference import assert_within, routed_ref_and_bound, routing
 from safetensors.torch import load_file
 from support import make_kimi_k2, read_json
 
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, convert, get_recipe
 from hetquant.formats.base import stored_metas
 from hetquant.formats.int4_cpu_group import Int4CpuGroupExperts, dequantize_expert
 from hetquant.runtime.experts.expert_pool import CpuExpertPool

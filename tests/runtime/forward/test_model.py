@@ -22,9 +22,7 @@ import pytest
 import torch
 from support import make_kimi_k2
 
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, convert, get_recipe
 from hetquant.formats.families import ModelConfig, expected_tensors
 from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
 from hetquant.runtime.forward.moe import RouterSpec, route

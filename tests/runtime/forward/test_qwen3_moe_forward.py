@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, convert, get_recipe
 from hetquant.formats import HetquantError
 from hetquant.formats.families import ModelConfig, expected_tensors
 from hetquant.runtime.forward.model import DenseWeights

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetquant.convert.engine import convert
+from hetquant.convert import SourceCheckpoint, convert
 from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
 from hetquant.formats.families.vlm import VlmFamily
 from hetquant.runtime.forward.qwen3_moe import Qwen3MoeReference
 from hetquant.runtime.forward.references import reference_for

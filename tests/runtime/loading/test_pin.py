@@ -20,7 +20,7 @@ import pytest
 import torch
 from support import PARTIAL, REPO, TINY, resave_shard, run_cli
 
-from hetquant.convert.transaction import move_in
+from hetquant.convert.engine.transaction import move_in
 from hetquant.formats import HetquantError
 from hetquant.runtime import ParallelLayout, open_artifact
 from hetquant.runtime.loading import _reader, loader

@@ -17,9 +17,7 @@ import pytest
 import torch
 from support import TINY
 
-from hetquant.convert.engine import convert
-from hetquant.convert.recipes import get_recipe
-from hetquant.convert.source import SourceCheckpoint
+from hetquant.convert import SourceCheckpoint, convert, get_recipe
 from hetquant.runtime.forward.model import DeepseekV3Reference, DenseWeights
 from hetquant.runtime.serving.run import RunSpec, run_artifact
 

@@ -1,0 +1,212 @@
+"""The manifest's sha256 of every container, computed while the jobs still run.
+
+sha256 is sequential, so a file is hashed front to back. As jobs finish, the byte ranges they
+wrote are marked (:meth:`FileHashes.written`); a thread advances the file's hash over the
+contiguous prefix that is complete, reading it back from the page cache, and starts the
+write-back of what it hashed (``sync_file_range``, Linux), so that the final ``fsync`` of each
+file — done by the same thread once the file is whole — has little left to wait for. The parent
+of the workers does this, so at the end only what the threads could not follow is left to hash
+(one stream per file: ~1.15 GB/s on the 16-core host, benchmarks/README.md).
+
+For that, files must fill front to back, several at a time: :func:`fill_order` runs the jobs in
+waves of ``width`` files (one hashing thread each), each wave's jobs by their position in their
+file, files of stacked experts first. Bytes no job writes (none in a plan; a missing expert would
+leave zeros) are hashed at :meth:`FileHashes.finish`, which returns exactly what
+``manifest.file_digest`` gives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import itertools
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..fs.os_errors import naming
+from ..planning.containers import Container
+from ..planning.plan import Job, Plan
+from .manifest import HASH_READ, hash_threads
+
+__all__ = ["FileHashes", "fill_order", "hash_threads"]
+
+_SLICE = 256 << 20  # bytes hashed between looks at a stop request
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
+if _SYNC_FILE_RANGE is not None:
+    _SYNC_FILE_RANGE.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _ranges(job: Job, where: dict[str, tuple[Container, int]]) -> list[tuple[str, int, int]]:
+    """(file, start, end) of every byte range ``job`` writes."""
+    out = []
+    for piece in job.outputs:
+        file, base = where[piece.tensor]
+        start = base + piece.offset
+        out.append((file.name, start, start + piece.meta.nbytes))
+    return out
+
+
+def _where(plan: Plan) -> dict[str, tuple[Container, int]]:
+    return {t: (f, off) for f in plan.files for t, off in f.offsets().items()}
+
+
+def fill_order(plan: Plan, jobs: list[Job], width: int) -> list[Job]:
+    """``jobs`` in the order that fills ``width`` files at a time front to back (see module
+    docstring): by wave (the file's place // width), then by the job's first byte relative to
+    its file's size, larger jobs first among equals. Files whose jobs each write pieces far
+    apart (stacked experts: expert e's rows of every stacked tensor) come first: half such a
+    file can only be hashed once its last job is done, so that happens while later waves run."""
+    where = _where(plan)
+    strided = {r[0][0] for j in plan.jobs if not _adjacent(r := _ranges(j, where))}
+    order = sorted(plan.files, key=lambda f: f.name not in strided)  # stable: plan order else
+    index = {f.name: i for i, f in enumerate(order)}
+    size = {f.name: max(f.size, 1) for f in plan.files}
+
+    def key(job: Job) -> tuple[int, float, int]:
+        file, start, _ = min(_ranges(job, where), key=lambda r: r[1])
+        return index[file] // width, start / size[file], -job.nbytes
+
+    return sorted(jobs, key=key)
+
+
+def _adjacent(ranges: list[tuple[str, int, int]]) -> bool:
+    """Whether a job's byte ranges form one run of one file."""
+    runs = sorted((start, end) for _, start, end in ranges)
+    return all(a[1] == b[0] for a, b in itertools.pairwise(runs))
+
+
+@dataclass
+class _File:
+    path: Path
+    size: int
+    ready: int  # the complete prefix: [0, ready) is written
+    hashed: int = 0
+    pending: dict[int, int] = field(default_factory=dict)  # written ranges past ready
+    sha: Any = field(default_factory=hashlib.sha256)
+    running: bool = False
+    fd: int | None = None
+    digest: dict[str, Any] | None = None
+
+
+def _work_left(f: _File) -> bool:
+    """Bytes to hash, or a whole file to fsync and digest."""
+    return f.hashed < f.ready or (f.ready == f.size and f.digest is None)
+
+
+class FileHashes:
+    """Hashes of ``plan``'s containers in ``work`` (see the module docstring)."""
+
+    def __init__(self, plan: Plan, work: Path, threads: int) -> None:
+        self._where = _where(plan)
+        self._files = {f.name: _File(work / f.name, f.size, len(f.header)) for f in plan.files}
+        self._lock = threading.Lock()
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._queued: list[_File] = []
+        self._futures: list[Future[None]] = []
+        self._stopping = False
+
+    def start(self) -> None:
+        """Start hashing (after worker processes are forked: no thread may run during a fork)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="hetquant-hash")
+            queued, self._queued = self._queued, []
+            for f in queued:
+                self._futures.append(self._pool.submit(self._drain, f))
+
+    def written(self, job: Job) -> None:
+        """``job``'s bytes are in their files: hash what is now a complete prefix."""
+        with self._lock:
+            for name, start, end in _ranges(job, self._where):
+                f = self._files[name]
+                f.pending[start] = end
+                while f.ready in f.pending:
+                    f.ready = f.pending.pop(f.ready)
+                self._kick(f)
+
+    def hashed_bytes(self) -> int:
+        """Bytes hashed so far, every file together."""
+        with self._lock:
+            return sum(f.hashed for f in self._files.values())
+
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Hash every file to its end, fsync it; ``{name: {"size", "sha256"}}``."""
+        self.start()
+        with self._lock:
+            for f in self._files.values():
+                f.pending.clear()
+                f.ready = f.size
+                self._kick(f)
+        while True:
+            with self._lock:
+                futures, self._futures = self._futures, []
+            if not futures:
+                break
+            for fut in futures:
+                fut.result()  # an OSError of a hashing thread is raised here
+        self.close()
+        return {name: f.digest for name, f in self._files.items()}  # type: ignore[misc]
+
+    def close(self) -> None:
+        """Stop the threads (an error or a signal: what is queued is dropped) and close files."""
+        self._stopping = True  # a running drain stops after its current read
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        for f in self._files.values():
+            if f.fd is not None:
+                os.close(f.fd)
+                f.fd = None
+
+    def _kick(self, f: _File) -> None:  # with the lock held
+        if f.running or not _work_left(f):
+            return
+        f.running = True
+        if self._pool is None:
+            self._queued.append(f)
+        else:
+            self._futures.append(self._pool.submit(self._drain, f))
+
+    def _drain(self, f: _File) -> None:
+        """Hash ``f`` up to its complete prefix, as long as that grows; fsync it when whole."""
+        try:
+            if f.fd is None:
+                with naming(f.path):
+                    f.fd = os.open(f.path, os.O_RDONLY)
+            buf = bytearray(HASH_READ)
+            while True:
+                with self._lock:
+                    start, end = f.hashed, min(f.ready, f.hashed + _SLICE)
+                    if self._stopping or not _work_left(f):
+                        f.running = False
+                        return
+                self._hash(f, buf, start, end)
+                if end == f.size:
+                    os.fsync(f.fd)
+                    f.digest = {"size": f.size, "sha256": f.sha.hexdigest()}
+                with self._lock:
+                    f.hashed = end
+        except BaseException:
+            with self._lock:
+                f.running = False
+            raise
+
+    @staticmethod
+    def _hash(f: _File, buf: bytearray, start: int, end: int) -> None:
+        view, pos = memoryview(buf), start
+        assert f.fd is not None
+        while pos < end:
+            n = os.preadv(f.fd, [view[: min(HASH_READ, end - pos)]], pos)
+            if n <= 0:
+                raise OSError(f"{f.path}: unexpected end of file at byte {pos} of {f.size}")
+            f.sha.update(view[:n])
+            pos += n
+        if _SYNC_FILE_RANGE is not None and end > start:  # start the write-back now
+            _SYNC_FILE_RANGE(f.fd, start, end - start, _SYNC_FILE_RANGE_WRITE)

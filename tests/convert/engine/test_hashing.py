@@ -1,0 +1,103 @@
+"""Containers hashed while the jobs run (convert/engine/hashing.py): the digests equal a hash of the
+finished file whatever order jobs finish in, with resumed jobs, bytes no job writes, and the
+waves of files filled front to back."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetquant.convert import SourceCheckpoint, file_digest, get_recipe, make_plan, plan_for
+from hetquant.convert.engine.hashing import FileHashes, fill_order
+from hetquant.convert.engine.writer import PieceWriter
+
+TINY = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
+
+
+@pytest.fixture(scope="module")
+def plan():
+    """The hybrid plan of the tiny model in 64 kB root shards: many files, stacked experts."""
+    return plan_for(SourceCheckpoint.open(TINY), get_recipe("ascend-hybrid"), 64_000)
+
+
+def _fill(plan, work: Path, jobs, seed: int) -> None:
+    """Write every piece of ``jobs`` with bytes that depend on the piece (not zeros)."""
+    w = PieceWriter(plan.files, work, mapped=False)
+    for job in jobs:
+        for p in job.outputs:
+            g = torch.Generator().manual_seed(seed + job.id)
+            w.write(p.tensor, p.offset, torch.randint(0, 256, (p.meta.nbytes,), generator=g, dtype=torch.uint8))  # fmt: skip
+    w.close()
+
+
+def _create(plan, work: Path) -> None:
+    for f in plan.files:
+        f.create(work / f.name)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_digests_equal_the_finished_files_in_any_completion_order(plan, tmp_path: Path, threads: int) -> None:  # fmt: skip
+    _create(plan, tmp_path)
+    jobs = list(plan.jobs)
+    random.Random(threads).shuffle(jobs)
+    hashes = FileHashes(plan, tmp_path, threads)
+    resumed, run = jobs[:5], jobs[5:]
+    _fill(plan, tmp_path, resumed, 0)
+    for job in resumed:  # a resume marks what the journal holds before anything runs
+        hashes.written(job)
+    hashes.start()
+    for job in run:
+        _fill(plan, tmp_path, [job], 0)
+        hashes.written(job)
+    digests = hashes.finish()
+    assert digests == {f.name: file_digest(tmp_path / f.name) for f in plan.files}
+
+
+def test_bytes_no_job_wrote_are_hashed_at_the_end(plan, tmp_path: Path) -> None:
+    _create(plan, tmp_path)
+    skipped = plan.jobs[len(plan.jobs) // 2]
+    hashes = FileHashes(plan, tmp_path, 2)
+    hashes.start()
+    for job in plan.jobs:
+        if job is not skipped:
+            _fill(plan, tmp_path, [job], 1)
+            hashes.written(job)
+    assert hashes.finish() == {f.name: file_digest(tmp_path / f.name) for f in plan.files}
+
+
+def test_a_missing_file_is_an_os_error_from_finish(plan, tmp_path: Path) -> None:
+    _create(plan, tmp_path)
+    (tmp_path / plan.files[0].name).unlink()
+    hashes = FileHashes(plan, tmp_path, 2)
+    with pytest.raises(FileNotFoundError):
+        hashes.finish()
+
+
+def test_fill_order_waves_then_position_in_file(plan) -> None:
+    width = 2
+    order = fill_order(plan, list(plan.jobs), width)
+    assert sorted(j.id for j in order) == [j.id for j in plan.jobs]
+    file_of = plan.file_of()
+    stacked = [f.name for f in plan.files if f.part != "root"]  # expert e writes rows far apart
+    assert stacked and order[0].kind == "experts"
+    index = {n: i for i, n in enumerate(stacked + [f.name for f in plan.files if f.part == "root"])}
+    waves = [min(index[file_of[o.tensor].name] for o in j.outputs) // width for j in order]
+    assert waves == sorted(waves)  # a wave's files are filled before the next wave starts
+    first = {f.name: f.offsets() for f in plan.files}
+    for wave in set(waves):  # within a wave, jobs go front to back in their files
+        rel = [
+            min(first[file_of[o.tensor].name][o.tensor] + o.offset for o in j.outputs)
+            / file_of[j.outputs[0].tensor].size
+            for j, w in zip(order, waves, strict=True)
+            if w == wave
+        ]
+        assert rel == sorted(rel)
+
+
+def test_a_file_of_only_a_header_is_hashed(tmp_path: Path) -> None:
+    empty = make_plan([], get_recipe("bf16"), 1 << 30)  # one shard without tensors
+    _create(empty, tmp_path)
+    assert FileHashes(empty, tmp_path, 2).finish() == {f.name: file_digest(tmp_path / f.name) for f in empty.files}  # fmt: skip

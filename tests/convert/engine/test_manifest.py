@@ -1,0 +1,54 @@
+"""File digests of the manifest (convert/engine/manifest.py): the sha256 of every file, several files at
+once, equal to hashlib's over the whole file whatever the block and thread count."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from hetquant.convert.engine.manifest import HASH_READ, digest_files, file_digest, hash_threads
+
+
+def _files(tmp_path: Path, sizes: list[int]) -> dict[str, Path]:
+    out = {}
+    for i, size in enumerate(sizes):
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(os.urandom(size))
+        out[path.name] = path
+    return out
+
+
+def _want(path: Path) -> dict[str, object]:
+    data = path.read_bytes()
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_file_digest_across_block_boundaries(tmp_path: Path) -> None:
+    sizes = [0, 1, HASH_READ - 1, HASH_READ, HASH_READ + 1, 3 * HASH_READ + 17]
+    for path in _files(tmp_path, sizes).values():
+        assert file_digest(path) == _want(path)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_digest_files_equals_one_by_one_in_the_given_order(tmp_path: Path, threads: int) -> None:
+    paths = _files(tmp_path, [5000, 3 * HASH_READ + 1, 0, 70_000, HASH_READ])
+    reordered = {n: paths[n] for n in reversed(list(paths))}  # the smallest file first
+    got = digest_files(reordered, threads)
+    assert list(got) == list(reordered)
+    assert got == {n: _want(p) for n, p in reordered.items()}
+    assert digest_files({}) == {}
+
+
+def test_digest_files_raises_the_read_error(tmp_path: Path) -> None:
+    paths = _files(tmp_path, [100, 200])
+    paths["gone.bin"] = tmp_path / "gone.bin"
+    with pytest.raises(FileNotFoundError, match=r"gone\.bin"):
+        digest_files(paths, 2)
+
+
+def test_hash_threads() -> None:
+    assert [hash_threads(c) for c in (1, 2, 4, 8, 16, 64)] == [2, 2, 4, 8, 8, 8]
+    assert 2 <= hash_threads() <= 8

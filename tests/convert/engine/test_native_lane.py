@@ -1,0 +1,110 @@
+"""The native lane (``convert/engine/native_jobs.py``): conversions whose every job has a kernel run
+without torch and give the golden bytes; the torch code still takes what the kernels decline.
+
+Each convert runs in a subprocess whose ``PYTHONPATH`` starts with a ``torch`` package that
+raises on import, so the parent and every worker (forked or spawned) must do without it; the
+parent then also checks ``'torch' not in sys.modules``. The fallback
+(``HETQUANT_QUANT_BACKEND=torch``: no kernels) must import torch and give the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from golden_artifacts import CASES, GOLDEN, TINY, artifact_digest
+
+from hetquant.convert import SourceCheckpoint, get_recipe, plan_for
+from hetquant.convert.engine.native_jobs import needs_torch
+from hetquant.formats import _quant_native as Q
+
+GOLDEN_FILES = {case: doc["files"] for case, doc in json.loads(GOLDEN.read_text()).items()}
+LANE = ("bf16", "bf16-1mb-shards", "ascend-hybrid", "ascend-hybrid-mtp-drop", "ascend-w8a8",
+        "awq-w4a16", "awq-w4a16-g64")  # fmt: skip
+
+# runs `hetquant ARGS`, then reports whether torch was imported ("torch: True|False")
+_RUN = """
+import sys
+from hetquant.convert.cli import main
+try:
+    main(sys.argv[1:], prog_name="hetquant")
+except SystemExit as e:
+    if e.code:
+        raise
+print("torch:", "torch" in sys.modules)
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    if not Q.available():
+        pytest.skip(f"kernels unavailable: {Q.QUANT_LIBRARY.get().error}")
+
+
+def _convert(case: str, out: Path, env: dict[str, str], *extra: str) -> str:
+    args = ["convert", str(TINY), str(out), *CASES[case], *extra]
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN, *args], env={**os.environ, **env},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _no_torch(tmp_path: Path) -> dict[str, str]:
+    """An environment in which ``import torch`` raises."""
+    blocker = tmp_path / "blocker" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch imported in the native lane')\n")
+    path = os.pathsep.join(filter(None, (str(blocker.parent), os.environ.get("PYTHONPATH"))))
+    return {"PYTHONPATH": path}
+
+
+@pytest.mark.parametrize(
+    ("case", "workers", "start"),
+    [(c, "1", "fork") for c in LANE] + [("bf16", "2", "fork"), ("ascend-hybrid", "2", "spawn")],
+)
+def test_lane_converts_without_torch(case: str, workers: str, start: str, tmp_path: Path) -> None:
+    env = {**_no_torch(tmp_path), "HETQUANT_WORKER_START": start}
+    out = _convert(case, tmp_path / "out", env, "--workers", workers)
+    assert "torch: False" in out
+    assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES[case]
+
+
+@pytest.mark.parametrize("case", ["bf16", "ascend-hybrid", "awq-w4a16"])
+def test_torch_fallback_gives_the_same_bytes(case: str, tmp_path: Path) -> None:
+    out = _convert(case, tmp_path / "out", {"HETQUANT_QUANT_BACKEND": "torch"})
+    assert "torch: True" in out  # the kernels were off: every job took the torch code
+    assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES[case]
+
+
+def test_a_recipe_without_kernels_imports_torch(tmp_path: Path) -> None:
+    """fp4 (NVFP4 tiling, a per-tensor amax) is not on the lane: it needs torch, and gets it."""
+    assert "torch: True" in _convert("fp4", tmp_path / "out", {})
+    assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES["fp4"]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "torch_needed"),
+    [("bf16", False), ("ascend-w8a8", False), ("ascend-hybrid", False), ("awq-w4a16", False),
+     ("fp4", True), ("ascend-w4a16", True)],
+)  # fmt: skip
+def test_needs_torch_from_the_plan(recipe: str, torch_needed: bool) -> None:
+    """The parent's shape-only forecast: the lane's recipes need no torch, the others do."""
+    source = SourceCheckpoint.open(TINY)
+    jobs = plan_for(source, get_recipe(recipe), 1 << 40).jobs
+    assert needs_torch(source, jobs) is torch_needed
+    some = jobs[len(jobs) // 2]
+    assert needs_torch(source, [some], calibrated=set(some.sources))  # calibrated: torch code
+
+
+def test_the_pool_parent_imports_torch_once_for_its_workers(tmp_path: Path) -> None:
+    """fp4 on two forked workers: torch is imported in the parent before the fork (shared by
+    the workers), not by each worker alone; the bytes are the golden ones."""
+    out = _convert("fp4", tmp_path / "out", {"HETQUANT_WORKER_START": "fork"}, "--workers", "2")
+    assert "torch: True" in out
+    assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES["fp4"]

@@ -1,0 +1,70 @@
+"""Pieces written through shared memory maps (convert/engine/writer.py) are the bytes ``pwrite`` gives;
+a kernel that cannot populate falls back to ``pwrite``; a full file system is ENOSPC, not SIGBUS."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+from support import tmpfs
+
+from hetquant.convert.engine import writer
+from hetquant.convert.engine.writer import PieceWriter
+from hetquant.convert.planning.containers import OutTensor, SafetensorsFile
+from hetquant.formats import TensorMeta
+
+
+def _file(n: int = 3 << 20) -> SafetensorsFile:
+    """One container: a small tensor, then one of ``n`` bytes (pieces straddle pages)."""
+    tensors = [OutTensor("a", TensorMeta("I32", (3,))), OutTensor("b", TensorMeta("U8", (n,)))]
+    return SafetensorsFile("x.safetensors", "root", tensors)
+
+
+def _write(f: SafetensorsFile, work: Path, mapped: bool) -> PieceWriter:
+    f.create(work / f.name)
+    w = PieceWriter([f], work, mapped=mapped)
+    w.write("a", 4, torch.tensor([7, -1], dtype=torch.int32))
+    n = f.tensors[1].meta.nbytes
+    g = torch.Generator().manual_seed(0)
+    for start in (n - 5000, 12345, 0):  # any order, unaligned
+        end = min(n, start + 1_000_000)
+        w.write("b", start, torch.randint(0, 256, (end - start,), generator=g, dtype=torch.uint8))  # fmt: skip
+    return w
+
+
+def test_mapped_stores_equal_pwrite(tmp_path: Path) -> None:
+    f = _file()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "p").mkdir()
+    m = _write(f, tmp_path / "m", mapped=True)
+    assert m.mapped and m._maps  # the mapped path really ran
+    m.close()
+    _write(f, tmp_path / "p", mapped=False).close()
+    assert (tmp_path / "m" / f.name).read_bytes() == (tmp_path / "p" / f.name).read_bytes()
+
+
+def test_a_kernel_that_cannot_populate_falls_back_to_pwrite(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(writer, "_MADV_POPULATE_WRITE", 12345)  # EINVAL, as before Linux 5.14
+    f = _file()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "p").mkdir()
+    w = _write(f, tmp_path / "m", mapped=True)
+    assert not w.mapped
+    w.close()
+    _write(f, tmp_path / "p", mapped=False).close()
+    assert (tmp_path / "m" / f.name).read_bytes() == (tmp_path / "p" / f.name).read_bytes()
+
+
+def test_a_full_tmpfs_is_enospc_not_sigbus(tmp_path: Path) -> None:
+    f = _file(8 << 20)
+    with tmpfs(tmp_path / "small", "2m") as small:
+        f.create(small / f.name)  # sized, not reserved, on tmpfs
+        w = PieceWriter([f], small, mapped=True)
+        try:
+            with pytest.raises(OSError) as e:
+                w.write("b", 0, torch.ones(6 << 20, dtype=torch.uint8))
+            assert e.value.errno == errno.ENOSPC
+        finally:
+            w.close()
