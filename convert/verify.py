@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hetquant.formats import HetquantError
+from hetquant.formats import HetquantError, get_format
 from hetquant.formats.families import (
     TensorRole,
     expected_count,
@@ -97,6 +97,18 @@ def source_format(manifest: dict[str, Any], role: TensorRole) -> str:
     return _FORMAT_OF_DTYPE.get(dtype, PLAIN) if len(role.shape) == 2 else PLAIN
 
 
+def source_params(
+    manifest: dict[str, Any], role: TensorRole, fmt: str
+) -> tuple[tuple[str, Any], ...]:
+    """The source format variant's parameters of ``role``, as the converter's plan held them:
+    the format's defaults with the manifest's ``source.format_params`` (``finalize.
+    source_variants``) over them; () for a plain tensor."""
+    if fmt == PLAIN:
+        return ()
+    variant = (manifest["source"].get("format_params") or {}).get(role.role.name, {})
+    return tuple(get_format(fmt, **variant).params.items())
+
+
 def artifact_files(root: Path, manifest: dict[str, Any]) -> dict[str, int]:
     """The artifact's files, path → size: every file the manifest lists, and the manifest.
 
@@ -130,8 +142,9 @@ def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
     recipe = get_recipe(manifest["recipe"]["name"]).with_options(manifest["recipe"]["options"])
     dtypes = manifest["source"]["dtypes"]
     items = [
-        SourceItem(name, role, dtypes[role.role.name], source_format(manifest, role))
+        SourceItem(name, role, dtypes[role.role.name], fmt, source_params(manifest, role, fmt))
         for name, role in expected_tensors(cfg).items()
+        for fmt in (source_format(manifest, role),)
     ]
     return make_plan(items, recipe, manifest["max_shard_size"])
 

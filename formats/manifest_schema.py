@@ -74,7 +74,12 @@ ARTIFACT = _Obj(
         "recipe": _Obj({"name": _STR, "options": _Map(_ANY)}, {}),
         "source": _Obj(
             {"path": _STR, "fingerprint": _STR, "dtypes": _Map(_STR)},
-            {"formats": _Map(_STR), "revision": _STR_OR_NULL, "repo_id": _STR_OR_NULL},
+            {
+                "formats": _Map(_STR),
+                "format_params": _Map(_Map(_ANY)),
+                "revision": _STR_OR_NULL,
+                "repo_id": _STR_OR_NULL,
+            },
         ),
         "max_shard_size": _INT,
         "precision": _Obj(_PRECISION, {}),

@@ -19,22 +19,33 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hetquant.formats import get_format
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
 
 from ..fs.os_errors import naming
 from ..fs.source_guard import SourceGuard
 from ..planning.aux_files import AuxFiles, aux_files
-from ..planning.plan import Plan
+from ..planning.plan import Plan, SourceItem
+from ..planning.roles import PLAIN
 from ..planning.source import SourceCheckpoint
 from ..recipes import ROOT
 from ..recipes.metadata import artifact_metadata
 from .manifest import build_manifest, digest_files, write_json_atomic
 from .transaction import move_in
 
-__all__ = ["ARTIFACT_CARD", "artifact_names", "build", "carried_files", "metadata_docs", "move_in"]
+__all__ = [
+    "ARTIFACT_CARD",
+    "artifact_names",
+    "build",
+    "carried_files",
+    "metadata_docs",
+    "move_in",
+    "source_variants",
+]
 
 ARTIFACT_CARD = "README.md"  # the artifact's model card: ``hetquant publish`` writes its own
 log = logging.getLogger("hetquant.convert")
@@ -116,6 +127,8 @@ def build(
         "dtypes": {i.role.role.name: i.dtype for i in plan.items},
         "formats": {i.role.role.name: i.fmt for i in plan.items},
     }
+    if variants := source_variants(plan.items):  # what verify needs to replay the plan
+        src_doc["format_params"] = variants
     rest = digest_files({n: work / n for n in names if n not in digests})  # docs, aux files
     files = {n: digests[n] if n in digests else rest[n] for n in names}
     manifest = build_manifest(plan, src_doc, files, parts, digest)
@@ -123,3 +136,17 @@ def build(
         manifest["calibration"] = calibration
     write_json_atomic(work / MANIFEST_NAME, manifest)
     return manifest
+
+
+def source_variants(items: Sequence[SourceItem]) -> dict[str, dict[str, Any]]:
+    """Per role, the source format's parameters that differ from its defaults (K2 Thinking's
+    ``ct_pack_quantized`` group 32, not 128): what the manifest's ``source.formats`` names alone
+    would not tell ``verify``'s replay. Empty for a source of default variants."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        if item.fmt == PLAIN or not item.params:
+            continue
+        default = get_format(item.fmt).params
+        if diff := {k: v for k, v in item.params if default.get(k) != v}:
+            out[item.role.role.name] = diff
+    return out

@@ -3,6 +3,7 @@ its artifact verifies; K2's tokenizer files are what the aux-file rule sends int
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,24 @@ def test_every_recipe_converts_and_verifies(instruct: Path, tmp_path: Path, reci
     for name in K2_FILES:  # the tokenizer travels, byte for byte, and the manifest hashes it
         assert (tmp_path / "out" / name).read_bytes() == (instruct / name).read_bytes()
         assert name in manifest["files"] and name in manifest["parts"]["root"]["files"]
+
+
+@pytest.mark.parametrize("recipe", ["ct-w4a16", "ascend-w4a16"])
+def test_thinking_artifacts_that_keep_its_int4_experts_verify(tmp_path: Path, recipe: str) -> None:
+    """The manifest records the source's non-default format variant (``source.format_params``:
+    group 32, not ct_pack_quantized's default 128), so ``verify`` replays the plan that kept the
+    experts as stored instead of refusing a group 128 source that does not fit group 32."""
+    thinking = make_kimi_k2(tmp_path / "thinking", "thinking")
+    out = tmp_path / "out"
+    manifest = convert(
+        SourceCheckpoint.open(thinking), out, get_recipe(recipe), max_shard_size=1 << 40
+    ).manifest
+    assert manifest is not None
+    variants = manifest["source"]["format_params"]
+    want = {"group_size": 32, "shape_dtype": "I32"}  # ct_pack_quantized defaults: 128, I64
+    assert variants == dict.fromkeys(("expert_gate", "expert_up", "expert_down"), want)
+    assert verify_artifact(out) == []
+    doc = read_json(out / "hetquant.json")
+    del doc["source"]["format_params"]  # an artifact written before the key existed
+    (out / "hetquant.json").write_text(json.dumps(doc))
+    assert any("group 128" in p for p in verify_artifact(out))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from ascend_4bit_cases import BAD, _bf16_source, _refused
 from support import make_kimi_k2, read_json
-from test_ascend_4bit import BAD, _bf16_source, _refused
 from test_hybrid_calibration import (
     ATTENTION,
     CALIB,
