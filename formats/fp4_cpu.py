@@ -46,7 +46,14 @@ from .errors import HetquantError
 from .fp4_e2m1 import E2M1_X2, GROUP, Fp4E2m1, check_ue8m0, ue8m0_to_f32, unpack_e2m1
 from .int4_cpu import interleave_rows
 
-__all__ = ["LAYER_KEYS", "Fp4CpuExperts", "expert_from_fp4", "fp4_gemv_int8", "stack_experts"]
+__all__ = [
+    "LAYER_KEYS",
+    "Fp4CpuExperts",
+    "dequantize_expert",
+    "expert_from_fp4",
+    "fp4_gemv_int8",
+    "stack_experts",
+]
 
 LAYER_KEYS = ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale")
 _SOURCE = Fp4E2m1()
@@ -98,6 +105,19 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     lut = torch.tensor(E2M1_X2, dtype=torch.float32) / 2
     values = lut[unpack_e2m1(packed).long()]  # (R, K)
     return values * ue8m0_to_f32(scale).repeat_interleave(GROUP, dim=1)
+
+
+def dequantize_expert(
+    layer: Mapping[str, torch.Tensor], e: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert ``e`` of a layer → float32 gate [I, H], up [I, H], down [H, I], exactly (gate and
+    up rows are interleaved in ``gate_up_*``: row 2i gate i, 2i + 1 up i)."""
+    num_experts = layer["gate_up_packed"].shape[0]
+    if not 0 <= e < num_experts:
+        raise HetquantError(f"dequantize_expert: expert {e} not in 0..{num_experts - 1}")
+    gate_up = dequantize_rows(layer["gate_up_packed"][e], layer["gate_up_scale"][e])  # (2I, H)
+    down = dequantize_rows(layer["down_packed"][e], layer["down_scale"][e])  # (H, I)
+    return gate_up[0::2].contiguous(), gate_up[1::2].contiguous(), down
 
 
 def fp4_gemv_int8(packed: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

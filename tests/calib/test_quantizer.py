@@ -10,7 +10,14 @@ import torch
 from calib_consts import weight_zoo
 
 from hetquant.calib.quantizer import FAST_PATHS, Quantizer, quantizer_for
-from hetquant.formats import EXPERT_FORMATS, HetquantError, get_format, int4_cpu, int4_cpu_group
+from hetquant.formats import (
+    EXPERT_FORMATS,
+    HetquantError,
+    fp4_cpu,
+    get_format,
+    int4_cpu,
+    int4_cpu_group,
+)
 
 # every (format, params) a recipe calibrates today, and the awq group sizes
 CALIBRATED = [
@@ -33,6 +40,7 @@ CALIBRATED = [
 LAYOUTS = {
     "int4_cpu_experts": (int4_cpu.stack_experts, int4_cpu.dequantize_expert),
     "int4_cpu_group_experts": (int4_cpu_group.stack_experts, int4_cpu_group.dequantize_expert),
+    "fp4_cpu_experts": (fp4_cpu.stack_experts, fp4_cpu.dequantize_expert),
 }
 
 

@@ -238,7 +238,10 @@ def test_eval_seq_len_beyond_the_model_is_refused(cli, arts) -> None:
 def test_eval_seq_len_beyond_the_memory_is_refused(
     cli, arts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hetquant.convert.cli import run as cli_module
+    import importlib
+
+    cli_module = importlib.import_module("hetquant.convert.cli.run")  # the package's ``run`` is
+    # the click command
 
     cfg = read_json(arts["bf16"] / "config.json")
     avail = eval_peak_bytes(cfg, 8, 1000)  # 1,000 tokens fit exactly, 1,001 do not
