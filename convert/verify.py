@@ -141,11 +141,14 @@ def replay_plan(root: Path, manifest: dict[str, Any]) -> Plan:
     _check_claims(root, manifest, expected_count(cfg))
     recipe = get_recipe(manifest["recipe"]["name"]).with_options(manifest["recipe"]["options"])
     dtypes = manifest["source"]["dtypes"]
-    items = [
-        SourceItem(name, role, dtypes[role.role.name], fmt, source_params(manifest, role, fmt))
-        for name, role in expected_tensors(cfg).items()
-        for fmt in (source_format(manifest, role),)
-    ]
+    variants: dict[tuple[str, int], tuple[str, tuple[tuple[str, Any], ...]]] = {}
+    items = []
+    for name, role in expected_tensors(cfg).items():
+        key = (role.role.name, len(role.shape))  # what source_format reads of the role
+        if key not in variants:  # once per role, not per tensor (46k of them in the 671B)
+            fmt = source_format(manifest, role)
+            variants[key] = (fmt, source_params(manifest, role, fmt))
+        items.append(SourceItem(name, role, dtypes[role.role.name], *variants[key]))
     return make_plan(items, recipe, manifest["max_shard_size"])
 
 

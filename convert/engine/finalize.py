@@ -143,10 +143,13 @@ def source_variants(items: Sequence[SourceItem]) -> dict[str, dict[str, Any]]:
     ``ct_pack_quantized`` group 32, not 128): what the manifest's ``source.formats`` names alone
     would not tell ``verify``'s replay. Empty for a source of default variants."""
     out: dict[str, dict[str, Any]] = {}
+    defaults: dict[str, dict[str, Any]] = {}  # format name → its default variant's params
     for item in items:
         if item.fmt == PLAIN or not item.params:
             continue
-        default = get_format(item.fmt).params
+        if item.fmt not in defaults:
+            defaults[item.fmt] = get_format(item.fmt).params
+        default = defaults[item.fmt]
         if diff := {k: v for k, v in item.params if default.get(k) != v}:
             out[item.role.role.name] = diff
     return out
