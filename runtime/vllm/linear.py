@@ -30,7 +30,7 @@ from vllm.model_executor.layers.linear import (
 from hetquant.formats import HetquantError
 
 from ..kernels.ops import QuantLinear
-from .sources import Source, expect, take
+from .sources import Source, expect, shared_format, take
 
 __all__ = [
     "LINEAR_METHODS",
@@ -226,8 +226,7 @@ def linear_method(
     if len(stored) != len(sources):
         missing = [s.prefix for s in sources if not s.stored]
         raise HetquantError(f"{prefix}: the artifact does not store {', '.join(missing)}")
-    fmts = {(s.fmt, tuple(sorted(s.params.items()))) for s in sources}
     factory = HetquantLinearMethod
-    if len(fmts) == 1 and kernels == "vllm":
-        factory = LINEAR_METHODS.get(str(sources[0].fmt), HetquantLinearMethod)
+    if (fmt := shared_format(sources)) is not None and kernels == "vllm":
+        factory = LINEAR_METHODS.get(fmt, HetquantLinearMethod)
     return factory(sources, prefix)

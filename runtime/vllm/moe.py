@@ -34,7 +34,7 @@ from ..forward.moe import routed_experts
 from ..kernels.ops import QuantLinear
 from ..loading.loader import Artifact
 from ..parallel.placement import place
-from .sources import Source, expect, take
+from .sources import Source, expect, shared_format, take
 
 __all__ = ["MOE_METHODS", "POOL", "CpuPoolMoEMethod", "StoredExpertsMoEMethod", "moe_method"]
 
@@ -148,6 +148,6 @@ def moe_method(art: Artifact, prefix: str, moe: Any, kernels: str = "vllm") -> F
             return CpuPoolMoEMethod(moe, int(layer_no), prefix)
         raise HetquantError(f"{prefix}: the artifact stores no routed experts for this layer")
     factory: MoEFactory = StoredExpertsMoEMethod  # ours takes each projection's own params
-    if len({(s.fmt, tuple(sorted(s.params.items()))) for s in sources}) == 1 and kernels == "vllm":
-        factory = MOE_METHODS.get(str(sources[0].fmt), StoredExpertsMoEMethod)
+    if (fmt := shared_format(sources)) is not None and kernels == "vllm":
+        factory = MOE_METHODS.get(fmt, StoredExpertsMoEMethod)
     return factory(moe, sources, prefix)

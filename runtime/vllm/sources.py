@@ -18,7 +18,7 @@ from hetquant.formats import HetquantError
 
 from ..loading.loader import Artifact
 
-__all__ = ["SOURCES", "TENSORS", "Source", "expect", "layer_sources", "take"]
+__all__ = ["SOURCES", "TENSORS", "Source", "expect", "layer_sources", "shared_format", "take"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,13 @@ def _merged_parts(art: Artifact, parent: str, name: str) -> list[str]:
         if loc is not None and loc.role is not None and loc.role.fused == name:
             parts.append((order[loc.role.name], tail))
     return [tail for _, tail in sorted(parts)]
+
+
+def shared_format(sources: Sequence[Source]) -> str | None:
+    """The format name every one of ``sources`` is stored in, with the same parameters (where a
+    vLLM kernel for that format may serve them all); None where they differ."""
+    variants = {(s.fmt, tuple(sorted(s.params.items()))) for s in sources}
+    return str(sources[0].fmt) if len(variants) == 1 else None
 
 
 SOURCES = "hetquant_sources"  # layer attribute: the Sources a hetquant method reads
