@@ -69,3 +69,23 @@ def test_thinking_artifacts_that_keep_its_int4_experts_verify(tmp_path: Path, re
     del doc["source"]["format_params"]  # an artifact written before the key existed
     (out / "hetquant.json").write_text(json.dumps(doc))
     assert any("group 128" in p for p in verify_artifact(out))
+
+
+@pytest.mark.parametrize(
+    ("variant", "want"),
+    [({"bogus": 1}, "bogus"), ({"group_size": "x"}, "group_size 'x' is not supported"),
+     ({"group_size": 7}, "use one of"), ([1], "must be a JSON object")],
+)  # fmt: skip
+def test_a_damaged_format_params_is_one_failed_check(
+    tmp_path: Path, variant: object, want: str
+) -> None:
+    """``source.format_params`` is untrusted: an unknown parameter, a wrong type or an unsupported
+    value makes verify fail in one line naming it, nothing raised past it."""
+    thinking = make_kimi_k2(tmp_path / "thinking", "thinking")
+    out = tmp_path / "out"
+    convert(SourceCheckpoint.open(thinking), out, get_recipe("ct-w4a16"), max_shard_size=1 << 40)
+    doc = read_json(out / "hetquant.json")
+    doc["source"]["format_params"]["expert_gate"] = variant
+    (out / "hetquant.json").write_text(json.dumps(doc))
+    problems = verify_artifact(out)
+    assert len(problems) == 1 and "\n" not in problems[0] and want in problems[0], problems
