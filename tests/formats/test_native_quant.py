@@ -377,3 +377,19 @@ def test_u8_colmax7_is_the_torch_reduction(native: None, rows: int) -> None:
         want = (view & 0x7F).amax(dim=0) if rows else torch.zeros(view.shape[1], dtype=torch.uint8)
         assert got is not None and torch.equal(got, want)
     assert Q.u8_colmax7(full.T) is None  # columns not contiguous: the torch path
+
+
+def test_scale_2_of_a_float_is_the_torch_value() -> None:
+    """nvfp4._scale_2_of (numpy scalars, per streamed row block) == _scale_2_from_amax bit for
+    bit: zero, the float32 subnormal range, values that round when cast to float32, huge ones."""
+    import random
+
+    from hetquant.formats.nvfp4 import _scale_2_from_amax, _scale_2_of
+
+    rng = random.Random(30)
+    values = [0.0, 1e-45, 2.0**-149, 448.0, 2688.0, 3.0e38, 1 + 2.0**-30, 7.123456789]
+    values += [rng.uniform(0, 10) ** rng.uniform(-12, 12) for _ in range(5000)]
+    for v in values:
+        got, want = _scale_2_of(v), _scale_2_from_amax(torch.as_tensor(v))
+        assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape == ()
+        assert got.view(torch.int32).item() == want.view(torch.int32).item(), v
