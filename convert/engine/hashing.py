@@ -3,10 +3,10 @@
 The digest (BLAKE3 since manifest schema 3; ``formats/file_digests.py``) is computed front to
 back, incrementally. As jobs finish, the byte ranges they wrote are marked
 (:meth:`FileHashes.written`); a thread advances the file's hash over the contiguous prefix that
-is complete, reading it back from the page cache while it is hot, and starts the write-back of
-what it hashed (``sync_file_range``, Linux), so that the final ``fsync`` of each file — done by
-the same thread once the file is whole — has little left to wait for. The parent of the workers
-does this. BLAKE3 is a tree hash: one update is spread over a thread pool the file's hasher owns
+is complete, reading it back from the page cache while it is hot. The write-back of every
+piece starts as soon as its job reports it (``fs/writeback.py``: one thread, in that order), so
+that the final ``fsync`` of each file — done by the hashing thread once the file is whole — has
+little left to wait for. The parent of the workers does this. BLAKE3 is a tree hash: one update is spread over a thread pool the file's hasher owns
 (every core; the pool goes with the hasher), so what the threads could not follow during the jobs
 — the tail, after :meth:`FileHashes.finish` — is hashed in large reads on all cores, not as one
 ~1 GB/s sha256 stream per file (benchmarks/notes/convert-scaling.md, "The hash tail").
@@ -20,8 +20,6 @@ leave zeros) are hashed at :meth:`FileHashes.finish`, which returns exactly what
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import os
 import threading
@@ -33,6 +31,7 @@ from typing import Any
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST, DigestAlgorithm, Hasher
 
 from ..fs.os_errors import naming
+from ..fs.writeback import WritebackQueue
 from ..planning.containers import Container
 from ..planning.plan import Job, Plan
 from .manifest import cores, hash_threads
@@ -40,11 +39,6 @@ from .manifest import cores, hash_threads
 __all__ = ["FileHashes", "fill_order", "hash_threads"]
 
 _SLICE = 256 << 20  # bytes hashed between looks at a stop request
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
-if _SYNC_FILE_RANGE is not None:
-    _SYNC_FILE_RANGE.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 def _ranges(job: Job, where: dict[str, tuple[Container, int]]) -> list[tuple[str, int, int]]:
@@ -117,6 +111,7 @@ class FileHashes:
         self._bulk = False  # after the jobs: large reads, each spread over the hasher's pool
         self._where = _where(plan)
         self._files = {f.name: _File(work / f.name, f.size, len(f.header)) for f in plan.files}
+        self._writeback = WritebackQueue({name: f.path for name, f in self._files.items()})
         self._lock = threading.Lock()
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
@@ -129,6 +124,7 @@ class FileHashes:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="hetquant-hash")
+            self._writeback.start()
             queued, self._queued = self._queued, []
             for f in queued:
                 self._futures.append(self._pool.submit(self._drain, f))
@@ -137,6 +133,7 @@ class FileHashes:
         """``job``'s bytes are in their files: hash what is now a complete prefix."""
         with self._lock:
             for name, start, end in _ranges(job, self._where):
+                self._writeback.add(name, start, end)
                 f = self._files[name]
                 f.pending[start] = end
                 while f.ready in f.pending:
@@ -172,6 +169,7 @@ class FileHashes:
         self._stopping = True  # a running drain stops after its current read
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        self._writeback.close()
         for f in self._files.values():
             if f.fd is not None:
                 os.close(f.fd)
@@ -226,5 +224,3 @@ class FileHashes:
                 raise OSError(f"{f.path}: unexpected end of file at byte {pos} of {f.size}")
             f.hasher.update(view[:n])
             pos += n
-        if _SYNC_FILE_RANGE is not None and end > start:  # start the write-back now
-            _SYNC_FILE_RANGE(f.fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
