@@ -57,6 +57,7 @@ __all__ = [
 
 LAYER_KEYS = ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale")
 _SOURCE = Fp4E2m1()
+_NPART = 8  # fp4_gemv_int8: partial sums of the group terms (the native kernel's order)
 
 
 def _linear(what: str, t: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,9 +123,13 @@ def dequantize_expert(
 
 def fp4_gemv_int8(packed: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y = x · Wᵀ`` [T, N] for codes [N, K/2], scales [N, K/32] and activations [T, K] quantized
-    to int8 per token (``sx = amax / 127``, round half to even): the integer computation of the
-    module docstring — per 32-group an exact int32 sum of ``E2M1_X2[c] · q``, scaled by
-    ``2^(e − 128)`` in float64, summed over groups, times ``sx`` (float32 result)."""
+    to int8 per token (``sx = amax / 127`` in float32, ``q = round(x / sx)`` half to even): the
+    integer computation of the module docstring — per 32-group ``g`` an exact int32 sum
+    ``A_g = Σ E2M1_X2[c] · q``, times ``2^(e_g − 128)`` (exact in float64), summed in the order
+    every native path of ``runtime/kernels/fp4_gemv.py`` keeps: group ``g`` is added to partial
+    ``p[g mod 8]`` in increasing ``g``, then ``((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7))``,
+    times ``sx`` in float64, rounded once to float32 (a zero as +0). Only the float64 additions
+    round; pinning their order is what makes the native kernel equal this bit for bit."""
     n, k = packed.shape[0], 2 * packed.shape[1]
     if x.ndim != 2 or x.shape[1] != k or tuple(scale.shape) != (n, k // GROUP):
         raise HetquantError(
@@ -135,12 +140,21 @@ def fp4_gemv_int8(packed: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) ->
     sx = xf.abs().amax(dim=1, keepdim=True) / 127  # (T, 1)
     q = torch.round(xf / torch.where(sx > 0, sx, torch.ones_like(sx))).to(torch.int32)  # (T, K)
     w = torch.tensor(E2M1_X2, dtype=torch.int32)[unpack_e2m1(packed).long()]  # (N, K) int
+    groups = k // GROUP
     per_group = torch.einsum(
-        "tgk,ngk->tng", q.view(-1, k // GROUP, GROUP), w.view(n, k // GROUP, GROUP)
+        "tgk,ngk->tng", q.view(-1, groups, GROUP), w.view(n, groups, GROUP)
     )  # (T, N, K/32), exact int32
     pow2 = ue8m0_to_f32(scale).double() / 2  # 2^(e − 128): the ×2 of the integer table undone
-    y = (per_group.double() * pow2[None]).sum(dim=-1)  # (T, N)
-    return (y * sx.double()).to(torch.float32)
+    terms = per_group.double() * pow2[None]  # (T, N, K/32), each exact
+    terms = torch.nn.functional.pad(terms, (0, -groups % _NPART))  # +0.0: adds nothing
+    p = torch.zeros(*terms.shape[:2], _NPART, dtype=torch.float64)
+    for c in range(terms.shape[2] // _NPART):  # p[g mod 8] += term g, g increasing
+        p += terms[..., _NPART * c : _NPART * (c + 1)]
+    v = ((p[..., 0] + p[..., 4]) + (p[..., 2] + p[..., 6])) + (
+        (p[..., 1] + p[..., 5]) + (p[..., 3] + p[..., 7])
+    )  # (T, N)
+    y = (v * sx.double()).to(torch.float32)
+    return y + 0.0  # -0.0 → +0.0, as the native kernel stores a zero
 
 
 def stack_experts(experts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -169,6 +169,9 @@ _CPP_PARTS = (
     "int4_gemv_neon.cpp",
     "int4_gemv.cpp",
     "int4_moe.cpp",
+    "fp4_gemv_base.cpp",  # the FP4 kernel (fp4_gemv.py) shares this library's paths and pool
+    "fp4_gemv_simd.cpp",
+    "fp4_gemv.cpp",
 )
 _CPP_SOURCE = "\n".join(
     (Path(__file__).parent / part).read_text(encoding="utf-8") for part in _CPP_PARTS
@@ -187,6 +190,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [vp, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, i64, i64, vp, i64, i64]
     fn.argtypes += [vp, vp, vp, vp, vp, ci, ci, ci]
+    fn = lib.hq_fp4_gemv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [vp, i64, vp, i64, i64, i64, vp, i64, i64, vp, i64, ci, ci]
     lib.hq_int4_best_isa.restype = ctypes.c_int
     lib.hq_int4_best_isa.argtypes = []
     lib.hq_int4_token_block.restype = None
