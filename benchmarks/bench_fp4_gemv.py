@@ -61,18 +61,25 @@ def make_weights(args: argparse.Namespace, g: Any) -> dict[str, dict[str, Any]]:
         copies = max(4, args.set_mb * (1 << 20) // (n * k // 2))
         packed = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)]
         packed += [packed[0].clone() for _ in range(copies - 1)]
-        e8 = [torch.randint(110, 125, (n, k // 32), dtype=torch.uint8, generator=g)
-              for _ in range(copies)]  # fmt: skip
+        e8 = [
+            torch.randint(110, 125, (n, k // 32), dtype=torch.uint8, generator=g)
+            for _ in range(copies)
+        ]
         data[name] = {
             "n": n,
             "k": k,
             "packed": packed,
             "fp4_scale": [e.view(torch.float8_e8m0fnu) for e in e8],
             "int4_scale": [torch.rand(n, generator=g) * 0.01 + 1e-4 for _ in range(copies)],
-            "g32_scale": [(torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).bfloat16()
-                          for _ in range(copies)],  # fmt: skip
-            "bytes": {"fp4": n * k // 2 + n * k // 32, "int4": n * k // 2 + 4 * n,
-                      "int4_g32": n * k // 2 + 2 * n * k // 32},  # fmt: skip
+            "g32_scale": [
+                (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).bfloat16()
+                for _ in range(copies)
+            ],
+            "bytes": {
+                "fp4": n * k // 2 + n * k // 32,
+                "int4": n * k // 2 + 4 * n,
+                "int4_g32": n * k // 2 + 2 * n * k // 32,
+            },
         }
         print(f"{name} [{n}, {k}]: {copies} copies")
     return data
@@ -85,16 +92,24 @@ def kernels(d: dict[str, Any], slow: bool) -> dict[str, tuple[str, Any]]:
 
     p = d["packed"]
     out = {
-        "fp4_native": ("fp4", lambda i, x, th: fp4_gemv(p[i], d["fp4_scale"][i], x,
-                                                         backend="native", threads=th)),
-        "int4_native": ("int4", lambda i, x, th: int4_gemv(p[i], d["int4_scale"][i], x,
-                                                            backend="native", threads=th)),
-        "int4_g32_native": ("int4_g32", lambda i, x, th: int4_gemv(p[i], d["g32_scale"][i], x,
-                                                                    backend="native", threads=th)),
-    }  # fmt: skip
+        "fp4_native": (
+            "fp4",
+            lambda i, x, th: fp4_gemv(p[i], d["fp4_scale"][i], x, backend="native", threads=th),
+        ),
+        "int4_native": (
+            "int4",
+            lambda i, x, th: int4_gemv(p[i], d["int4_scale"][i], x, backend="native", threads=th),
+        ),
+        "int4_g32_native": (
+            "int4_g32",
+            lambda i, x, th: int4_gemv(p[i], d["g32_scale"][i], x, backend="native", threads=th),
+        ),
+    }
     if slow:
-        out["fp4_torch"] = ("fp4", lambda i, x, th: fp4_gemv(p[i], d["fp4_scale"][i], x,
-                                                              backend="torch"))  # fmt: skip
+        out["fp4_torch"] = (
+            "fp4",
+            lambda i, x, th: fp4_gemv(p[i], d["fp4_scale"][i], x, backend="torch"),
+        )
     return out
 
 
@@ -126,8 +141,11 @@ def measure(args: argparse.Namespace, data: dict[str, dict[str, Any]]) -> dict[s
     res = {}
     for key, v in samples.items():
         ms = median(v) * 1e3
-        res[key] = {"ms": ms, "gbps": meta[key]["bytes"] / ms / 1e6,
-                    "samples_ms": [round(s * 1e3, 4) for s in v]}  # fmt: skip
+        res[key] = {
+            "ms": ms,
+            "gbps": meta[key]["bytes"] / ms / 1e6,
+            "samples_ms": [round(s * 1e3, 4) for s in v],
+        }
     for key, r in res.items():
         shape, t, _, th = key.split("/")
         r["x_fp4_native"] = r["ms"] / res[f"{shape}/{t}/fp4_native/{th}"]["ms"]
@@ -147,8 +165,11 @@ def table(out: dict[str, Any], args: argparse.Namespace) -> str:
                 cells = []
                 for k in names:
                     r = res.get(f"{shape}/T{t}/{k}/{th}t")
-                    cells.append("—" if r is None else
-                                 f"{r['ms']:.3g} ms ({r['gbps']:.1f} GB/s, {r['x_fp4_native']:.2f}×)")  # fmt: skip
+                    cells.append(
+                        "—"
+                        if r is None
+                        else f"{r['ms']:.3g} ms ({r['gbps']:.1f} GB/s, {r['x_fp4_native']:.2f}×)"
+                    )
                 rows.append(f"| {shape} | {t} | {th} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -170,9 +191,11 @@ def main() -> None:
     print(text)
     if not args.no_readme:
         m = doc["machine"]
-        head = (f"{m.get('cpu_model', '?')}, {out['threads']} threads, path `{info['isa']}`, "
-                f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC "
-                "(ms per call, weight GB/s, time as a multiple of fp4_native's):")  # fmt: skip
+        head = (
+            f"{m.get('cpu_model', '?')}, {out['threads']} threads, path `{info['isa']}`, "
+            f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC "
+            "(ms per call, weight GB/s, time as a multiple of fp4_native's):"
+        )
         replace_marked(Path(args.readme), START, END, head + "\n\n" + text)
 
 
