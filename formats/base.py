@@ -423,6 +423,10 @@ class ExpertLayerFormat(ABC):
     # declared capability: ``quantize_rows(rows)`` quantizes any block of one linear's rows (the
     # engine then streams an expert's rows instead of loading its weights whole)
     streams_rows: ClassVar[bool] = False
+    # declared capability: the family of CPU expert-pool kernels that computes this layout
+    # (``runtime/kernels/registry.py`` maps it to a GEMV and, where one exists, a fused MoE call;
+    # None: the pool cannot serve it)
+    cpu_kernel: ClassVar[str | None] = None
 
     @abstractmethod
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:

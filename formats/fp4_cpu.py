@@ -15,8 +15,9 @@ name                dtype    shape               content
 ``down_scale``      F8_E8M0  [E, H, I/32]        groups along I
 ==================  =======  ==================  =============================================
 
-Dequantization is :mod:`.fp4_e2m1`'s, exact in float32. The pool tells this layout from the INT4
-ones by its scale dtype (``from_stored``: F8_E8M0, not F32 / BF16).
+Dequantization is :mod:`.fp4_e2m1`'s, exact in float32. A layer's layout is told from the INT4
+ones by its scale dtype (``from_stored``: F8_E8M0, not F32 / BF16); the pool then runs the
+kernels its ``cpu_kernel`` names (``runtime/kernels/registry.py``).
 
 Why an integer kernel is exact here: ``2·E2M1[c] ∈ {0, ±1, ±2, ±3, ±4, ±6, ±8, ±12}``
 (:data:`.fp4_e2m1.E2M1_X2`, a 16-entry table of int8) and a group's scale is a power of two, so
@@ -169,6 +170,7 @@ class Fp4CpuExperts(ExpertLayerFormat):
     """The stacked layout above, as a registered expert-layer format."""
 
     name: ClassVar[str] = "fp4_cpu_experts"
+    cpu_kernel: ClassVar[str | None] = "fp4_e2m1"  # runtime/kernels/fp4_gemv.py
 
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
         e, h, i = num_experts, hidden, inter

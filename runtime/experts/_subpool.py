@@ -25,14 +25,17 @@ once, in anonymous memory), or ``split="experts"`` on a cold page cache: whole e
 contiguous byte ranges, so each pinned subpool's touch reads its own experts into page cache on
 its node (pages already cached stay where they are).
 
-Compute. A subpool's share of ``forward`` (``_Subpool.partial``) is one native call of
+Compute. The kernels of a layer come from its format (``ExpertLayerFormat.cpu_kernel``, looked
+up in ``runtime/kernels/registry.py``: ``int4`` for ``int4_cpu`` / ``int4_cpu_group``,
+``fp4_e2m1`` for ``fp4_cpu_experts``). A subpool's share of ``forward`` (``_Subpool.partial``)
+is one call of the family's fused MoE kernel where it has one and takes the call —
 :func:`~hetquant.runtime.kernels.int4_moe.int4_moe` for all its experts (``fused=True``, the
 default, per-channel experts): every token's activation digits once, the subpool's kernel
 threads splitting each expert's weight rows between them, no Python between experts. Otherwise
-— grouped scales, backend ``"torch"``, more than ``MAX_NATIVE_TOKENS`` tokens on one expert,
-non-finite activations, or ``fused=False`` (the reference for tests and A/B benchmarks) — a loop
-over its experts: two ``int4_gemv`` calls and torch glue each, with the same bits for the same
-kernel path.
+— FP4 (no fused kernel), grouped scales, backend ``"torch"``, more than ``MAX_NATIVE_TOKENS``
+tokens on one expert, non-finite activations, or ``fused=False`` (the reference for tests and
+A/B benchmarks) — a loop over its experts: two calls of the family's GEMV and torch glue each,
+with the same bits for the same kernel path.
 
 Threads. Subpool threads run their per-expert torch glue on one OpenMP thread (their own
 OpenMP setting; the caller's is untouched): otherwise each subpool thread gets its own OpenMP
@@ -54,9 +57,9 @@ import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
 
-from ..kernels.fp4_gemv import fp4_gemv
-from ..kernels.int4_gemv import int4_gemv
-from ..kernels.int4_moe import int4_moe
+from ..kernels import fp4_gemv as _fp4_gemv  # noqa: F401  (registers the FP4 kernels)
+from ..kernels import int4_moe as _int4_moe  # noqa: F401  (registers the INT4 kernels)
+from ..kernels.registry import ExpertKernels, expert_kernels
 from ._expert_files import ExpertLayerInfo
 
 __all__ = [
@@ -174,6 +177,7 @@ class _Subpool:
         self.index = index
         self.cpus = cpus
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.kernels: dict[int, ExpertKernels] = {}  # per layer, from its format (registry)
         self.executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=f"hetquant-subpool{index}",
@@ -200,6 +204,7 @@ class _Subpool:
     ) -> None:
         """Runs in this subpool's thread: take its views, then touch or copy them."""
         for layer, info in infos.items():
+            self.kernels[layer] = expert_kernels(info.fmt)
             full = layer_views(info)
             if split == "inter":
                 views = info.fmt.subpool_slice(full, self.index, n)
@@ -218,14 +223,13 @@ class _Subpool:
     ) -> torch.Tensor:
         """Runs in this subpool's thread: its share of the expert sum, float32 [T, H]; ``e0`` is
         its first expert, ``kw`` the ``int4_gemv`` options plus ``fused`` (module docstring)."""
-        t = self.tensors[layer]
+        t, k = self.tensors[layer], self.kernels[layer]
         kw = dict(kw)
-        fp4 = t["gate_up_scale"].dtype == torch.float8_e8m0fnu  # formats/fp4_cpu.py
-        gemv = fp4_gemv if fp4 else int4_gemv
-        if kw.pop("fused") and not fp4:
-            out = int4_moe(t, x32, r.experts - e0, r.offsets, r.tokens, r.weights, **kw)
+        if kw.pop("fused") and k.moe is not None:
+            out = k.moe(t, x32, r.experts - e0, r.offsets, r.tokens, r.weights, **kw)
             if out is not None:
                 return out
+        gemv = k.gemv
         out = torch.zeros_like(x32)
         bounds = r.offsets.tolist()
         for g, e in enumerate(r.experts.tolist()):

@@ -38,6 +38,7 @@ from hetquant.formats.fp4_cpu import fp4_gemv_int8
 from hetquant.formats.fp4_e2m1 import GROUP, check_ue8m0
 
 from . import int4_gemv as _int4
+from .registry import ExpertKernels, register_expert_kernels
 
 __all__ = ["BACKENDS", "fp4_gemv"]
 
@@ -117,3 +118,6 @@ def fp4_gemv(
     if rc < 0:
         raise HetquantError(f"fp4_gemv: native kernel failed (code {rc}) for N={n}, K={k}")
     return y[0] if x.ndim == 1 else y
+
+
+register_expert_kernels("fp4_e2m1", ExpertKernels(gemv=fp4_gemv))  # fp4_cpu_experts
