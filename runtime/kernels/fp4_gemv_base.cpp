@@ -3,6 +3,19 @@
 // and fp4_gemv.cpp as ONE translation unit: the FP4 kernel reuses the int4 kernel's instruction
 // path detection, worker pool and superblock transposes (int4_gemv_base.cpp, _x86.cpp). The math
 // and the summation order every path follows are documented in fp4_gemv.py.
+#if defined(HQ_SIMDE)  // tests only: an intrinsic SIMDe 0.7 lacks, written out
+static inline __m512i hq_cvtepu8_epi64(__m128i a) {
+  uint8_t b[16];
+  int64_t w[8];
+  memcpy(b, &a, 16);
+  for (int i = 0; i < 8; ++i) w[i] = b[i];
+  __m512i v;
+  memcpy(&v, w, 64);
+  return v;
+}
+#define _mm512_cvtepu8_epi64 hq_cvtepu8_epi64
+#endif
+
 namespace {
 
 constexpr int64_t F4_BLK = 16;   // bytes of one group of 32 codes (one UE8M0 scale)
