@@ -46,8 +46,12 @@ Numerics. Activations are computed in float32 whatever ``x``'s dtype (float32, b
 float16) and the result is cast back to it. The GEMVs are those of
 :mod:`hetquant.runtime.kernels.int4_gemv` (native kernel up to ``MAX_NATIVE_TOKENS`` tokens per expert,
 else the torch path; ``backend=`` forces one; ``precision="fast"`` rounds activations to 14-bit
-instead of 22-bit fixed point). Routing weights are cast to ``x``'s dtype first, as
-``runtime.moe.routed_experts`` (and DeepSeek's reference) does. The loader's
+instead of 22-bit fixed point); a DeepSeek-V4 layer (``fp4_cpu_experts``) runs
+:mod:`hetquant.runtime.kernels.fp4_gemv` (int8 activations per token and call, so under
+``split="inter"`` each subpool's down projection rounds its own slice's activations: the sum
+differs from one pool's within that rounding; ``split="experts"`` gives one pool's bits). The
+kernels come from the layer's format (``_subpool.py``). Routing weights are cast to ``x``'s
+dtype first, as ``runtime.moe.routed_experts`` (and DeepSeek's reference) does. The loader's
 ``open_artifact(dir).cpu_expert_pool(subpools, **options)`` (DESIGN.md) calls
 ``CpuExpertPool.open``.
 """
