@@ -184,3 +184,32 @@ def test_bad_dtypes_and_backend() -> None:
         F.fp4_gemv(packed, scale, x.to(torch.int32))
     with pytest.raises(HetquantError, match=r"backend 'gpu'"):
         F.fp4_gemv(packed, scale, x, backend="gpu")
+
+
+def test_subpool_slices_give_one_pools_rows() -> None:
+    """``subpool_slice`` (split along I): a subpool's gate_up rows are one pool's rows bit for bit
+    (rows are independent; threads and subpools only split them). Its down projection is a
+    slice of the inputs, whose int8 activations are rounded per call (module docstring of
+    ``runtime/experts/expert_pool.py``): not the same computation, so not compared here."""
+    from hetquant.formats.fp4_cpu import Fp4CpuExperts
+
+    g = torch.Generator().manual_seed(5)
+    e, h, i = 2, 256, 128
+    layer = {
+        "gate_up_packed": torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=g),
+        "gate_up_scale": torch.randint(100, 140, (e, 2 * i, h // 32), dtype=torch.uint8,
+                                       generator=g).view(torch.float8_e8m0fnu),
+        "down_packed": torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=g),
+        "down_scale": torch.randint(100, 140, (e, h, i // 32), dtype=torch.uint8,
+                                    generator=g).view(torch.float8_e8m0fnu),
+    }  # fmt: skip
+    x = torch.randn(3, h, generator=g)
+    full = F.fp4_gemv(layer["gate_up_packed"][1], layer["gate_up_scale"][1], x, threads=2)
+    for s in range(4):
+        part = Fp4CpuExperts().subpool_slice(layer, s, 4)
+        y = F.fp4_gemv(part["gate_up_packed"][1], part["gate_up_scale"][1], x, threads=1)
+        rows = slice(2 * s * i // 4, 2 * (s + 1) * i // 4)
+        assert torch.equal(y.view(torch.int32), full[:, rows].view(torch.int32))
+        d = F.fp4_gemv(part["down_packed"][1], part["down_scale"][1], x[:, : i // 4])  # strided
+        ref = fp4_gemv_int8(part["down_packed"][1], part["down_scale"][1], x[:, : i // 4])
+        assert torch.equal(d.view(torch.int32), ref.view(torch.int32))
