@@ -102,7 +102,10 @@ to a temporary name and renamed, so concurrent first uses are safe. If there is 
 the build fails, ``"auto"`` falls back to torch with one warning, ``"native"`` raises
 ``HetquantError``. ``HETQUANT_INT4_BACKEND=torch`` disables the native kernel;
 ``HETQUANT_INT4_ISA=<path>`` caps the instruction path to one of this machine's (tests use it;
-:func:`isa_names`). :func:`native_info` reports what was built and how long it took.
+:func:`isa_names`). :func:`native_info` reports what was built and how long it took. The same
+shared object holds the FP4 kernel of ``fp4_gemv.py`` (its ``fp4_gemv_*.cpp`` parts, compiled
+after these and using their path detection, worker pool and transposes); both settings apply
+to it too.
 
 Why not torch's own ``aten._weight_int4pack_mm_for_cpu``: it does map our scheme (codes ``c``,
 ``(c − 8)·scale + zero`` with ``zero = 0``, groups of 32…256), but needs a repack to its 64-row
