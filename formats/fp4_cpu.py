@@ -26,8 +26,11 @@ with int8 activations ``q`` (one scale ``sx`` per token) a row's output is
 most 32 · 12 · 127 < 2^16, then a power-of-two scaling; only the sum over groups rounds.
 :func:`fp4_gemv_int8` is that computation in torch (the reference a native kernel must equal).
 
-Subpools: subpool ``s`` of ``S`` owns the intermediate slice ``[s·I/S, (s+1)·I/S)``, a multiple of
-32 (whole scale groups of ``down``), as :mod:`.int4_cpu_group` with g = 32.
+Subpools: subpool ``s`` of ``S`` owns the gate / up rows of the intermediate slice
+``[s·I/S, (s+1)·I/S)`` (a multiple of 32, as :mod:`.int4_cpu_group` with g = 32) and the rows
+``[⌊s·H/S⌋, ⌊(s+1)·H/S⌋)`` of ``down`` with all their inputs (``subpool_down = "rows"``): the pool
+gathers every subpool's activations before the down projection, so each output is computed as
+one pool computes it (int8 activations are rounded per token over the whole intermediate).
 
 Made by :func:`expert_from_fp4` (``formats/expert_repack.py``): the source's ``weight`` bytes
 viewed as U8 and its ``scale`` bytes, no value recomputed — so the hybrid recipe keeps
@@ -171,6 +174,9 @@ class Fp4CpuExperts(ExpertLayerFormat):
 
     name: ClassVar[str] = "fp4_cpu_experts"
     cpu_kernel: ClassVar[str | None] = "fp4_e2m1"  # runtime/kernels/fp4_gemv.py
+    # the GEMV rounds each call's activations to int8 per token: a subpool owning a slice of
+    # down's inputs would round its slice on its own; owning whole rows it computes one pool's
+    subpool_down: ClassVar[str] = "rows"
 
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
         e, h, i = num_experts, hidden, inter
@@ -223,11 +229,13 @@ class Fp4CpuExperts(ExpertLayerFormat):
         if not 0 <= subpool < num_subpools:
             raise HetquantError(f"subpool_slice: subpool {subpool} not in 0..{num_subpools - 1}")
         a, b = subpool * inter // num_subpools, (subpool + 1) * inter // num_subpools
+        hidden = layer["down_packed"].shape[1]
+        c, d = subpool * hidden // num_subpools, (subpool + 1) * hidden // num_subpools
         return {
             "gate_up_packed": layer["gate_up_packed"][:, 2 * a : 2 * b],
             "gate_up_scale": layer["gate_up_scale"][:, 2 * a : 2 * b],
-            "down_packed": layer["down_packed"][:, :, a // 2 : b // 2],
-            "down_scale": layer["down_scale"][:, :, a // GROUP : b // GROUP],
+            "down_packed": layer["down_packed"][:, c:d],  # rows: ``subpool_down``
+            "down_scale": layer["down_scale"][:, c:d],
         }
 
 

@@ -35,7 +35,9 @@ threads splitting each expert's weight rows between them, no Python between expe
 — FP4 (no fused kernel), grouped scales, backend ``"torch"``, more than ``MAX_NATIVE_TOKENS``
 tokens on one expert, non-finite activations, or ``fused=False`` (the reference for tests and
 A/B benchmarks) — a loop over its experts: two calls of the family's GEMV and torch glue each,
-with the same bits for the same kernel path.
+with the same bits for the same kernel path (``acts``, then ``down_rows``; a layer whose
+format splits ``down`` by rows runs the two as separate phases across the subpools:
+``expert_pool.CpuExpertPool._run_rows``).
 
 Threads. Subpool threads run their per-expert torch glue on one OpenMP thread (their own
 OpenMP setting; the caller's is untouched): otherwise each subpool thread gets its own OpenMP
@@ -229,17 +231,41 @@ class _Subpool:
             out = k.moe(t, x32, r.experts - e0, r.offsets, r.tokens, r.weights, **kw)
             if out is not None:
                 return out
-        gemv = k.gemv
-        out = torch.zeros_like(x32)
+        return self.down_rows(layer, e0, self.acts(layer, e0, x32, r, kw), r, kw, x32.shape)
+
+    def acts(
+        self, layer: int, e0: int, x32: torch.Tensor, r: Routing, kw: dict[str, Any]
+    ) -> list[torch.Tensor]:
+        """Runs in this subpool's thread: each routed expert's activations ``silu(gate) · up``
+        on this subpool's gate / up rows, [n_g, I/S], in ``r``'s expert order."""
+        t, gemv = self.tensors[layer], self.kernels[layer].gemv
+        kw = {k: v for k, v in kw.items() if k != "fused"}
+        out, bounds = [], r.offsets.tolist()
+        for g, e in enumerate(r.experts.tolist()):
+            xs = x32.index_select(0, r.tokens[bounds[g] : bounds[g + 1]])  # [n, H]
+            gu = gemv(t["gate_up_packed"][e - e0], t["gate_up_scale"][e - e0], xs, **kw)
+            out.append(F.silu(gu[:, 0::2]) * gu[:, 1::2])  # [n, I/S]
+        return out
+
+    def down_rows(
+        self,
+        layer: int,
+        e0: int,
+        acts: list[torch.Tensor],
+        r: Routing,
+        kw: dict[str, Any],
+        shape: torch.Size,
+    ) -> torch.Tensor:
+        """Runs in this subpool's thread: ``Σ_g weights · down(acts[g])`` on this subpool's down
+        rows, [T, rows] (``shape``: [T, H] when it holds all of them)."""
+        t, gemv = self.tensors[layer], self.kernels[layer].gemv
+        kw = {k: v for k, v in kw.items() if k != "fused"}
+        out = torch.zeros(shape[0], t["down_packed"].shape[1])
         bounds = r.offsets.tolist()
         for g, e in enumerate(r.experts.tolist()):
-            i, a, b = e - e0, bounds[g], bounds[g + 1]
-            tok, w = r.tokens[a:b], r.weights[a:b]
-            xs = x32.index_select(0, tok)  # [n, H]
-            gu = gemv(t["gate_up_packed"][i], t["gate_up_scale"][i], xs, **kw)  # [n, 2I/S]
-            act = F.silu(gu[:, 0::2]) * gu[:, 1::2]  # [n, I/S]
-            y = gemv(t["down_packed"][i], t["down_scale"][i], act, **kw)  # [n, H]
-            out.index_add_(0, tok, y * w[:, None])
+            a, b = bounds[g], bounds[g + 1]
+            y = gemv(t["down_packed"][e - e0], t["down_scale"][e - e0], acts[g], **kw)
+            out.index_add_(0, r.tokens[a:b], y * r.weights[a:b, None])
         return out
 
 
