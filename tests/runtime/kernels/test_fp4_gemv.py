@@ -187,10 +187,9 @@ def test_bad_dtypes_and_backend() -> None:
 
 
 def test_subpool_slices_give_one_pools_rows() -> None:
-    """``subpool_slice`` (split along I): a subpool's gate_up rows are one pool's rows bit for bit
-    (rows are independent; threads and subpools only split them). Its down projection is a
-    slice of the inputs, whose int8 activations are rounded per call (module docstring of
-    ``runtime/experts/expert_pool.py``): not the same computation, so not compared here."""
+    """``subpool_slice`` (split="inter"): a subpool's gate_up rows (a slice of I) and its down
+    rows (a slice of H, all of I: ``subpool_down = "rows"``) are one pool's rows bit for bit —
+    rows are independent; threads and subpools only split them."""
     from hetquant.formats.fp4_cpu import Fp4CpuExperts
 
     g = torch.Generator().manual_seed(5)
@@ -203,13 +202,14 @@ def test_subpool_slices_give_one_pools_rows() -> None:
         "down_scale": torch.randint(100, 140, (e, h, i // 32), dtype=torch.uint8,
                                     generator=g).view(torch.float8_e8m0fnu),
     }  # fmt: skip
-    x = torch.randn(3, h, generator=g)
-    full = F.fp4_gemv(layer["gate_up_packed"][1], layer["gate_up_scale"][1], x, threads=2)
+    x, act = torch.randn(3, h, generator=g), torch.randn(3, i, generator=g)
+    gate_up = F.fp4_gemv(layer["gate_up_packed"][1], layer["gate_up_scale"][1], x, threads=2)
+    down = F.fp4_gemv(layer["down_packed"][1], layer["down_scale"][1], act, threads=2)
     for s in range(4):
         part = Fp4CpuExperts().subpool_slice(layer, s, 4)
         y = F.fp4_gemv(part["gate_up_packed"][1], part["gate_up_scale"][1], x, threads=1)
         rows = slice(2 * s * i // 4, 2 * (s + 1) * i // 4)
-        assert torch.equal(y.view(torch.int32), full[:, rows].view(torch.int32))
-        d = F.fp4_gemv(part["down_packed"][1], part["down_scale"][1], x[:, : i // 4])  # strided
-        ref = fp4_gemv_int8(part["down_packed"][1], part["down_scale"][1], x[:, : i // 4])
-        assert torch.equal(d.view(torch.int32), ref.view(torch.int32))
+        assert torch.equal(y.view(torch.int32), gate_up[:, rows].view(torch.int32))
+        d = F.fp4_gemv(part["down_packed"][1], part["down_scale"][1], act, threads=1)
+        rows = slice(s * h // 4, (s + 1) * h // 4)
+        assert torch.equal(d.view(torch.int32), down[:, rows].view(torch.int32))
