@@ -52,8 +52,8 @@ splits ``down`` by rows (``subpool_down = "rows"``), so ``split="inter"`` runs i
 (``_run_rows``): every subpool's activations of each expert, joined along I, then each
 subpool's rows of the routed sum on all of them, joined along H — one pool's arithmetic, so
 the same bits for any number of subpools. The kernels come from the layer's format
-(``_subpool.py``). Routing weights are cast to ``x``'s
-dtype first, as ``runtime.moe.routed_experts`` (and DeepSeek's reference) does. The loader's
+(``_subpool.py``). Routing weights are cast to ``x``'s dtype first, as
+``runtime.moe.routed_experts`` (and DeepSeek's reference) does. The loader's
 ``open_artifact(dir).cpu_expert_pool(subpools, **options)`` (DESIGN.md) calls
 ``CpuExpertPool.open``.
 """
