@@ -110,7 +110,8 @@ class JobRunner:
                 self._write(piece, stored[piece.key])
             return
         pieces = {p.key: p for p in job.outputs}
-        direct = {k for k, ax in plan.axes.items() if ax == 0 and plan.finish is None}
+        whole = plan.finish is None and plan.place is None  # else every key is assembled
+        direct = {k for k, ax in plan.axes.items() if ax == 0 and whole}
         chunk_metas = plan.chunk_format.stored(shape)  # type: ignore[arg-type]  # before finish
         buffers = {
             k: torch.empty(m.shape, dtype=torch_dtype(m.dtype))
