@@ -4,7 +4,9 @@ The figure of issue 30: the convert's jobs phase (``timings`` ``jobs_s``: every 
 from the first read of the source to the last byte written, hashing running beside it) of
 ``fp4`` (Ascend tiled layout, the default), ``fp4 --fp4-layout nvfp4`` and ``awq-w4a16`` (RTN),
 in-process (``--workers 1``: one core, what a pool worker does) or with a pool, rounds
-interleaved after one warm-up round (kernel build, ``import torch``), medians reported.
+interleaved after one warm-up round (kernel build, ``import torch``), medians reported; with
+``--workers 1`` also the CPU time of the thread that runs the jobs (steadier than wall time on
+a shared machine).
 
     python benchmarks/bench_fp4_jobs.py --source /dev/shm/hq_prof --work /dev/shm/hqf --rounds 3
 """
@@ -16,6 +18,7 @@ import json
 import logging
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +47,19 @@ class _Timings(logging.Handler):
             self.last = json.loads(record.args[0])  # type: ignore[index]
 
 
-def jobs_seconds(src: SourceCheckpoint, out: Path, name: str, workers: int, t: _Timings) -> float:
+def jobs_seconds(
+    src: SourceCheckpoint, out: Path, name: str, workers: int, t: _Timings
+) -> tuple[float, float]:
+    """(the jobs phase's wall seconds, this thread's CPU seconds over the whole convert: with
+    ``--workers 1`` the jobs run on it, the hashing on other threads)."""
     recipe, options = RECIPES[name]
     shutil.rmtree(out, ignore_errors=True)
+    cpu = time.thread_time()
     convert(src, out, get_recipe(recipe).with_options(options), max_shard_size=5 * 10**9,
             workers=workers)  # fmt: skip
+    cpu = time.thread_time() - cpu
     shutil.rmtree(out, ignore_errors=True)
-    return float(t.last["jobs_s"])
+    return float(t.last["jobs_s"]), cpu
 
 
 def main() -> None:
@@ -72,15 +81,21 @@ def main() -> None:
     log.setLevel(logging.DEBUG)
     for name in RECIPES:  # warm-up: kernels built, torch imported
         jobs_seconds(src, args.work, name, args.workers, t)
-    times: dict[str, list[float]] = {name: [] for name in RECIPES}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in RECIPES}
     for _ in range(args.rounds):
         for name in RECIPES:
             times[name].append(jobs_seconds(src, args.work, name, args.workers, t))
-    awq = median(times["awq-w4a16"])
-    rows = {n: {"jobs_s": ts, "median_s": median(ts), "vs_awq": median(ts) / awq} for n, ts in times.items()}  # fmt: skip
+    awq = [median([x[i] for x in times["awq-w4a16"]]) for i in (0, 1)]
+    rows = {}
+    for n, ts in times.items():
+        wall, cpu = median([x[0] for x in ts]), median([x[1] for x in ts])
+        rows[n] = {"jobs_s": [x[0] for x in ts], "cpu_s": [x[1] for x in ts],
+                   "median_jobs_s": wall, "median_cpu_s": cpu,
+                   "vs_awq": wall / awq[0], "cpu_vs_awq": cpu / awq[1]}  # fmt: skip
     print(f"{src.total_bytes / 1e9:.2f} GB source, --workers {args.workers}, {args.rounds} rounds")
     for name, r in rows.items():
-        print(f"{name:<18} jobs {r['median_s']:7.2f} s  {r['vs_awq']:5.2f}× awq-w4a16")
+        print(f"{name:<18} jobs {r['median_jobs_s']:7.2f} s  {r['vs_awq']:5.2f}× awq-w4a16   "
+              f"main-thread CPU {r['median_cpu_s']:6.2f} s  {r['cpu_vs_awq']:5.2f}×")  # fmt: skip
     if args.json:
         doc = {"benchmark": "bench_fp4_jobs", "machine": machine_info(), "workers": args.workers,
                "source_bytes": src.total_bytes, "rows": rows}  # fmt: skip

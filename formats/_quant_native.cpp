@@ -206,14 +206,14 @@ HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uin
                                   uint8_t* q, uint8_t* sc, uint32_t* words) {
   const int64_t nh = t.N / 2;
   int64_t i = 0;
+  uint32_t* __restrict w = words;
   for (; i + 8 <= t.rows; i += 8) {  // 8 rows = 4 bytes of each output row
-    const uint8_t* c = codes + i * t.KT;
-    for (int64_t k = 0; k < t.kt; ++k) {
-      uint32_t word = 0;  // row i + r in nibble r
-      for (int r = 0; r < 8; ++r) word |= (uint32_t)c[r * t.KT + k] << (4 * r);
-      words[k] = word;
+    for (int64_t k = 0; k < t.kt; ++k) w[k] = 0;
+    for (int r = 0; r < 8; ++r) {  // row i + r in nibble r; contiguous in k: vectorised
+      const uint8_t* __restrict c = codes + (i + r) * t.KT;
+      for (int64_t k = 0; k < t.kt; ++k) w[k] |= (uint32_t)c[k] << (4 * r);
     }
-    for (int64_t k = 0; k < t.kt; ++k) memcpy(q + (t.k0 + k) * nh + (t.n0 + i) / 2, words + k, 4);
+    for (int64_t k = 0; k < t.kt; ++k) memcpy(q + (t.k0 + k) * nh + (t.n0 + i) / 2, w + k, 4);
   }
   for (; i < t.rows; i += 2) {
     const uint8_t* c = codes + i * t.KT;
@@ -469,6 +469,29 @@ int hq_nvfp4_tile(const uint8_t* kn, int64_t K, int64_t NB, uint8_t* out) {
               const uint8_t* col = rows + 128 * n3 + 16 * n2 + 4 * n1;
               for (int k0 = 0; k0 < 8; ++k0, out += 4) memcpy(out, col + k0 * NB, 4);
             }
+      }
+  return 0;
+}
+
+// The same order written chunk by chunk: chunk [K, cb] holds byte columns col0 .. col0+cb of
+// the packed K-major codes (cb % 16 == 0, col0 % 16 == 0: whole (N3, N2) runs of 32 rows of W);
+// its bytes go straight to their places in out [K, NB], the tiled tensor being assembled.
+int hq_nvfp4_tile_into(const uint8_t* chunk, int64_t K, int64_t cb, int64_t col0, int64_t NB,
+                       uint8_t* out) {
+  if (K < 0 || K % 64 || NB % 128 || cb % 16 || col0 % 16 || col0 < 0 || col0 + cb > NB)
+    return -2;
+  const int64_t n3s = NB / 128;
+  for (int64_t k3 = 0; k3 < K / 64; ++k3)
+    for (int k1 = 0; k1 < 2; ++k1)
+      for (int k2 = 0; k2 < 4; ++k2) {
+        const uint8_t* rows = chunk + (64 * k3 + 16 * k2 + 8 * k1) * cb;
+        const int64_t slab = ((k3 * 2 + k1) * 4 + k2) * 8;  // (K3, K1, K2) then N2
+        for (int64_t j = 0; j < cb / 16; ++j) {
+          const int64_t c = col0 + 16 * j, n3 = c / 128, n2 = (c / 16) % 8;
+          uint8_t* dst = out + ((slab + n2) * n3s + n3) * 128;
+          for (int n1 = 0; n1 < 4; ++n1)
+            for (int k0 = 0; k0 < 8; ++k0, dst += 4) memcpy(dst, rows + k0 * cb + 16 * j + 4 * n1, 4);
+        }
       }
   return 0;
 }

@@ -53,6 +53,7 @@ __all__ = [
     "host_array",
     "nvfp4",
     "nvfp4_tile",
+    "nvfp4_tile_into",
     "u8_colmax7",
 ]
 
@@ -73,6 +74,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.hq_awq_quantize.restype = ci
     lib.hq_nvfp4_tile.argtypes = [vp, i64, i64, vp]
     lib.hq_nvfp4_tile.restype = ci
+    lib.hq_nvfp4_tile_into.argtypes = [vp, i64, i64, i64, i64, vp]
+    lib.hq_nvfp4_tile_into.restype = ci
     lib.hq_u8_colmax7.argtypes = [vp, i64, i64, i64, vp]
     lib.hq_u8_colmax7.restype = None
     lib.hq_quant_best_isa.argtypes = []
@@ -179,6 +182,20 @@ def nvfp4_tile(kn: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty_like(kn)
     rc = lib.hq_nvfp4_tile(kn.data_ptr(), kn.shape[0], kn.shape[1], out.data_ptr())
     return None if rc else out
+
+
+def nvfp4_tile_into(chunk: torch.Tensor, col0: int, out: torch.Tensor) -> bool:
+    """Byte columns ``col0`` .. of the packed K-major codes, ``chunk`` uint8 [K, cb], written
+    straight to their tile-order places in ``out`` uint8 [K, N/2] (see :func:`nvfp4_tile`);
+    False, writing nothing, where the kernel does not apply (``cb`` or ``col0`` not a multiple
+    of 16, another dtype or layout, no library)."""
+    lib = QUANT_LIBRARY.get().lib
+    ok = lib is not None and chunk.dtype == out.dtype == torch.uint8 and chunk.ndim == out.ndim == 2
+    if not ok or not (chunk.is_contiguous() and out.is_contiguous()) or chunk.shape[0] != out.shape[0]:  # fmt: skip
+        return False
+    k, cb = chunk.shape
+    rc = lib.hq_nvfp4_tile_into(chunk.data_ptr(), k, cb, col0, out.shape[1], out.data_ptr())
+    return rc == 0
 
 
 def u8_colmax7(rows: torch.Tensor) -> torch.Tensor | None:

@@ -73,13 +73,18 @@ class Streaming:
     ``needs_amax`` the converter first computes the whole weight's absmax and passes it as
     ``weight_amax=`` (the joint absmax of the linears engines merge with it, so that they share
     the per-tensor scale it sets: ``convert/planning/plan.py``). ``finish``, when set, turns the assembled tensors into the stored ones
-    (e.g. a tiling); without it, keys along dim 0 may be written as chunks arrive.
+    (e.g. a tiling); without it, keys along dim 0 may be written as chunks arrive. ``place``,
+    when set, is asked first to put a chunk's part of a key into the tensor being assembled,
+    ``place(key, assembled, part, start)`` (``start``: its first entry along ``axes[key]``), in
+    the stored layout itself (a tiling done chunk by chunk); it returns False for a key it
+    leaves to the plain copy.
     """
 
     chunk_format: WeightFormat
     axes: dict[str, int | None]
     needs_amax: bool = False
     finish: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    place: Callable[[str, torch.Tensor, torch.Tensor, int], bool] | None = None
 
 
 @dataclass(frozen=True)

@@ -147,19 +147,22 @@ def absmax_dequantized(weight: torch.Tensor, scale_inv: torch.Tensor, block: int
     |bf16(f32(c)·s)| is non-decreasing in |c| (multiplication by one scale and rounding are
     monotonic), and E4M3 magnitudes order like the integers of their low 7 bits, so in each
     block row only every column's largest code needs dequantizing: one byte-wise max per block
-    row, then ``in`` values instead of ``block × in``. NaN codes raise.
+    row (the C++ column max where built), then ``in`` values per block row instead of
+    ``block × in``, all block rows in one go. NaN codes raise.
     """
-    best = 0.0
-    for r in range(0, weight.shape[0], block):
-        rows = weight[r : r + block].view(torch.uint8)
-        mag = _quant_native.u8_colmax7(rows)  # (in,)
-        if mag is None:
-            mag = (rows & _E4M3_MAGNITUDE).amax(dim=0)
-        if mag.numel() and int(mag.amax()) == _E4M3_MAGNITUDE:
-            raise HetquantError("NaN code(s) in the FP8 weight; the checkpoint is corrupt")
-        col = dequantize_rows(mag.view(torch.float8_e4m3fn)[None], scale_inv, r, block)  # (1, in)
-        best = max(best, float(col.abs().amax()))
-    return best
+    codes = weight.view(torch.uint8)
+    blocks = -(-codes.shape[0] // block)
+    mags = torch.empty((blocks, codes.shape[1]), dtype=torch.uint8)  # (out/b, in)
+    for b in range(blocks):
+        rows = codes[b * block : (b + 1) * block]
+        got = _quant_native.u8_colmax7(rows)
+        mags[b] = got if got is not None else (rows & _E4M3_MAGNITUDE).amax(dim=0)
+    if mags.numel() == 0:
+        return 0.0
+    if int(mags.amax()) == _E4M3_MAGNITUDE:
+        raise HetquantError("NaN code(s) in the FP8 weight; the checkpoint is corrupt")
+    s = scale_inv[:blocks].repeat_interleave(block, dim=1)[:, : codes.shape[1]]  # (out/b, in)
+    return float((e4m3_to_f32(mags.view(torch.float8_e4m3fn)) * s).to(torch.bfloat16).abs().amax())
 
 
 _F32_SIGN_EXP4_MAN3 = -2014314496  # 0x87F00000 as int32: sign, low 4 exponent bits, top 3 mantissa

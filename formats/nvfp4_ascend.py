@@ -213,7 +213,7 @@ def npu_scale_bf16(tiled: Mapping[str, torch.Tensor]) -> torch.Tensor:
 class _KMajorChunks(Nvfp4):
     """Canonical codes and scales of a block of rows, stored K-major and untiled: weight
     [K, N/2] packed along N, weight_scale [K/16, N] (the streaming chunk format of the tiled
-    layout; its ``finish`` only tiles)."""
+    layout; its ``place`` tiles the codes as they come)."""
 
     _K_MAJOR: ClassVar[bool] = True
 
@@ -233,10 +233,28 @@ class _KMajorChunks(Nvfp4):
         return out
 
 
-def _tile_only(kmajor: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = dict(kmajor)
-    out["weight"] = _tile(kmajor["weight"])
-    return out
+def _tiled_index(k: int, nb: int, col0: int, cb: int) -> torch.Tensor:
+    """Flat tile-order positions in a [k, nb] tensor of byte columns col0 .. col0+cb of the
+    K-major codes, [k, cb] (the order of :func:`_tile`, as arithmetic)."""
+    kk = torch.arange(k)[:, None]
+    c = torch.arange(col0, col0 + cb)[None, :]
+    k3, k2, k1, k0 = kk // 64, (kk // 16) % 4, (kk // 8) % 2, kk % 8
+    n3, n2, n1, n0 = c // 128, (c // 16) % 8, (c // 4) % 4, c % 4
+    slab = ((k3 * 2 + k1) * 4 + k2) * 8 + n2
+    return (slab * (nb // 128) + n3) * 128 + (n1 * 8 + k0) * 4 + n0
+
+
+def _place_tiled(key: str, assembled: torch.Tensor, part: torch.Tensor, start: int) -> bool:
+    """``Streaming.place`` of the tiled layout: a row block's K-major codes [K, rows/2] go
+    straight to their tile-order places (the C++ gather for blocks of whole 32-row runs,
+    indexing otherwise); the scales are a plain copy."""
+    if key != "weight":
+        return False
+    if not _quant_native.nvfp4_tile_into(part.contiguous(), start, assembled):
+        k, nb = assembled.shape
+        index = _tiled_index(k, nb, start, part.shape[1])
+        assembled.view(-1)[index.reshape(-1)] = part.reshape(-1)
+    return True
 
 
 @dataclass(frozen=True)
@@ -259,7 +277,7 @@ class Nvfp4Ascend(WeightFormat):
         _check_tileable(*shape)
         chunk = _KMajorChunks(with_input_scale=self.with_input_scale)
         axes = dict(chunk.streaming(shape).axes, weight=1, weight_scale=1)
-        return Streaming(chunk, axes, needs_amax=True, finish=_tile_only)
+        return Streaming(chunk, axes, needs_amax=True, place=_place_tiled)
 
     def shard_view(self, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         """``weight`` as (K3, K1, K2, N2, N3, 128-byte run), the view of :func:`tiled_slice`.

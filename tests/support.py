@@ -64,6 +64,15 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def as_older_schema(doc: dict[str, Any], root: Path, version: int) -> dict[str, Any]:
+    """Manifest ``doc`` of the artifact in ``root`` as hetquant wrote it under schema ``version``
+    (1 or 2): no ``file_digest``, every file's digest a sha256 (schema 1: no ``module_formats``)."""
+    doc = {k: v for k, v in doc.items() if k != "file_digest" and (version > 1 or k != "module_formats")}  # fmt: skip
+    doc["schema_version"] = version
+    doc["files"] = {n: {"size": f["size"], "sha256": sha256(root / n)} for n, f in doc["files"].items()}  # fmt: skip
+    return doc
+
+
 def blake3_hex(path: Path) -> str:
     """The BLAKE3 of a file in one call: what a schema-3 manifest records for it."""
     import blake3

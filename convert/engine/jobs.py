@@ -50,6 +50,7 @@ class JobRunner:
         }
         self._native = NativeJobs(self.source, self._out)
         self._threads: int | None = None  # torch's threads before this runner's first torch job
+        self._amax: dict[str, float] = {}  # the last few weights' absmax (a merged group's)
 
     def run(self, job: Job) -> int:
         """Run one job, natively where the kernels can (``native_jobs``), else with the torch
@@ -114,7 +115,8 @@ class JobRunner:
                 self._write(piece, stored[piece.key])
             return
         pieces = {p.key: p for p in job.outputs}
-        direct = {k for k, ax in plan.axes.items() if ax == 0 and plan.finish is None}
+        whole = plan.finish is None and plan.place is None  # else every key is assembled
+        direct = {k for k, ax in plan.axes.items() if ax == 0 and whole}
         chunk_metas = plan.chunk_format.stored(shape)  # type: ignore[arg-type]  # before finish
         buffers = {
             k: torch.empty(m.shape, dtype=torch_dtype(m.dtype))
@@ -135,7 +137,8 @@ class JobRunner:
                     start = (
                         row0 * buffers[key].shape[axis] // shape[0]
                     )  # entries per row: len / out
-                    buffers[key].narrow(axis, start, part.shape[axis]).copy_(part)
+                    if plan.place is None or not plan.place(key, buffers[key], part, start):
+                        buffers[key].narrow(axis, start, part.shape[axis]).copy_(part)
         final = plan.finish(buffers) if plan.finish else buffers
         for key, piece in pieces.items():
             if key not in direct:
@@ -152,8 +155,14 @@ class JobRunner:
 
     def _absmax(self, job: Job) -> float:
         """``max |W|`` over the job's weight and the others of its merged module
-        (``Job.amax_group``), so that they share one per-tensor scale."""
-        return max(self.source.absmax(name) for name in job.amax_group or job.sources)
+        (``Job.amax_group``), so that they share one per-tensor scale. Kept for the next few
+        jobs: a group's members (an expert's gate and up) need the same ones."""
+        for name in job.amax_group or job.sources:
+            if name not in self._amax:
+                if len(self._amax) >= 8:
+                    del self._amax[next(iter(self._amax))]
+                self._amax[name] = self.source.absmax(name)
+        return max(self._amax[name] for name in job.amax_group or job.sources)
 
     def _experts(self, job: Job) -> None:
         fmt = job.target.format()

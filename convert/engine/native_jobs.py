@@ -91,7 +91,7 @@ class NativeJobs:
             raise NotNative("kept as stored, or repacked")
         plan = fmt.streaming(src.shape)  # type: ignore[arg-type]
         quantize = None if plan is None else getattr(plan.chunk_format, "quantize_array", None)
-        if quantize is None or plan.finish is not None or plan.needs_amax:  # type: ignore[union-attr]
+        if quantize is None or plan.finish or plan.place or plan.needs_amax:  # type: ignore[union-attr]
             raise NotNative(f"{fmt.name}: no native streaming")
         return plan, quantize
 

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support import MANIFEST, blake3_hex, read_json, write_json
+from support import MANIFEST, as_older_schema, blake3_hex, read_json, write_json
 
 from hetquant.runtime import ParallelLayout, open_artifact
 
@@ -24,13 +24,7 @@ def art(tiny_hybrid: Path, tmp_path: Path) -> Path:
 
 def _as_schema_2(art: Path) -> dict:
     """Rewrite ``art``'s manifest as hetquant wrote it before schema 3: sha256, not named."""
-    doc = read_json(art / MANIFEST)
-    del doc["file_digest"]
-    doc["schema_version"] = 2
-    doc["files"] = {
-        n: {"size": f["size"], "sha256": hashlib.sha256((art / n).read_bytes()).hexdigest()}
-        for n, f in doc["files"].items()
-    }
+    doc = as_older_schema(read_json(art / MANIFEST), art, 2)
     write_json(art / MANIFEST, doc)
     return doc
 

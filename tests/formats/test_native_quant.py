@@ -393,3 +393,20 @@ def test_scale_2_of_a_float_is_the_torch_value() -> None:
         got, want = _scale_2_of(v), _scale_2_from_amax(torch.as_tensor(v))
         assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape == ()
         assert got.view(torch.int32).item() == want.view(torch.int32).item(), v
+
+
+@pytest.mark.parametrize("chunk", [32, 96, 256, 2048])
+def test_nvfp4_tile_into_chunks_is_the_whole_tiling(native: None, chunk: int) -> None:
+    """Chunks of byte columns placed one by one (the streamed tiled layout) give _tile's bytes;
+    columns not in whole 16-byte runs are declined, leaving the output untouched."""
+    from hetquant.formats.nvfp4_ascend import _tile_torch
+
+    k, nb = 128, 1024
+    kn = torch.randint(0, 256, (k, nb), generator=torch.Generator().manual_seed(chunk), dtype=torch.uint8)  # fmt: skip
+    out = torch.zeros_like(kn)
+    for c in range(0, nb, chunk // 2):
+        assert Q.nvfp4_tile_into(kn[:, c : c + chunk // 2].contiguous(), c, out)
+    assert torch.equal(out, _tile_torch(kn))
+    untouched = torch.zeros_like(kn)
+    assert not Q.nvfp4_tile_into(kn[:, 8:28].contiguous(), 8, untouched)
+    assert not untouched.any()

@@ -8,7 +8,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support import INDEX, MANIFEST, PARTIAL, TINY, read_json, st_header, tiny_counts, tree_hashes
+from support import (
+    INDEX,
+    MANIFEST,
+    PARTIAL,
+    TINY,
+    as_older_schema,
+    read_json,
+    st_header,
+    tiny_counts,
+    tree_hashes,
+)
 
 GROUPS = ("embeddings", "norms", "attention", "dense_mlp", "router", "shared_experts",
           "routed_experts", "mtp")  # fmt: skip
@@ -207,9 +217,7 @@ def test_verify_checks_recorded_module_formats(cli, artifact_copy: Path) -> None
 
 
 def test_verify_accepts_a_schema_1_manifest(cli, artifact_copy: Path) -> None:
-    m = read_json(artifact_copy / MANIFEST)
-    m["schema_version"] = 1
-    del m["module_formats"]
+    m = as_older_schema(read_json(artifact_copy / MANIFEST), artifact_copy, 1)
     (artifact_copy / MANIFEST).write_text(json.dumps(m))
     assert cli("verify", artifact_copy).exit_code == 0
 

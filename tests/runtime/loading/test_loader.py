@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import TINY, run_cli
+from support import TINY, as_older_schema, run_cli
 
 from hetquant.formats import HetquantError
 from hetquant.formats.nvfp4_ascend import tiled_slice
@@ -318,18 +318,16 @@ def _modules(art: Artifact) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("name", sorted(ARTIFACTS))
 def test_recorded_formats_equal_identified_ones(artifacts, name: str, tmp_path: Path) -> None:
-    """Schema 2 records every module's format; the loader trusts it, and a schema-1 manifest
-    (no module_formats: formats recognised by identify) opens into the same modules."""
+    """Schemas 2 and 3 record every module's format; the loader trusts it, and a schema-1
+    manifest (no module_formats: formats recognised by identify) opens into the same modules."""
     art = artifacts[name]
-    assert art.manifest["schema_version"] == 2
+    assert art.manifest["schema_version"] == 3
     recorded = art.manifest["module_formats"]
     assert recorded and all(art.modules[p].fmt is not None for p in recorded)
     stored_in_format = {m for m, i in art.modules.items() if i.fmt is not None}
     assert stored_in_format == set(recorded)
     root = _copy(art, tmp_path)
-    doc = json.loads((root / "hetquant.json").read_text())
-    doc["schema_version"] = 1
-    del doc["module_formats"]
+    doc = as_older_schema(json.loads((root / "hetquant.json").read_text()), root, 1)
     (root / "hetquant.json").write_text(json.dumps(doc))
     assert _modules(open_artifact(root)) == _modules(art)
 
