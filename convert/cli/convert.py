@@ -116,6 +116,14 @@ class Progress:
     "accuracy.",
 )
 @click.option(
+    "--quantize-vision",
+    is_flag=True,
+    default=None,
+    help="Vision-language models, Ascend recipes: the vision linears msModelSlim quantizes "
+    "(Qwen3-VL blocks' attn.qkv / attn.proj / mlp.linear_fc1; K2.5 blocks' mlp.fc0 / fc1) in "
+    "W8A8_DYNAMIC, as vllm-ascend reads them; default: the vision tower at source precision.",
+)
+@click.option(
     "--calib-device",
     type=click.Choice(["auto", "cpu", "cuda", "npu"]),
     default="auto",
@@ -163,6 +171,7 @@ def convert(
     requantize: bool | None,
     calib_gptq: bool | None,
     keep_dense_down: bool | None,
+    quantize_vision: bool | None,
     calib_device: str,
     calib_samples: int,
     calib_seq_len: int,
@@ -184,7 +193,8 @@ def convert(
     workers = _cap_workers(workers)
     given = {"mtp": mtp, "group_size": group_size, "cpu_group_size": cpu_group_size,
              "fp4_layout": fp4_layout, "requantize": requantize or None,
-             "calib_gptq": calib_gptq or None, "keep_dense_down": keep_dense_down or None}  # fmt: skip
+             "calib_gptq": calib_gptq or None, "keep_dense_down": keep_dense_down or None,
+             "quantize_vision": quantize_vision or None}  # fmt: skip
     options = {k: v for k, v in given.items() if v is not None}
     rec = get_recipe(recipe).with_options(options) if options else get_recipe(recipe)
     root, revision = resolve_source(source, download_dir, token)

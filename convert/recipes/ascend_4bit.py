@@ -43,12 +43,12 @@ from __future__ import annotations
 
 from . import serving
 from .base import register_recipe
-from .quantized import _KEEP_DENSE_DOWN, _KEEPS, _MTP, KEEP, RuleRecipe
+from .quantized import _KEEP_DENSE_DOWN, _KEEPS, _MTP, KEEP, QUANTIZED_VISION, RuleRecipe
 
 __all__: list[str] = []
 
 _W8A8 = {"attention": "w8a8_dynamic", "absorbed": KEEP, "dense": "w8a8_dynamic",
-         "shared": "w8a8_dynamic", **_KEEPS}  # fmt: skip
+         "shared": "w8a8_dynamic", QUANTIZED_VISION: "w8a8_dynamic", **_KEEPS}  # fmt: skip
 # --calib-data searches the routed experts (module docstring); RTN manifests as before
 _CALIBRATED = {"calibrates": True, "records_rtn": False, "search": frozenset({"routed"})}
 

@@ -4,8 +4,9 @@ Role classes, from the attributes of a tensor's role in its family's table (``ro
 ``mtp_extra`` (a role only MTP layers hold: DeepSeek's enorm/hnorm/eh_proj/embed_tokens/
 shared_head), ``kept`` (a role every recipe keeps: DeepSeek-V3.2's indexer), ``routed`` / ``shared`` (routed / shared expert MLPs), ``router`` (router weight and
 bias), ``embedding`` (embeddings and heads), ``norm``, ``dense`` (a dense-layer MLP),
-``absorbed`` (a linear engines fold into attention: DeepSeek's kv_b_proj) and ``attention`` (every
-other linear: q_a/q_b/q/kv_a/o). ``KEEP`` keeps a tensor at source precision (``recipes.keep``):
+``absorbed`` (a linear engines fold into attention: DeepSeek's kv_b_proj), ``vision`` (a
+vision-language model's vision linear that engines read quantized: ``formats/families/vlm.py``;
+every other vision tensor is ``kept``) and ``attention`` (every other linear: q_a/q_b/q/kv_a/o). ``KEEP`` keeps a tensor at source precision (``recipes.keep``):
 quantized source weights are dequantized to BF16 (exactly), others copied. The MTP layer's
 ordinary tensors follow the same rules as any MoE layer (``--mtp keep``, the default) or are left
 out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
@@ -14,6 +15,15 @@ out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
 ascend-w4a16): every dense-layer MLP's ``down_proj`` kept at source precision (``dense`` class,
 ``mlp == "down"``), the rest of the dense MLP as the rules say; vllm-ascend serves such a linear
 unquantized (``FLOAT``), as it does kv_b.
+
+``quantize_vision`` (``--quantize-vision``, every rule recipe): the ``vision`` class follows the
+``quantized_vision`` rule instead of KEEP — ``w8a8_dynamic`` for the Ascend recipes, whose
+engine (vllm-ascend, through ``quant_model_description.json``) reads it; the others' rule is the
+format they give a linear, which the plan refuses naming the module (``check_vision_kept``): no
+engine reads a vision linear in it. Off by default: msModelSlim quantizes these linears, but the
+vision tower is a small part of the model (Qwen3-VL-235B: 0.58 B of 235.7 B parameters, 0.28 B in
+those linears) and its
+accuracy under int8 activations is not measured here.
 
 ``int4_cpu*``: the source's lossless CPU repack when it has one (Kimi K2 Thinking's INT4 group-32
 experts), else ``int4_cpu_experts`` (per-channel) or, with ``cpu_group_size`` (``--cpu-group-size
@@ -57,15 +67,17 @@ from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError, get_format
 from hetquant.formats.expert_repack import EXPERT_REPACKS, repack_target
 from hetquant.formats.families import TensorRole
 from hetquant.formats.families.roles import MTP
+from hetquant.formats.families.vlm import VISION
 from hetquant.formats.int4_cpu_group import GROUP_SIZES as CPU_GROUP_SIZES
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
 from . import serving
 from .base import DROP, Recipe, Target, keep, register_recipe
 
-__all__ = ["KEEP", "LOW_BITS", "RuleRecipe", "density", "role_class"]
+__all__ = ["KEEP", "LOW_BITS", "QUANTIZED_VISION", "RuleRecipe", "density", "role_class"]
 
 KEEP = "keep"
+QUANTIZED_VISION = "quantized_vision"  # the rule for class ``vision`` under --quantize-vision
 CPU_EXPERTS = "cpu_experts"
 LOW_BITS = 6.0  # stored bits per weight under which a format is a low-bit (4-bit-code) one
 PROBE_SHAPE = (256, 1024)  # a weight every registered format stores, to measure its density
@@ -78,6 +90,8 @@ def role_class(role: TensorRole) -> str:
     r = role.role
     if r.kept:
         return "kept"
+    if r.scope == VISION:  # a vision linear engines read quantized (formats/families/vlm.py)
+        return VISION
     if r.scope == MTP:
         return "mtp_extra"
     if r.expert is not None:
@@ -122,25 +136,39 @@ class RuleRecipe(Recipe):
             cls = f"mtp_{cls}"
         if _dense_down(cls, role) and self._keeps_dense_down():
             return KEEP
+        if cls == VISION and self._option_on("quantize_vision"):
+            return self.rules[QUANTIZED_VISION]
         return self.rules[cls]
 
+    def _option_on(self, key: str) -> bool:
+        return key in self.choices and bool(self.option(key))
+
     def _keeps_dense_down(self) -> bool:
-        return "keep_dense_down" in self.choices and bool(self.option("keep_dense_down"))
+        return self._option_on("keep_dense_down")
 
     def check_model(self, roles: list[TensorRole]) -> None:
         """``keep_dense_down`` on a model without a dense MLP down_proj (every layer MoE, e.g.
-        Qwen3-MoE) would change nothing: refused."""
+        Qwen3-MoE), ``quantize_vision`` on one without a vision linear engines read quantized
+        (a text model): each would change nothing, and is refused."""
         if self._keeps_dense_down() and not any(_dense_down(role_class(r), r) for r in roles):
             raise HetquantError(
                 f"recipe {self.name}: --keep-dense-down keeps the dense layers' MLP down_proj in "
                 "BF16, and this model has none (every layer is MoE); it would change nothing: "
                 "drop it"
             )
+        if self._option_on("quantize_vision") and not any(role_class(r) == VISION for r in roles):
+            raise HetquantError(
+                f"recipe {self.name}: --quantize-vision quantizes a vision-language model's "
+                "vision linears, and this model has none; it would change nothing: drop it"
+            )
 
     def calibration(self, role: TensorRole) -> str | None:
-        """``search`` / ``quantized`` / None for a tensor of ``role`` (``Recipe.calibration``)."""
+        """``search`` / ``quantized`` / None for a tensor of ``role`` (``Recipe.calibration``);
+        None for a vision linear: calibration runs the text path only."""
         cls = role_class(role)
         if not self.calibrates or role.role.kind != "linear" or self.rule(role) == KEEP:
+            return None
+        if cls == VISION:
             return None
         return "search" if self.search is None or cls in self.search else "quantized"
 
@@ -259,13 +287,16 @@ def density(fmt: str, params: tuple = ()) -> float | None:
 
 
 _REQUANTIZE = {"requantize": (False, True)}
-_MTP = {"mtp": ("keep", "drop"), **_REQUANTIZE}
+# every rule recipe takes --quantize-vision; its ``quantized_vision`` rule says what it would
+# write, and the plan refuses a format no engine reads (formats/families/vlm.py)
+_MTP = {"mtp": ("keep", "drop"), **_REQUANTIZE, "quantize_vision": (False, True)}
 # the dense MLPs' down_proj kept in BF16 (FLOAT in the Ascend description): their per-token int8
 # activations are nearly all of the W8A8 part's KL on the trained tiny model (0.00586 → 0.00199,
 # the calibrated hybrid 0.01154 → 0.00916; benchmarks/README.md "Where the W8A8 part's KL comes
 # from")
 _KEEP_DENSE_DOWN = {"keep_dense_down": (False, True)}
-_KEEPS = {"kept": KEEP, "router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_extra": KEEP}
+_KEEPS = {"kept": KEEP, "router": KEEP, "embedding": KEEP, "norm": KEEP, "mtp_extra": KEEP,
+          VISION: KEEP}  # fmt: skip
 register_recipe(
     RuleRecipe(
         "ascend-hybrid",
@@ -276,6 +307,7 @@ register_recipe(
             "dense": "w8a8_dynamic",
             "shared": "w8a8_dynamic",
             "routed": "int4_cpu*",
+            QUANTIZED_VISION: "w8a8_dynamic",
             **_KEEPS,
         },
         choices={
@@ -301,6 +333,7 @@ register_recipe(
             "dense": "w8a8_dynamic",
             "shared": "w8a8_dynamic",
             "routed": "w8a8_dynamic",
+            QUANTIZED_VISION: "w8a8_dynamic",
             **_KEEPS,
         },
         choices={**_MTP, **_KEEP_DENSE_DOWN},
@@ -318,6 +351,7 @@ register_recipe(
             "dense": "awq_w4a16",
             "shared": "awq_w4a16",
             "routed": "awq_w4a16",
+            QUANTIZED_VISION: "awq_w4a16",  # refused by the plan: no engine reads it
             **_KEEPS,
         },
         choices={**_MTP, "group_size": (128, 64)},
@@ -328,11 +362,11 @@ register_recipe(
 )
 register_recipe(RuleRecipe(
     "fp4", "NVFP4 (E2M1 + E4M3 per 16 + F32 global) for dense MLP and experts, Ascend 8×8 tiled layout by default",
-    rules={"attention": KEEP, "absorbed": KEEP, "dense": "nvfp4*", "shared": "nvfp4*", "routed": "nvfp4*", **_KEEPS},
+    rules={"attention": KEEP, "absorbed": KEEP, "dense": "nvfp4*", "shared": "nvfp4*", "routed": "nvfp4*", QUANTIZED_VISION: "nvfp4*", **_KEEPS},
     choices={**_MTP, "fp4_layout": ("ascend", "nvfp4")}, tags=("nvfp4", "fp4"),))  # fmt: skip
 register_recipe(RuleRecipe(
     "ct-w4a16",
     "compressed-tensors pack-quantized W4A16 (symmetric, group 32 or 128) for the routed experts, the rest at source precision, as vllm-ascend's W4A16 MoE and vLLM load it; AWQ-calibrated with --calib-data, else round-to-nearest",
-    rules={"attention": KEEP, "absorbed": KEEP, "dense": KEEP, "shared": KEEP, "routed": "ct_pack_quantized", **_KEEPS},
+    rules={"attention": KEEP, "absorbed": KEEP, "dense": KEEP, "shared": KEEP, "routed": "ct_pack_quantized", QUANTIZED_VISION: "ct_pack_quantized", **_KEEPS},
     choices={**_MTP, "group_size": (32, 128)},
     calibrates=True, tags=("compressed-tensors", "int4", "w4a16"), serving=serving.COMPRESSED_TENSORS,))  # fmt: skip

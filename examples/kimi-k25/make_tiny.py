@@ -11,7 +11,11 @@ checkpoint's original names (the sources of transformers' renames, ``conversion_
 generator per tensor (BF16). config.json: ``model_type kimi_k25``, the vision config in the
 remote code's schema (``vt_*``, ``init_pos_emb_*``), the compressed-tensors
 ``quantization_config`` inside ``text_config`` (its ``ignore`` adds the vision tower and
-projector).
+projector). The tokenizer is K2's with K2.5's media tokens in its first reserved slots
+(``MEDIA``; ``media_placeholder_token_id`` is ``<|media_pad|>``'s), and preprocessor_config.json
+holds K2.5's ``media_proc_cfg`` (the released values, as RTP-LLM's and vLLM's defaults for K2.5
+list them, with the tiny patch size): vLLM reads both to profile its vision encoder
+(``kimi_k25_vision_fused.py``, ``KimiK25ProcessingInfo``).
 
     python examples/kimi-k25/make_tiny.py OUT
 """
@@ -35,7 +39,12 @@ SEED = 20260127  # K2.5's release
 VISION = {"patch_size": 4, "init_pos_emb_height": 8, "init_pos_emb_width": 8, "init_pos_emb_time": 4,
           "vt_num_attention_heads": 2, "vt_num_hidden_layers": 2, "vt_hidden_size": 64,
           "vt_intermediate_size": 128, "merge_kernel_size": [2, 2], "mm_hidden_size": 64,
-          "projector_ln_eps": 1e-5, "model_type": "kimi_k25_vision"}  # fmt: skip
+          "projector_ln_eps": 1e-5, "model_type": "kimi_k25_vision",
+          # transformers' names beside them: its Kimi_K25VisionConfig reads only its own and would
+          # take the released model's defaults (1152 wide, 27 layers) for a tiny tower
+          "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "pos_emb_height": 8, "pos_emb_width": 8,
+          "pos_emb_time": 4}  # fmt: skip
 TO_ORIGINAL = (  # transformers' module names → the checkpoint's (the renames, reversed)
     (r"^model\.vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.blocks.\1.norm0."),
     (r"^model\.vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.blocks.\1.norm1."),
@@ -50,6 +59,14 @@ TO_ORIGINAL = (  # transformers' module names → the checkpoint's (the renames,
     (r"^model\.mm_projector\.out_proj\.", "mm_projector.proj.2."),
     (r"^model\.mm_projector\.", "mm_projector."),
 )  # fmt: skip
+MEDIA = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"]
+MEDIA_PROC_CFG = {"in_patch_limit": 16384, "patch_size": VISION["patch_size"],
+                  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                  "merge_kernel_size": 2, "fixed_output_tokens": None,
+                  "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 4096,
+                  "in_patch_limit_video": None, "sample_fps": 2.0,
+                  "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4,
+                  "timestamp_mode": "hh:mm:ss.fff"}  # fmt: skip
 QKV = re.compile(r"^model\.vision_tower\.layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)$")
 
 
@@ -120,13 +137,31 @@ def write_checkpoint(out: Path) -> Path:
             (out / f.name).write_bytes(f.read_bytes())
         f.unlink()
     k2.rmdir()
+    pad = _media_tokens(out)["<|media_pad|>"]
     config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
               "text_config": text_cfg, "vision_config": VISION, "tie_word_embeddings": False,
-              "media_placeholder_token_id": 163605}  # fmt: skip
+              "media_placeholder_token_id": pad}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "preprocessor_config.json").write_text(json.dumps(
-        {"patch_size": 4, "merge_kernel_size": [2, 2], "processor_class": "KimiK25Processor"}))  # fmt: skip
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n"
+    )
     return out
+
+
+def _media_tokens(out: Path) -> dict[str, int]:
+    """K2's first reserved specials renamed to K2.5's media tokens (tokenizer files in ``out``);
+    their ids."""
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    decoder = cfg["added_tokens_decoder"]
+    reserved = [i for i, t in decoder.items() if t["content"].startswith("<|reserved_token_")]
+    code = (out / "tokenization_kimi.py").read_text()
+    ids = {}
+    for token, i in zip(MEDIA, sorted(reserved, key=int), strict=False):
+        code = code.replace(repr(decoder[i]["content"]), repr(token))
+        decoder[i]["content"], ids[token] = token, int(i)
+    (out / "tokenization_kimi.py").write_text(code)
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return ids
 
 
 def main() -> None:

@@ -24,6 +24,13 @@ Facts (transformers 5.24 ``models/kimi_k25/``, ``conversion_mapping.py:658-710``
   sources, repacked losslessly where a recipe's format allows. Where the source's
   ``quantization_config`` lives (top level or ``text_config``) is not verified here: both are
   read, and the artifact's config.json carries none of the source's.
+- Vision linears engines read quantized: msModelSlim 26.1's ``lab_practice/kimi_k2_5/
+  kimi_w4a8.yaml`` (for Kimi-K2.5) visits the vision tower and the projector
+  (``model/kimi_k2_5/model_adapter.py:309-333``) and writes W8A8_DYNAMIC for every ``nn.Linear``
+  matching ``*mlp*`` but the experts (fnmatch, ``processor/quant/linear.py:121-132``): in the
+  vision tower the blocks' ``mlp.fc0`` and ``mlp.fc1``; ``wqkv``, ``wo`` and the projector stay
+  float (its K2.6 MXFP8 recipe adds ``wqkv`` / ``wo``, a format hetquant does not write). Those
+  two are ``quantizable`` here (``vlm.py``).
 """
 
 from __future__ import annotations
@@ -79,8 +86,8 @@ def _m(v: VisionConfig) -> int:
     return v["hidden_size"] * v["merge_area"]
 
 
-def _linear(prefix: str, out: Any, inp: Any) -> tuple[VisionPart, ...]:
-    return (VisionPart(f"{prefix}.weight", "linear", lambda v: (out(v), inp(v))),
+def _linear(prefix: str, out: Any, inp: Any, quantizable: bool = False) -> tuple[VisionPart, ...]:
+    return (VisionPart(f"{prefix}.weight", "linear", lambda v: (out(v), inp(v)), quantizable),
             VisionPart(f"{prefix}.bias", "bias", lambda v: (out(v),)))  # fmt: skip
 
 
@@ -90,6 +97,7 @@ def _norm(prefix: str, dim: Any) -> tuple[VisionPart, ...]:
 
 
 V, B = "vision_tower", "vision_tower.encoder.blocks.{b}"
+Q = True  # quantizable (module docstring: msModelSlim's Kimi K2.5 W4A8 recipe)
 VISION_PARTS: tuple[VisionPart, ...] = (
     VisionPart(f"{V}.patch_embed.proj.weight", "linear",
                lambda v: (_h(v), 3, v["patch_size"], v["patch_size"])),
@@ -100,8 +108,8 @@ VISION_PARTS: tuple[VisionPart, ...] = (
     *_linear(f"{B}.wqkv", lambda v: 3 * _h(v), _h),
     *_linear(f"{B}.wo", _h, _h),
     *_norm(f"{B}.norm1", _h),
-    *_linear(f"{B}.mlp.fc0", lambda v: v["intermediate_size"], _h),
-    *_linear(f"{B}.mlp.fc1", _h, lambda v: v["intermediate_size"]),
+    *_linear(f"{B}.mlp.fc0", lambda v: v["intermediate_size"], _h, Q),
+    *_linear(f"{B}.mlp.fc1", _h, lambda v: v["intermediate_size"], Q),
     *_norm(f"{V}.encoder.final_layernorm", _h),
     *_norm("mm_projector.pre_norm", _h),
     *_linear("mm_projector.proj.0", _m, _m),

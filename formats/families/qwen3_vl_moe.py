@@ -31,6 +31,12 @@ Facts (transformers 5.24 ``models/qwen3_vl_moe/``; vLLM 0.32 ``models/qwen3_vl_m
   ``hidden``, then ``linear_fc1`` [m, m], ``linear_fc2`` [out_hidden, m], m = hidden ·
   spatial_merge²) and one ``deepstack_merger_list.K`` per ``deepstack_visual_indexes`` entry (its
   LayerNorm over m, after the shuffle).
+- Vision linears engines read quantized: msModelSlim 26.1's ``lab_practice/qwen3_vl_moe/
+  qwen3_vl_moe_w8a8.yaml`` (verified for Qwen3-VL-235B-A22B / 30B-A3B on vllm-ascend) quantizes
+  every ``nn.Linear`` (``processor/quant/linear.py:121-132``, fnmatch patterns) but the experts
+  (W8A8_DYNAMIC), ``*linear_fc2``, ``*merger*``, ``*deepstack_merger_list*`` and ``*mlp.gate``
+  in W8A8: in the vision tower the blocks' ``attn.qkv``, ``attn.proj`` and ``mlp.linear_fc1``
+  (``patch_embed.proj`` is a Conv3d). Those are ``quantizable`` here (``vlm.py``).
 """
 
 from __future__ import annotations
@@ -83,8 +89,8 @@ def _out(v: VisionConfig) -> int:
     return v["out_hidden_size"]
 
 
-def _linear(prefix: str, out: Any, inp: Any) -> tuple[VisionPart, ...]:
-    return (VisionPart(f"{prefix}.weight", "linear", lambda v: (out(v), inp(v))),
+def _linear(prefix: str, out: Any, inp: Any, quantizable: bool = False) -> tuple[VisionPart, ...]:
+    return (VisionPart(f"{prefix}.weight", "linear", lambda v: (out(v), inp(v)), quantizable),
             VisionPart(f"{prefix}.bias", "bias", lambda v: (out(v),)))  # fmt: skip
 
 
@@ -94,16 +100,17 @@ def _norm(prefix: str, dim: Any) -> tuple[VisionPart, ...]:
 
 
 V, B, D = "model.visual", "model.visual.blocks.{b}", "model.visual.deepstack_merger_list.{d}"
+Q = True  # quantizable (module docstring: msModelSlim's Qwen3-VL-MoE W8A8 recipe)
 VISION_PARTS: tuple[VisionPart, ...] = (
     VisionPart(f"{V}.patch_embed.proj.weight", "linear", lambda v: (
         _h(v), v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"])),
     VisionPart(f"{V}.patch_embed.proj.bias", "bias", lambda v: (_h(v),)),
     VisionPart(f"{V}.pos_embed.weight", "embedding", lambda v: (v["num_position_embeddings"], _h(v))),
     *_norm(f"{B}.norm1", _h),
-    *_linear(f"{B}.attn.qkv", lambda v: 3 * _h(v), _h),
-    *_linear(f"{B}.attn.proj", _h, _h),
+    *_linear(f"{B}.attn.qkv", lambda v: 3 * _h(v), _h, Q),
+    *_linear(f"{B}.attn.proj", _h, _h, Q),
     *_norm(f"{B}.norm2", _h),
-    *_linear(f"{B}.mlp.linear_fc1", lambda v: v["intermediate_size"], _h),
+    *_linear(f"{B}.mlp.linear_fc1", lambda v: v["intermediate_size"], _h, Q),
     *_linear(f"{B}.mlp.linear_fc2", _h, lambda v: v["intermediate_size"]),
     *_norm(f"{V}.merger.norm", _h),
     *_linear(f"{V}.merger.linear_fc1", _m, _m),

@@ -15,12 +15,27 @@ its tensor names moved under a prefix, and a vision tower + projector the text p
   same groups, kinds, splits and AWQ mappings, so every recipe quantizes the text decoder exactly
   as it quantizes the text family, and its fused-expert layout;
 - **vision**: :class:`VisionPart` rows expanded over the vision config's blocks (``{b}``) and
-  deepstack mergers (``{d}``), scope ``vision``, ``kept``: every recipe keeps them at source
-  precision (an FP8 source's vision linears are dequantized exactly to BF16, as every kept
-  weight). :func:`check_vision_kept` refuses a plan that would quantize one — no engine hetquant
-  targets reads a quantized vision tower (vLLM's Qwen3-VL vision blocks take no hetquant
-  quantization method; vllm-ascend's does for msModelSlim's W8A8 vision qkv/proj/fc1, not
-  written here) — naming the module, before anything is written.
+  deepstack mergers (``{d}``), scope ``vision``. Every recipe keeps them at source precision by
+  default (an FP8 source's vision linears are dequantized exactly to BF16, as every kept weight).
+  A part marked ``quantizable`` is a vision linear that msModelSlim's recipe for the model
+  quantizes and vllm-ascend reads quantized (the family module cites which); it is not ``kept``
+  but of role class ``vision`` (``convert/recipes/quantized.py``), which the Ascend recipes'
+  ``--quantize-vision`` writes in ``w8a8_dynamic`` (:data:`VISION_READ`).
+  :func:`check_vision_kept` refuses a plan that would write any other vision tensor quantized,
+  or a quantizable one in a format no engine reads, naming the module, before anything is
+  written.
+
+Why ``w8a8_dynamic`` and what reads it: vllm-ascend runs vLLM's own model classes, which hand
+the quantization config to the vision linears (vLLM 0.32 ``qwen3_vl.py:419-435, 470-485``:
+``Qwen3_VisionMLP`` / ``Qwen3_VisionBlock``; ``kimi_k25.py:350-368``, the config dropped there for
+compressed-tensors only), and its ModelSlim config resolves each linear's scheme from
+``quant_model_description.json`` by its name (``modelslim_config.py:701-740`` at vllm-ascend
+``182b75e``, ``apply_vllm_mapper`` :599-620 renaming ``model.visual.`` keys as vLLM names the
+layers) — W8A8_DYNAMIC is a registered linear scheme with a bias (``methods/w8a8_dynamic.py:51,
+130``). msModelSlim writes W8A8 static there (per-tensor activation ranges calibrated on
+images); hetquant's calibration runs the text path only, so the same int8 per-channel weights
+go with per-token dynamic activations. No other engine hetquant writes for is known to read a
+quantized vision tower, and the reference forward (``runtime/forward/``) is text-only.
 
 Processor files (``preprocessor_config.json``, ``video_preprocessor_config.json``,
 ``chat_template.*``) travel with every small non-weight file (``convert/aux_files.py``).
@@ -43,6 +58,7 @@ from .roles import GLOBAL, GLOBAL_LAST, Located, Role, TensorRole
 __all__ = [
     "SOURCE_PRECISION",
     "VISION",
+    "VISION_READ",
     "VisionPart",
     "VlmFamily",
     "VlmSpec",
@@ -52,6 +68,7 @@ __all__ = [
 
 VISION = "vision"  # the scope and precision group of vision-tower tensors
 SOURCE_PRECISION = frozenset({"copy", "bf16"})  # targets that keep a tensor at source precision
+VISION_READ = frozenset({"w8a8_dynamic"})  # a quantizable vision linear's formats engines read
 _INDEX = {"{b}": "blocks", "{d}": "mergers"}  # pattern placeholder → VisionConfig count
 
 
@@ -70,17 +87,19 @@ class VisionConfig:
 @dataclass(frozen=True)
 class VisionPart:
     """One vision tensor: its full name (``{b}``: a block, ``{d}``: a deepstack merger), kind
-    (``roles.KINDS``) and shape of the :class:`VisionConfig`."""
+    (``roles.KINDS``), shape of the :class:`VisionConfig`, and whether engines read it quantized
+    (``quantizable``: module docstring)."""
 
     pattern: str
     kind: str
     shape: Callable[[VisionConfig], tuple[int, ...]]
+    quantizable: bool = False
 
     @cached_property
     def role(self) -> Role:
         name = VISION + ":" + re.sub(r"\.\{[bd]\}", "", self.pattern)
         return Role(name, self.pattern, VISION, VISION, self.kind, "replicate", None,
-                    lambda c: self.shape(c.vision), kept=True)  # fmt: skip
+                    lambda c: self.shape(c.vision), kept=not self.quantizable)  # fmt: skip
 
     @cached_property
     def regex(self) -> re.Pattern[str]:
@@ -214,11 +233,21 @@ def _vision(raw: dict[str, Any], origin: str, spec: VlmSpec) -> VisionConfig:
 
 def check_vision_kept(assigned: Iterable[tuple[str, TensorRole, str]], recipe: str) -> None:
     """Refuse a plan whose recipe would quantize a vision tensor (``assigned``: tensor name, role,
-    target format; ``copy`` and ``bf16`` are source precision) — module docstring."""
+    target format; ``copy`` and ``bf16`` are source precision) other than a quantizable linear in
+    a format engines read (:data:`VISION_READ`) — module docstring."""
     for tensor, role, fmt in assigned:
-        if role.role.scope == VISION and fmt not in SOURCE_PRECISION:
+        if role.role.scope != VISION or fmt in SOURCE_PRECISION:
+            continue
+        if role.role.kept:
             raise HetquantError(
                 f"{tensor.rpartition('.')[0]}: recipe {recipe} would quantize this vision module "
-                f"to {fmt}, but no engine hetquant writes for reads a quantized vision tower; "
-                "keep the vision tower at source precision (nothing was written)"
+                f"to {fmt}, but no engine hetquant targets is known to read it quantized "
+                "(msModelSlim keeps it in float); keep it at source precision (nothing was written)"
+            )
+        if fmt not in VISION_READ:
+            raise HetquantError(
+                f"{tensor.rpartition('.')[0]}: recipe {recipe} would quantize this vision module "
+                f"to {fmt}, but no engine hetquant targets is known to read a vision linear in "
+                f"{fmt} (vllm-ascend reads {', '.join(sorted(VISION_READ))}: the Ascend recipes' "
+                "--quantize-vision); drop --quantize-vision (nothing was written)"
             )

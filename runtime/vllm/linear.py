@@ -57,13 +57,18 @@ class HetquantLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        if len(output_partition_sizes) != len(self.sources):
+        outs = tuple(output_partition_sizes)
+        if len(outs) != len(self.sources) and len(self.sources) == 1:
+            # one stored module holding all of vLLM's parts, in its order (Kimi K2.5's vision
+            # ``wqkv``, which vLLM's own loader copies whole): its rows, the shape check below
+            outs = (sum(outs),)
+        if len(outs) != len(self.sources):
             raise HetquantError(
                 f"{self.prefix}: vLLM fuses {len(output_partition_sizes)} parts here, the "
                 f"artifact stores {[s.prefix for s in self.sources]}"
             )
         expect(layer, self.sources)
-        layer.hetquant_shape = (tuple(output_partition_sizes), input_size_per_partition)
+        layer.hetquant_shape = (outs, input_size_per_partition)
         # vLLM reads a quantized layer's dense weight by applying it to an identity matrix
         # (``get_and_maybe_dequant_weights``, ``quant_utils.py:511``: MLA's kv_b_proj), after
         # looking up ``weight`` / ``qweight`` / ``weight_packed`` for its device and dtype: an

@@ -104,10 +104,16 @@ def _by_module(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
 
 
 def _give_hetquant_layers(model: nn.Module, by_module: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Each layer our methods serve gets its stored modules' tensors, but a ``bias``: that is the
+    layer's own parameter (vLLM's ``apply`` hands it to the method), left for vLLM's loader with
+    the rest (a vision-language model's vision linears have one)."""
     for layer in model.modules():
         for src in getattr(layer, SOURCES, ()):
             if src.prefix in by_module:
-                getattr(layer, TENSORS)[src.prefix] = by_module.pop(src.prefix)
+                local = by_module.pop(src.prefix)
+                if "bias" in local:
+                    by_module[src.prefix] = {"bias": local.pop("bias")}
+                getattr(layer, TENSORS)[src.prefix] = local
             # a missing one is named by the method's process_weights_after_loading
 
 

@@ -1,5 +1,6 @@
-"""Every recipe's artifact on the tiny model is byte-identical to the golden list (see
-``golden_artifacts.py``); the manifest may only gain fields."""
+"""Every recipe's artifact on the tiny model, and the cases on the tiny vision-language models, is
+byte-identical to the golden list (see ``golden_artifacts.py``); the manifest may only gain
+fields."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from golden_artifacts import CALIBRATED, CASES, GOLDEN, convert
+from golden_artifacts import CALIBRATED, CASE_SOURCES, CASES, GOLDEN, convert
 
 GOLDEN_DOC = json.loads(GOLDEN.read_text())
 
@@ -22,15 +23,30 @@ def _subset_diff(want: object, got: object, path: str = "") -> list[str]:
     return [] if want == got else [f"{path}: {want!r} != {got!r}"]
 
 
+PROCESSOR = {  # a VLM's processor files, which travel into every artifact (issue #28)
+    "tiny-qwen3-vl-moe-bf16": {"preprocessor_config.json", "video_preprocessor_config.json",
+                               "chat_template.jinja"},
+    "tiny-qwen3-vl-moe-fp8": {"preprocessor_config.json", "video_preprocessor_config.json",
+                              "chat_template.jinja"},
+    "tiny-kimi-k25": {"preprocessor_config.json", "chat_template.jinja"},
+}  # fmt: skip
+
+
 def test_golden_cases_match_generator() -> None:
     assert set(GOLDEN_DOC) == set(CASES)
     assert all(GOLDEN_DOC[c]["args"] == CASES[c] for c in CASES)
+    assert all(GOLDEN_DOC[c].get("source") == CASE_SOURCES.get(c) for c in CASES)
+    for case, source in CASE_SOURCES.items():  # the processor files are pinned, as the source's
+        entry = GOLDEN_DOC[case]
+        assert all(entry["files"][f] == entry["source_files"][f] for f in PROCESSOR[source])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_artifact_bytes_equal_golden(case: str, tmp_path: Path) -> None:
     got = convert(case, tmp_path / case)
     want = GOLDEN_DOC[case]
+    # a generated source first: a changed generator is not a changed converter
+    assert got.get("source_files") == want.get("source_files"), "the tiny generator changed"
     assert got["files"] == want["files"]
     assert _subset_diff(want["manifest"], got["manifest"]) == []
 

@@ -120,3 +120,26 @@ def test_text_path_runs_as_k2(cli, sources: dict[str, Path], tmp_path: Path) -> 
     for tp in (1, 2):
         assert np.array_equal(logits["k25", tp], logits["k2", tp])
     assert float(np.abs(logits["k2", 1] - logits["k2", 2]).max()) < 1e-3
+
+
+def test_quantize_vision_writes_the_blocks_mlp_msmodelslim_quantizes(
+    cli, sources: dict[str, Path], tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """``--quantize-vision``: the vision blocks' mlp.fc0 / fc1 in W8A8_DYNAMIC (msModelSlim's K2.5
+    W4A8 recipe, ``*mlp*``), wqkv / wo / the projector as stored; the text part unchanged."""
+    outs = {}
+    for label, extra in (("plain", []), ("vision", ["--quantize-vision"])):
+        outs[label] = tmp_path / label
+        res = cli("convert", sources["k25"], outs[label], "--recipe", "ascend-w4a16", *extra)
+        assert res.exit_code == 0, res.stderr
+    assert verify_artifact(outs["vision"]) == []
+    desc = json.loads((outs["vision"] / "quant_model_description.json").read_text())
+    vision = {k: v for k, v in desc.items() if k.startswith(("vision_tower.", "mm_projector."))}
+    quantized = {k for k, v in vision.items() if v != "FLOAT"}
+    blocks = "vision_tower.encoder.blocks."
+    assert quantized == {f"{blocks}{b}.mlp.{fc}.{k}" for b in (0, 1) for fc in ("fc0", "fc1")
+                         for k in ("weight", "weight_scale", "weight_offset")}  # fmt: skip
+    assert {desc[k] for k in quantized} == {"W8A8_DYNAMIC"}
+    plain, got = _tensors(outs["plain"]), _tensors(outs["vision"])
+    changed = {k for k in got if not (k in plain and torch.equal(plain[k], got[k]))}
+    assert changed and all(".mlp.fc" in k and k.startswith(f"./{blocks}") for k in changed)

@@ -36,7 +36,10 @@ def test_qwen3_vl_235b_parses_as_qwen3_moe_under_a_prefix() -> None:
     assert fam.awq is text.awq and fam.fused_experts == text.fused_experts
     names = fam.expected_tensors(cfg)
     vision = {n: t for n, t in names.items() if t.role.scope == VISION}
-    assert len(vision) == 3 + 27 * 12 + 6 + 3 * 6 and all(t.role.kept for t in vision.values())
+    assert len(vision) == 3 + 27 * 12 + 6 + 3 * 6
+    quantizable = {n for n, t in vision.items() if not t.role.kept}  # msModelSlim's W8A8 set
+    assert quantizable == {f"model.visual.blocks.{b}.{m}.weight" for b in range(27)
+                           for m in ("attn.qkv", "attn.proj", "mlp.linear_fc1")}  # fmt: skip
     assert vision["model.visual.deepstack_merger_list.2.linear_fc2.weight"].shape == (4096, 4608)
     assert names["model.visual.patch_embed.proj.weight"].shape == (1152, 3, 2, 16, 16)
     loc = fam.locate("model.visual.blocks.26.attn.qkv")
@@ -76,6 +79,12 @@ def test_kimi_k25_parses_as_deepseek_v3_under_a_prefix() -> None:
     assert names["mm_projector.proj.2.weight"].shape == (7168, 4608)
     assert names["vision_tower.patch_embed.pos_emb.weight"].shape == (64, 64, 1152)
     assert names["vision_tower.encoder.blocks.26.wqkv.weight"].shape == (3456, 1152)
+    quantizable = {n for n, t in names.items() if t.role.scope == "vision" and not t.role.kept}
+    assert quantizable == {
+        f"vision_tower.encoder.blocks.{b}.mlp.{fc}.weight"
+        for b in range(27)
+        for fc in ("fc0", "fc1")
+    }  # fmt: skip  (msModelSlim's K2.5 W4A8 set)
     inner = {**raw, "text_config": {**raw["text_config"], "quantization_config":
                                     raw["quantization_config"]}}  # fmt: skip
     del inner["quantization_config"]
