@@ -53,6 +53,7 @@ from .roles import (
     Role,
     TensorRole,
 )
+from .shapes import Shape
 
 __all__ = [
     "FAMILIES",
@@ -348,6 +349,8 @@ def register_family(family: ModelFamily) -> ModelFamily:
     for r in family.roles:
         if r.kind not in KINDS or r.tp not in TP_SPLITS or r.expert not in EXPERT_KINDS:
             raise RuntimeError(f"family {family.name}, role {r.name}: kind/tp/expert not known")
+        if not isinstance(r.shape, Shape):  # data, so that a plan holding roles pickles
+            raise RuntimeError(f"family {family.name}, role {r.name}: shape is not a shapes.Shape")
     family.config_type.family_name = family.name
     FAMILIES[family.name] = family
     return family

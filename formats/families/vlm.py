@@ -39,6 +39,7 @@ from ..errors import HetquantError
 from .base import ModelConfig, ModelFamily, get_family, register_family
 from .fields import ConfigFields
 from .roles import GLOBAL, GLOBAL_LAST, Located, Role, TensorRole
+from .shapes import Shape
 
 __all__ = [
     "SOURCE_PRECISION",
@@ -74,13 +75,13 @@ class VisionPart:
 
     pattern: str
     kind: str
-    shape: Callable[[VisionConfig], tuple[int, ...]]
+    shape: Shape  # of the vision config
 
     @cached_property
     def role(self) -> Role:
         name = VISION + ":" + re.sub(r"\.\{[bd]\}", "", self.pattern)
         return Role(name, self.pattern, VISION, VISION, self.kind, "replicate", None,
-                    lambda c: self.shape(c.vision), kept=True)  # fmt: skip
+                    Shape(self.shape.dims, of="vision"), kept=True)  # fmt: skip
 
     @cached_property
     def regex(self) -> re.Pattern[str]:
