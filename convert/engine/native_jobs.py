@@ -85,7 +85,7 @@ class NativeJobs:
 
     def _linear_plan(self, job: Job) -> tuple[Any, Any]:
         """(streaming plan, its ``quantize_array``) of a linear job; NotNative where none."""
-        fmt = job.target.format()
+        fmt = job.target.fmt
         src = self.source.tensors[job.source]
         if src.fmt == fmt or (src.fmt_name, fmt.name) in LINEAR_REPACKS:
             raise NotNative("kept as stored, or repacked")
@@ -120,11 +120,11 @@ class NativeJobs:
 
     def _experts_format(self, job: Job) -> Any:
         """The expert format's ``quantize_rows_array``; NotNative where it has none."""
-        fmt = job.target.format()
+        fmt = job.target.fmt
         quantize = getattr(fmt, "quantize_rows_array", None)
         source_fmt = self.source.tensors[job.source].fmt_name
-        if quantize is None or (source_fmt, job.target.fmt) in EXPERT_REPACKS:
-            raise NotNative(f"{job.target.fmt}: no native rows")
+        if quantize is None or (source_fmt, job.target.name) in EXPERT_REPACKS:
+            raise NotNative(f"{job.target.name}: no native rows")
         return quantize
 
     def _experts(self, job: Job) -> None:

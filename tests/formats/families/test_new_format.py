@@ -61,7 +61,7 @@ class ToyInt8(WeightFormat):
 class ToyRecipe(Recipe):
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         linear = role.role.kind == "linear" and role.role.expert is None
-        return Target(ToyInt8.name) if linear else keep(source_fmt)
+        return Target.writing(ToyInt8()) if linear else keep(source_fmt)
 
 
 @pytest.fixture(scope="module")
