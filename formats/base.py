@@ -21,9 +21,12 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._lazy import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 from ._quant_native import absmax
 from .dtypes import itemsize
 from .errors import HetquantError
@@ -89,6 +92,10 @@ class WeightFormat(ABC):
     name: ClassVar[str]
     keys: ClassVar[frozenset[str]]  # stored keys every variant writes
     optional_keys: ClassVar[frozenset[str]] = frozenset()  # keys only some variants write
+    # declared capabilities (the native lane, ``formats/native.py``): a format that has one sets
+    # its flag and overrides the method
+    native_quantize: ClassVar[bool] = False  # ``quantize_array``
+    native_source: ClassVar[bool] = False  # ``source_row_arrays``
 
     @abstractmethod
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[WeightFormat, tuple[int, int]]:
@@ -116,6 +123,18 @@ class WeightFormat(ABC):
     @abstractmethod
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Stored tensors → float32 weight [out, in]; the reference kernels are checked against."""
+
+    def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """``quantize`` of BF16 rows [r, in] (numpy, uint16 bit patterns) without torch, in the
+        compiled kernels; only where ``native_quantize``. Raises ``native.NotNative`` for an
+        input the kernel does not take."""
+        raise NotImplementedError(f"format {self.name!r} has no native quantize_array")
+
+    def source_row_arrays(
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """``source_rows`` over numpy arrays, without torch; only where ``native_source``."""
+        raise NotImplementedError(f"format {self.name!r} has no native source_row_arrays")
 
     @property
     def params(self) -> dict[str, Any]:
@@ -420,9 +439,19 @@ class ExpertLayerFormat(ABC):
     """
 
     name: ClassVar[str]
-    # declared capability: ``quantize_rows(rows)`` quantizes any block of one linear's rows (the
-    # engine then streams an expert's rows instead of loading its weights whole)
+    # declared capabilities: a format that has one sets its flag and overrides the method.
+    # ``quantize_rows(rows)`` quantizes any block of one linear's rows (the engine then streams
+    # an expert's rows instead of loading its weights whole); ``quantize_rows_array`` does it
+    # without torch (the native lane)
     streams_rows: ClassVar[bool] = False
+    native_rows: ClassVar[bool] = False
+
+    @abstractmethod
+    def from_stored(
+        self, metas: Mapping[str, TensorMeta]
+    ) -> tuple[ExpertLayerFormat, tuple[int, int, int]]:
+        """The variant and (E, H, I) whose ``stored`` would be ``metas`` (a layer's header), from
+        shapes alone; callers check ``stored(*dims) == metas`` (it may not be this layout)."""
 
     @abstractmethod
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
@@ -433,6 +462,18 @@ class ExpertLayerFormat(ABC):
         self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """One expert's weights (gate/up [I, H], down [H, I]) → its slice of every stacked tensor."""
+
+    def quantize_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [r, in] of one linear → (packed codes, scales) of those rows; only where
+        ``streams_rows``."""
+        raise NotImplementedError(f"expert-layer format {self.name!r} does not stream rows")
+
+    def quantize_rows_array(
+        self, a: np.ndarray, b: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``quantize_rows`` over numpy rows (``b``: a second block stacked after ``a``), without
+        torch; only where ``native_rows``."""
+        raise NotImplementedError(f"expert-layer format {self.name!r} has no native rows")
 
     def linear_format(self) -> WeightFormat:
         """The per-linear format whose ``dequantize(quantize(W))`` is what this layout stores for

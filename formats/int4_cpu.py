@@ -196,6 +196,7 @@ class Int4Cpu(WeightFormat):
     """Symmetric INT4 with one F32 scale per output row (see module docstring)."""
 
     name: ClassVar[str] = "int4_cpu"
+    native_quantize: ClassVar[bool] = True  # quantize_array
     keys: ClassVar[frozenset[str]] = frozenset({"weight_packed", "weight_scale"})
 
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Int4Cpu, tuple[int, int]]:
@@ -394,6 +395,7 @@ class Int4CpuExperts(ExpertLayerFormat):
 
     name: ClassVar[str] = "int4_cpu_experts"
     streams_rows: ClassVar[bool] = True  # quantize_rows
+    native_rows: ClassVar[bool] = True  # quantize_rows_array
     clip_search: bool = False
 
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:

@@ -90,7 +90,8 @@ class NativeJobs:
         if src.fmt == fmt or (src.fmt_name, fmt.name) in LINEAR_REPACKS:
             raise NotNative("kept as stored, or repacked")
         plan = fmt.streaming(src.shape)  # type: ignore[arg-type]
-        quantize = None if plan is None else getattr(plan.chunk_format, "quantize_array", None)
+        native = plan is not None and plan.chunk_format.native_quantize
+        quantize = plan.chunk_format.quantize_array if native else None
         if quantize is None or plan.finish is not None or plan.needs_amax:  # type: ignore[union-attr]
             raise NotNative(f"{fmt.name}: no native streaming")
         return plan, quantize
@@ -121,11 +122,10 @@ class NativeJobs:
     def _experts_format(self, job: Job) -> Any:
         """The expert format's ``quantize_rows_array``; NotNative where it has none."""
         fmt = job.target.fmt
-        quantize = getattr(fmt, "quantize_rows_array", None)
         source_fmt = self.source.tensors[job.source].fmt_name
-        if quantize is None or (source_fmt, job.target.name) in EXPERT_REPACKS:
+        if not fmt.native_rows or (source_fmt, job.target.name) in EXPERT_REPACKS:
             raise NotNative(f"{job.target.name}: no native rows")
-        return quantize
+        return fmt.quantize_rows_array
 
     def _experts(self, job: Job) -> None:
         quantize = self._experts_format(job)

@@ -1,5 +1,5 @@
 """Formats as objects: a Target's action and format object, Job.kind an enum, rule tables of
-format objects and explicit choices, the expert-layer formats' declared row-streaming capability."""
+format objects and explicit choices (the formats' declared capabilities: ``tests/formats/test_capabilities.py``)."""
 
 from __future__ import annotations
 
@@ -56,11 +56,6 @@ def test_an_inconsistent_target_is_refused() -> None:
 def test_keep_is_a_copy_or_an_exact_bf16() -> None:
     assert keep("plain") == keep("bf16") == COPY_TARGET
     assert keep("fp8_block").fmt == FORMATS["bf16"]
-
-
-def test_streams_rows_is_declared_where_quantize_rows_is() -> None:
-    for name, fmt in EXPERT_FORMATS.items():
-        assert fmt.streams_rows == callable(getattr(fmt, "quantize_rows", None)), name
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
