@@ -75,18 +75,11 @@ import numpy as np
 from ._lazy import torch
 from ._rows_native import int4_rows, int4_rows_array
 from .arrays import NotNative, native
-from .base import (
-    ExpertLayerFormat,
-    Streaming,
-    TensorMeta,
-    WeightFormat,
-    all_finite,
-    register,
-    register_expert_format,
-)
+from .base import Streaming, TensorMeta, WeightFormat, all_finite, register
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .dtypes import divide, st_dtype
 from .errors import HetquantError
+from .expert_layer import ExpertLayerFormat, register_expert_format
 
 __all__ = [
     "CLIP_RATIOS",

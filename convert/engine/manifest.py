@@ -19,8 +19,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from hetquant.formats.base import identify
 from hetquant.formats.filenames import MANIFEST_NAME, READABLE_SCHEMAS
+from hetquant.formats.identify import identify
 from hetquant.formats.safe_paths import open_binary
 
 from ..fs.os_errors import naming

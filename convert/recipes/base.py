@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from hetquant.formats import FORMATS, HetquantError
-from hetquant.formats.base import ExpertLayerFormat, WeightFormat
+from hetquant.formats import FORMATS, ExpertLayerFormat, HetquantError, WeightFormat
 from hetquant.formats.families import TensorRole
 
 __all__ = [

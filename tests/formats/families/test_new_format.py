@@ -25,8 +25,8 @@ from hetquant.convert import (
     verify_artifact,
 )
 from hetquant.formats import FORMATS, TensorMeta, WeightFormat
-from hetquant.formats.base import identify
 from hetquant.formats.families import TensorRole, register_family, unregister_family
+from hetquant.formats.identify import identify
 from hetquant.runtime import ParallelLayout, open_artifact
 
 
