@@ -11,17 +11,31 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import HetquantError
 from ..fused_experts import FusedExperts
 from .mappings import AwqMappings
 from .roles import GLOBAL, GLOBAL_LAST, MTP, GatedMlp, Located, Role, TensorRole
 
-if TYPE_CHECKING:
-    from .base import ModelConfig
+__all__ = ["ModelFamily", "TableConfig", "bound"]
 
-__all__ = ["ModelFamily", "bound"]
+
+class TableConfig(Protocol):
+    """What expanding a role table reads of a config (``base.ModelConfig`` provides it; the
+    family is defined before, and without, the config type's registry)."""
+
+    num_experts: int
+
+    @property
+    def total_layers(self) -> int: ...
+
+    @property
+    def mtp_layer_ids(self) -> range: ...
+
+    def is_moe_layer(self, layer: int) -> bool: ...
+
+    def layer_scopes(self, layer: int) -> frozenset[str]: ...
 
 
 @dataclass(frozen=True)
@@ -29,7 +43,7 @@ class ModelFamily:
     """A registered family: its config type, role table and AWQ mappings (module docstring)."""
 
     name: str
-    config_type: type[ModelConfig]
+    config_type: type[Any]  # a ``base.ModelConfig`` subclass
     roles: tuple[Role, ...]
     awq: AwqMappings
     model_types: tuple[str, ...] = ()
@@ -63,7 +77,8 @@ class ModelFamily:
         """Why a stored tensor ``name`` no role takes is refused by name (None: not known)."""
         return next((why for pat, why in self.refused if re.search(pat, name)), None)
 
-    def parse_config(self, raw: dict[str, Any], origin: str = "config.json") -> ModelConfig:
+    def parse_config(self, raw: dict[str, Any], origin: str = "config.json") -> Any:
+        """``raw`` parsed by ``config_type`` (a ``base.ModelConfig``)."""
         return self.config_type.parse(raw, origin)
 
     @cached_property
@@ -109,12 +124,12 @@ class ModelFamily:
         (the routed experts' module up to the expert index); None without routed experts."""
         return None if self._stacked is None else self.prefix(layer) + self._stacked
 
-    def layer_roles(self, cfg: ModelConfig, layer: int) -> tuple[Role, ...]:
+    def layer_roles(self, cfg: TableConfig, layer: int) -> tuple[Role, ...]:
         """The roles decoder layer ``layer`` holds, in table order."""
         scopes = cfg.layer_scopes(layer) | ({MTP} if layer in cfg.mtp_layer_ids else set())
         return tuple(r for r in self.roles if r.scope in scopes)
 
-    def expected_tensors(self, cfg: ModelConfig) -> dict[str, TensorRole]:
+    def expected_tensors(self, cfg: TableConfig) -> dict[str, TensorRole]:
         """Every tensor name a checkpoint of ``cfg`` must hold (scales excluded), in model order:
         ``global`` roles, the decoder layers (MTP last), ``global_last`` roles."""
         out = {r.pattern: TensorRole(r, None, None, r.shape(cfg)) for r in self.roles
