@@ -73,7 +73,7 @@ def loaded(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> tuple[torch.
 
 def measure(src: SourceCheckpoint) -> dict[str, object]:
     plan = plan_for(src, get_recipe("ascend-w8a8"), 1 << 40)
-    names = [j.source for j in plan.jobs if j.target.fmt == "w8a8_dynamic"]
+    names = [j.source for j in plan.jobs if j.target.name == "w8a8_dynamic"]
     stats = {m: {"rel": [], "over": 0, "code_diff": 0} for m in METHODS}
     elements = 0
     for name in names:

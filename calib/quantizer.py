@@ -29,13 +29,20 @@ from typing import Any
 
 import torch
 
-from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError, WeightFormat, get_format
+from hetquant.formats import (
+    EXPERT_FORMATS,
+    FORMATS,
+    ExpertLayerFormat,
+    HetquantError,
+    WeightFormat,
+    get_format,
+)
 from hetquant.formats import w4a8_npu as w4a8
 from hetquant.formats.dtypes import divide, torch_dtype
 
 from . import awq
 
-__all__ = ["FAST_PATHS", "Quantizer", "quantizer_for"]
+__all__ = ["FAST_PATHS", "Quantizer", "quantizer_for", "quantizer_of"]
 
 FAST_PATHS: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {
     "awq_w4a16": lambda fmt, w: awq.fake_quantize(w, fmt.group_size),
@@ -85,15 +92,22 @@ class Quantizer:
 
 
 def quantizer_for(fmt: str, params: Mapping[str, Any] | None = None) -> Quantizer:
-    """The quantizer of format ``fmt`` (a linear or an expert-layer format) with ``params``."""
+    """The quantizer of the format named ``fmt`` (a linear or an expert-layer format) with
+    ``params`` (a saved ``Quantizer.spec``)."""
     params = dict(params or {})
     if fmt in EXPERT_FORMATS:
-        layout = dataclasses.replace(EXPERT_FORMATS[fmt], **params)
-        try:
-            return Quantizer(layout.linear_format())
-        except NotImplementedError as e:
-            raise HetquantError(f"calibration: {e}; it cannot be calibrated") from None
+        return quantizer_of(dataclasses.replace(EXPERT_FORMATS[fmt], **params))
     if fmt not in FORMATS:
         known = sorted(FORMATS) + sorted(EXPERT_FORMATS)
         raise HetquantError(f"calibration: unknown target format {fmt!r}; known: {known}")
     return Quantizer(get_format(fmt, **params))
+
+
+def quantizer_of(fmt: WeightFormat | ExpertLayerFormat) -> Quantizer:
+    """The quantizer of format object ``fmt``: itself, or an expert layout's per-linear format."""
+    if not isinstance(fmt, ExpertLayerFormat):
+        return Quantizer(fmt)
+    try:
+        return Quantizer(fmt.linear_format())
+    except NotImplementedError as e:
+        raise HetquantError(f"calibration: {e}; it cannot be calibrated") from None

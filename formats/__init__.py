@@ -15,17 +15,9 @@ from . import (  # noqa: F401  (registration)
     w4a8_npu,
     w8a8_npu,
 )
-from .base import (
-    EXPERT_FORMATS,
-    FORMATS,
-    ExpertLayerFormat,
-    TensorMeta,
-    WeightFormat,
-    get_expert_format,
-    get_format,
-    register,
-)
+from .base import FORMATS, TensorMeta, WeightFormat, get_format, register
 from .errors import HetquantError
+from .expert_layer import EXPERT_FORMATS, ExpertLayerFormat, get_expert_format
 
 __all__ = [
     "EXPERT_FORMATS",

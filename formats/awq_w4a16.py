@@ -78,6 +78,7 @@ class AwqW4A16(WeightFormat):
     """AutoAWQ GEMM W4A16 with asymmetric per-group quantization (see module docstring)."""
 
     name: ClassVar[str] = "awq_w4a16"
+    native_quantize: ClassVar[bool] = True  # quantize_array
     keys: ClassVar[frozenset[str]] = frozenset({"qweight", "qzeros", "scales"})
     group_size: int = 128
 

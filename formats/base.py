@@ -9,9 +9,9 @@ variant. Callers look formats up by name; nobody branches on a format's name.
 
 Identity: each format declares the stored keys it always writes (``keys``) and those some of its
 variants add (``optional_keys``), and ``from_stored(metas)`` — the exact inverse of ``stored`` —
-gives back the variant and the weight shape from stored dtypes and shapes alone. ``identify``
-asks every registered format and returns the one match that covers the most keys; the source
-reader, the loader and the runtime ops all recognise a module's format through it.
+gives back the variant and the weight shape from stored dtypes and shapes alone.
+``identify.identify`` asks every registered format and returns the one match that covers the most
+keys; the source reader, the loader and the runtime ops all recognise a module's format through it.
 """
 
 from __future__ import annotations
@@ -19,30 +19,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ._lazy import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 from ._quant_native import absmax
 from .dtypes import itemsize
 from .errors import HetquantError
 
 __all__ = [
-    "EXPERT_FORMATS",
     "FORMATS",
-    "ExpertLayerFormat",
-    "Identified",
     "Streaming",
     "TensorMeta",
     "WeightFormat",
-    "get_expert_format",
     "get_format",
-    "identify",
-    "missing_partners",
     "register",
-    "register_expert_format",
-    "show_meta",
     "stored_metas",
 ]
 
@@ -94,6 +89,10 @@ class WeightFormat(ABC):
     name: ClassVar[str]
     keys: ClassVar[frozenset[str]]  # stored keys every variant writes
     optional_keys: ClassVar[frozenset[str]] = frozenset()  # keys only some variants write
+    # declared capabilities (the native lane, ``formats/native.py``): a format that has one sets
+    # its flag and overrides the method
+    native_quantize: ClassVar[bool] = False  # ``quantize_array``
+    native_source: ClassVar[bool] = False  # ``source_row_arrays``
 
     @abstractmethod
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[WeightFormat, tuple[int, int]]:
@@ -121,6 +120,18 @@ class WeightFormat(ABC):
     @abstractmethod
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Stored tensors → float32 weight [out, in]; the reference kernels are checked against."""
+
+    def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """``quantize`` of BF16 rows [r, in] (numpy, uint16 bit patterns) without torch, in the
+        compiled kernels; only where ``native_quantize``. Raises ``native.NotNative`` for an
+        input the kernel does not take."""
+        raise NotImplementedError(f"format {self.name!r} has no native quantize_array")
+
+    def source_row_arrays(
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """``source_rows`` over numpy arrays, without torch; only where ``native_source``."""
+        raise NotImplementedError(f"format {self.name!r} has no native source_row_arrays")
 
     @property
     def params(self) -> dict[str, Any]:
@@ -240,101 +251,6 @@ class WeightFormat(ABC):
                 raise HetquantError(f"{self.name}: {key} is {got}, expected {meta}")
 
 
-@dataclass(frozen=True)
-class Identified:
-    """What :func:`identify` recognised: the format variant, weight shape and the keys it owns."""
-
-    fmt: WeightFormat
-    shape: tuple[int, int]
-    keys: frozenset[str]
-
-
-_NOT_THIS_FORMAT = (HetquantError, KeyError, IndexError, ArithmeticError, TypeError, ValueError)
-
-
-def _match(fmt: WeightFormat, metas: Mapping[str, TensorMeta], name: str) -> Identified | str:
-    """``fmt``'s reading of ``metas`` (the tensors of module ``name``), or why it does not fit."""
-    keys = fmt.keys | (fmt.optional_keys & metas.keys())
-    mine = {k: metas[k] for k in keys}
-    try:
-        variant, shape = fmt.from_stored(mine)
-        want = variant.stored(shape)
-    except _NOT_THIS_FORMAT as e:
-        return f"{fmt.name}: {e}"
-    if want != mine:
-        diff = [
-            f"{name}.{k} is {show_meta(mine.get(k))}, expected {show_meta(m)}"
-            for k, m in want.items()
-            if mine.get(k) != m
-        ]
-        return f"{fmt.name}: {', '.join(diff) or sorted(set(mine) - set(want))}"
-    return Identified(variant, tuple(int(d) for d in shape), frozenset(keys))  # type: ignore[arg-type]
-
-
-def show_meta(meta: TensorMeta | None) -> str:
-    """``BF16[2, 2]`` (``missing`` for None): how messages show a stored tensor."""
-    return "missing" if meta is None else f"{meta.dtype}{list(meta.shape)}"
-
-
-def identify(
-    metas: Mapping[str, TensorMeta],
-    *,
-    name: str = "module",
-    prefer: Iterable[WeightFormat] = (),
-) -> Identified | None:
-    """The registered format whose stored tensors are among ``metas`` (one module's tensors,
-    local names): of the formats that fit exactly, the one owning the most keys; keys it does
-    not own are plain tensors of their own (a router's ``e_score_correction_bias``).
-
-    None when no format fits. Raises HetquantError when the keys carry a quantized format's
-    signature (more than one key; a lone ``weight`` also names norms and biases) but their dtypes
-    or shapes fit none, or when two formats fit equally well; ``name`` prefixes the message.
-    ``prefer``: variants whose parameters a format tries first where shapes leave them open
-    (the source config's FP8 block edge).
-    """
-    fits: list[Identified] = []
-    misfits: list[str] = []
-    preferred = {f.name: f for f in prefer}
-    for fmt in (preferred.get(key, f) for key, f in FORMATS.items()):
-        if not fmt.keys <= metas.keys():
-            continue
-        got = _match(fmt, metas, name)
-        if isinstance(got, Identified):
-            fits.append(got)
-        elif len(fmt.keys) > 1:
-            misfits.append(got)
-    if not fits:
-        if misfits:
-            raise HetquantError(
-                f"{name}: stored tensors {sorted(metas)} fit no format ({'; '.join(misfits)})"
-            )
-        return None
-    most = max(len(f.keys) for f in fits)
-    best = [f for f in fits if len(f.keys) == most]
-    if len(best) > 1:
-        raise HetquantError(
-            f"{name}: stored tensors {sorted(metas)} fit several formats "
-            f"({', '.join(f.fmt.name for f in best)}); record the format in the manifest"
-        )
-    return best[0]
-
-
-def missing_partners(metas: Mapping[str, TensorMeta], shape: tuple[int, int]) -> list[str]:
-    """``"fmt (needs k, …)"`` for each format that would store ``metas`` as they are for a
-    weight of ``shape``, and other tensors besides: what an incomplete module lacks."""
-    out = []
-    for fmt in FORMATS.values():
-        if not metas.keys() <= fmt.keys | fmt.optional_keys:
-            continue
-        try:
-            want = fmt.stored(shape)
-        except _NOT_THIS_FORMAT:
-            continue
-        if want.keys() != metas.keys() and all(want.get(k) == m for k, m in metas.items()):
-            out.append(f"{fmt.name} (needs {', '.join(sorted(want.keys() - metas.keys()))})")
-    return out
-
-
 def stored_metas(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
     """dtype (safetensors string) and shape of each tensor of ``tensors``."""
     from .dtypes import st_dtype
@@ -414,65 +330,3 @@ def get_format(name: str, **params: Any) -> WeightFormat:
             f"unknown format {name!r}; known formats: {', '.join(sorted(FORMATS))}"
         ) from None
     return dataclasses.replace(fmt, **params) if params else fmt
-
-
-@dataclass(frozen=True)
-class ExpertLayerFormat(ABC):
-    """A format that stores all routed experts of one MoE layer as stacked tensors.
-
-    Stacked tensors are expert-major ([E, ...]), so expert ``e``'s part of each is the contiguous
-    byte range ``[e · nbytes / E, (e + 1) · nbytes / E)`` — a converter writes experts one at a time.
-    """
-
-    name: ClassVar[str]
-    # declared capability: ``quantize_rows(rows)`` quantizes any block of one linear's rows (the
-    # engine then streams an expert's rows instead of loading its weights whole)
-    streams_rows: ClassVar[bool] = False
-    # declared capability: the family of CPU expert-pool kernels that computes this layout
-    # (``runtime/kernels/registry.py`` maps it to a GEMV and, where one exists, a fused MoE call;
-    # None: the pool cannot serve it)
-    cpu_kernel: ClassVar[str | None] = None
-    # declared capability: how ``subpool_slice`` splits ``down`` along the intermediate size
-    # (split="inter"): "inputs" — a subpool owns down's input columns of its slice and the
-    # subpools' partial sums are added; "rows" — a subpool owns a slice of down's output rows
-    # (all inputs), and the pool runs two phases: every subpool's activations first, then each
-    # subpool's rows of down on all of them (runtime/experts/expert_pool.py)
-    subpool_down: ClassVar[str] = "inputs"
-
-    @abstractmethod
-    def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
-        """Local name → dtype/shape of the layer's stacked tensors."""
-
-    @abstractmethod
-    def quantize_expert(
-        self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """One expert's weights (gate/up [I, H], down [H, I]) → its slice of every stacked tensor."""
-
-    def linear_format(self) -> WeightFormat:
-        """The per-linear format whose ``dequantize(quantize(W))`` is what this layout stores for
-        each of an expert's gate, up and down (what calibration fake-quantizes them with).
-
-        Raises NotImplementedError where the layout quantizes its linears jointly.
-        """
-        raise NotImplementedError(f"expert-layer format {self.name!r} has no per-linear format")
-
-
-EXPERT_FORMATS: dict[str, ExpertLayerFormat] = {}
-
-
-def register_expert_format(fmt: ExpertLayerFormat) -> ExpertLayerFormat:
-    """Add an expert-layer format to ``EXPERT_FORMATS`` under ``fmt.name``."""
-    if fmt.name in EXPERT_FORMATS or fmt.name in FORMATS:
-        raise RuntimeError(f"format {fmt.name!r} registered twice")
-    EXPERT_FORMATS[fmt.name] = fmt
-    return fmt
-
-
-def get_expert_format(name: str) -> ExpertLayerFormat:
-    try:
-        return EXPERT_FORMATS[name]
-    except KeyError:
-        raise HetquantError(
-            f"unknown expert-layer format {name!r}; known: {', '.join(sorted(EXPERT_FORMATS))}"
-        ) from None

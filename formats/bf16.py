@@ -23,6 +23,8 @@ class Bf16(WeightFormat):
     """A plain BF16 weight."""
 
     name: ClassVar[str] = "bf16"
+    native_quantize: ClassVar[bool] = True  # quantize_array
+    native_source: ClassVar[bool] = True  # source_row_arrays
     keys: ClassVar[frozenset[str]] = frozenset({"weight"})
 
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Bf16, tuple[int, int]]:

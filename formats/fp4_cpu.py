@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ._lazy import torch
-from .base import ExpertLayerFormat, TensorMeta, register_expert_format
+from .base import TensorMeta
 from .errors import HetquantError
+from .expert_layer import ExpertLayerFormat, register_expert_format
 from .fp4_e2m1 import E2M1_X2, GROUP, Fp4E2m1, check_ue8m0, ue8m0_to_f32, unpack_e2m1
 from .int4_cpu import interleave_rows
 

@@ -187,6 +187,7 @@ class Fp8Block(WeightFormat):
     """E4M3 weight + F32 per-block multiplier (see module docstring)."""
 
     name: ClassVar[str] = "fp8_block"
+    native_source: ClassVar[bool] = True  # source_row_arrays
     keys: ClassVar[frozenset[str]] = frozenset({"weight", "weight_scale_inv"})
     block: int = 128
     scale_fmt: str = "float"  # or "ue8m0": powers of two (see the module docstring)

@@ -75,18 +75,11 @@ import numpy as np
 from ._lazy import torch
 from ._rows_native import int4_rows, int4_rows_array
 from .arrays import NotNative, native
-from .base import (
-    ExpertLayerFormat,
-    Streaming,
-    TensorMeta,
-    WeightFormat,
-    all_finite,
-    register,
-    register_expert_format,
-)
+from .base import Streaming, TensorMeta, WeightFormat, all_finite, register
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .dtypes import divide, st_dtype
 from .errors import HetquantError
+from .expert_layer import ExpertLayerFormat, register_expert_format
 
 __all__ = [
     "CLIP_RATIOS",
@@ -196,6 +189,7 @@ class Int4Cpu(WeightFormat):
     """Symmetric INT4 with one F32 scale per output row (see module docstring)."""
 
     name: ClassVar[str] = "int4_cpu"
+    native_quantize: ClassVar[bool] = True  # quantize_array
     keys: ClassVar[frozenset[str]] = frozenset({"weight_packed", "weight_scale"})
 
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Int4Cpu, tuple[int, int]]:
@@ -395,6 +389,7 @@ class Int4CpuExperts(ExpertLayerFormat):
     name: ClassVar[str] = "int4_cpu_experts"
     streams_rows: ClassVar[bool] = True  # quantize_rows
     cpu_kernel: ClassVar[str | None] = "int4"  # runtime/kernels/int4_gemv.py, int4_moe.py
+    native_rows: ClassVar[bool] = True  # quantize_rows_array
     clip_search: bool = False
 
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:

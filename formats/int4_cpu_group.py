@@ -60,18 +60,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ._lazy import torch
-from .base import (
-    ExpertLayerFormat,
-    Streaming,
-    TensorMeta,
-    WeightFormat,
-    all_finite,
-    register,
-    register_expert_format,
-)
+from .base import Streaming, TensorMeta, WeightFormat, all_finite, register
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .dtypes import divide, round_up_to, st_dtype
 from .errors import HetquantError
+from .expert_layer import ExpertLayerFormat, register_expert_format
 from .int4_cpu import LAYER_KEYS, QMAX, ZERO_POINT, check_metas, interleave_rows
 
 __all__ = [

@@ -201,6 +201,7 @@ class W8A8Dynamic(WeightFormat):
     """W8A8_DYNAMIC: int8 per-channel weight; activations quantized per token at run time."""
 
     name: ClassVar[str] = "w8a8_dynamic"
+    native_quantize: ClassVar[bool] = True  # quantize_array
     keys: ClassVar[frozenset[str]] = frozenset({"weight", "weight_scale", "weight_offset"})
 
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[W8A8Dynamic, tuple[int, int]]:

@@ -29,7 +29,7 @@ CALIB_OPTIONS = {"group_size": "group_size", "calib_gptq": "gptq"}  # recipe opt
 
 def calibration_targets(plan: Plan) -> tuple[dict[str, Any], set[str]]:
     """(linear weight name → ``calib.quantizer.Quantizer`` of its target, names searched)."""
-    from hetquant.calib.quantizer import quantizer_for
+    from hetquant.calib.quantizer import quantizer_of
 
     targets: dict[str, Any] = {}
     searched: set[str] = set()
@@ -44,10 +44,10 @@ def calibration_targets(plan: Plan) -> tuple[dict[str, Any], set[str]]:
             if _kept_codes(item, job.target):
                 raise HetquantError(
                     f"{name}: repacked losslessly from the source's {item.fmt} codes into "
-                    f"{job.target.fmt}; calibration would rescale it and re-quantize: drop "
+                    f"{job.target.name}; calibration would rescale it and re-quantize: drop "
                     "--calib-data (the source's experts are kept as trained)"
                 )
-            targets[name] = quantizer_for(job.target.fmt, dict(job.target.params))
+            targets[name] = quantizer_of(job.target.fmt)
             if what == "search":
                 searched.add(name)
     return targets, searched
@@ -56,13 +56,13 @@ def calibration_targets(plan: Plan) -> tuple[dict[str, Any], set[str]]:
 def _kept_codes(item: SourceItem, target: Target) -> bool:
     """Whether the plan carries ``item``'s stored codes into ``target`` as they are (an expert
     repack, or a linear repack whose target holds the source's variant: ``jobs._linear``)."""
-    if (item.fmt, target.fmt) in EXPERT_REPACKS:
+    if (item.fmt, target.name) in EXPERT_REPACKS:
         return True
-    repack = LINEAR_REPACKS.get((item.fmt, target.fmt))
+    repack = LINEAR_REPACKS.get((item.fmt, target.name))
     if repack is None:
         return False
     src = get_format(item.fmt, **dict(item.params))
-    return repack.holds(src, target.format()) is None
+    return repack.holds(src, target.fmt) is None
 
 
 def calibrate_for(

@@ -102,8 +102,7 @@ def _run_pool(
         if calibration is not None:
             calibration.save(work / CALIBRATION_DIR)  # spawned workers load it
         init = W.init_spawned
-        args = (str(source.root), source.revision, plan.recipe, plan.max_shard_size, str(work))
-        args += (os.getpid(), guard.ids)
+        args = (str(source.root), source.revision, plan, str(work), os.getpid(), guard.ids)
     t0 = time.time()
     with naming(f"(starting {workers} worker processes)"):  # EMFILE from its pipes: no path
         pool = ProcessPoolExecutor(workers, mp_context=get_context(method), initializer=init, initargs=args)  # fmt: skip

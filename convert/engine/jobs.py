@@ -92,7 +92,7 @@ class JobRunner:
             yield row0, rows
 
     def _linear(self, job: Job) -> None:
-        fmt = job.target.format()
+        fmt = job.target.fmt
         src = self.source.tensors[job.source]
         if src.fmt == fmt and not self._calibrated(job.source):
             self._as_stored(job)
@@ -165,9 +165,9 @@ class JobRunner:
         return max(self._amax[name] for name in job.amax_group or job.sources)
 
     def _experts(self, job: Job) -> None:
-        fmt = job.target.format()
+        fmt = job.target.fmt
         source_fmt = self.source.tensors[job.source].fmt_name
-        repack = EXPERT_REPACKS.get((source_fmt, job.target.fmt))
+        repack = EXPERT_REPACKS.get((source_fmt, job.target.name))
         if repack is not None:
             self._repack(job, repack)
             return
@@ -191,7 +191,7 @@ class JobRunner:
                 raise HetquantError(
                     f"{job.source}: repacked {piece.key} is {st_dtype(got.dtype)}"
                     f"{list(got.shape)}, the plan expects {piece.meta.dtype}"
-                    f"{list(piece.meta.shape)} ({job.target.fmt} {dict(job.target.params)}); the "
+                    f"{list(piece.meta.shape)} ({job.target.name} {dict(job.target.params)}); the "
                     "source's group size differs from the plan's"
                 )
             self._write(piece, got)
@@ -243,7 +243,7 @@ def job_peak_bytes(job: Job, source: SourceCheckpoint) -> int:
 
 
 def _streams(job: Job, shape: tuple[int, int]) -> bool:
-    fmt = job.target.format()
+    fmt = job.target.fmt
     if job.kind is JobKind.EXPERTS:  # stream their rows, calibrated or not
         return fmt.streams_rows
     return fmt.streaming(shape) is not None

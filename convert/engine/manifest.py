@@ -19,9 +19,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from hetquant.formats.base import identify
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST, DigestAlgorithm
 from hetquant.formats.filenames import MANIFEST_NAME, READABLE_SCHEMAS
+from hetquant.formats.identify import identify
 from hetquant.formats.safe_paths import open_binary
 
 from ..fs.os_errors import naming
@@ -167,7 +167,11 @@ def precision_table(plan: Plan) -> dict[str, Any]:
         job = job_of.get(item.name)
         g = group(item.name)
         g["formats"].add(
-            "dropped" if job is None else item.dtype if job.kind is JobKind.COPY else job.target.fmt
+            "dropped"
+            if job is None
+            else item.dtype
+            if job.kind is JobKind.COPY
+            else job.target.name
         )
         g["params"] += _numel(item.role.shape)
     for job in plan.jobs:
@@ -208,7 +212,7 @@ def module_formats(plan: Plan) -> dict[str, dict[str, Any]]:
                 continue
             fmt, shape = got.fmt, got.shape
         else:
-            fmt = job.target.format()
+            fmt = job.target.fmt
             shape = plan.item(job.source).role.shape
         out[prefix] = {"format": fmt.name, "params": fmt.params, "shape": list(shape)}
     return out

@@ -85,13 +85,14 @@ class NativeJobs:
 
     def _linear_plan(self, job: Job) -> tuple[Any, Any]:
         """(streaming plan, its ``quantize_array``) of a linear job; NotNative where none."""
-        fmt = job.target.format()
+        fmt = job.target.fmt
         src = self.source.tensors[job.source]
         if src.fmt == fmt or (src.fmt_name, fmt.name) in LINEAR_REPACKS:
             raise NotNative("kept as stored, or repacked")
         plan = fmt.streaming(src.shape)  # type: ignore[arg-type]
-        quantize = None if plan is None else getattr(plan.chunk_format, "quantize_array", None)
-        if quantize is None or plan.finish or plan.place or plan.needs_amax:  # type: ignore[union-attr]
+        native = plan is not None and plan.chunk_format.native_quantize
+        quantize = plan.chunk_format.quantize_array if native else None
+        if quantize is None or plan.finish is not None or plan.place is not None or plan.needs_amax:  # type: ignore[union-attr]
             raise NotNative(f"{fmt.name}: no native streaming")
         return plan, quantize
 
@@ -120,12 +121,11 @@ class NativeJobs:
 
     def _experts_format(self, job: Job) -> Any:
         """The expert format's ``quantize_rows_array``; NotNative where it has none."""
-        fmt = job.target.format()
-        quantize = getattr(fmt, "quantize_rows_array", None)
+        fmt = job.target.fmt
         source_fmt = self.source.tensors[job.source].fmt_name
-        if quantize is None or (source_fmt, job.target.fmt) in EXPERT_REPACKS:
-            raise NotNative(f"{job.target.fmt}: no native rows")
-        return quantize
+        if not fmt.native_rows or (source_fmt, job.target.name) in EXPERT_REPACKS:
+            raise NotNative(f"{job.target.name}: no native rows")
+        return fmt.quantize_rows_array
 
     def _experts(self, job: Job) -> None:
         quantize = self._experts_format(job)

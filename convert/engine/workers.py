@@ -7,9 +7,9 @@ Two ways to start (``start_method``):
   process has initialised CUDA (a calibration on the GPU before the jobs): a forked child must not
   touch a CUDA context, and nothing must tempt it to.
 - ``spawn`` (elsewhere, or ``HETQUANT_WORKER_START=spawn``): a fresh interpreter opens the source
-  and rebuilds the plan (it holds role-table lambdas, which cannot be pickled), loading the
-  calibration the parent saved in the work directory; torch only where a job needs it
-  (``native_jobs.py``), else well under a second per worker.
+  and receives the parent's plan pickled (it is data: role shapes are expressions, targets carry
+  format objects), loading the calibration the parent saved in the work directory; torch only
+  where a job needs it (``native_jobs.py``), else well under a second per worker.
 
 Either way a worker ignores SIGINT (a Ctrl-C reaches the whole process group; the parent
 decides), takes SIGTERM's default action, dies with its parent (``PR_SET_PDEATHSIG`` on Linux
@@ -34,7 +34,7 @@ from typing import Any
 from hetquant.formats._lazy import torch
 
 from ..fs.source_guard import Identity, SourceGuard, job_files
-from ..planning.plan import Job, plan_for
+from ..planning.plan import Job, Plan
 from ..planning.source import SourceCheckpoint
 from .jobs import JobRunner
 
@@ -131,10 +131,10 @@ def init_forked(parent: int, ids: dict[str, Identity]) -> None:
 
 
 def init_spawned(
-    source_root: str, revision: str | None, recipe: Any, max_shard_size: int, work: str,
-    parent: int, ids: dict[str, Identity],
+    source_root: str, revision: str | None, plan: Plan, work: str, parent: int,
+    ids: dict[str, Identity],
 ) -> None:  # fmt: skip
-    """Pool initializer of a spawned worker: open the source, rebuild the plan."""
+    """Pool initializer of a spawned worker: open the source; the plan comes pickled."""
     global _WORKER, _INIT_ERROR
     _setup(parent, Path(source_root), ids)
     try:
@@ -144,7 +144,6 @@ def init_spawned(
             from hetquant.calib.calibrate import CalibrationResult
 
             calibration = CalibrationResult.load(Path(work) / CALIBRATION_DIR)
-        plan = plan_for(source, recipe, max_shard_size)
         _WORKER = JobRunner(source, plan, Path(work), calibration, shared=True)
     except Exception as e:  # raised with the first job (the pool would print a traceback)
         _INIT_ERROR = e

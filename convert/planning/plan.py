@@ -22,7 +22,6 @@ reference/fp4.md §8).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable
@@ -30,11 +29,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from hetquant.formats import EXPERT_FORMATS, HetquantError, TensorMeta
+from hetquant.formats import HetquantError, TensorMeta
 from hetquant.formats.families import TensorRole
 from hetquant.formats.families.vlm import check_vision_kept
 
-from ..recipes import COPY, DROP, ROOT, Recipe, Target
+from ..recipes import ROOT, Action, Recipe, Target
 from .containers import SAFETENSORS, Container, OutTensor, SafetensorsFile, make_container
 
 __all__ = [
@@ -133,7 +132,7 @@ class Plan:
                 [
                     j.kind,
                     j.sources,
-                    j.target.fmt,
+                    j.target.name,
                     j.target.params,
                     *([j.amax_group] * bool(j.amax_group)),
                 ]
@@ -177,12 +176,12 @@ def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) 
     stacked: dict[str, Container] = {}
     experts: dict[tuple[str, int, int], dict[str, SourceItem]] = {}
     assigned = [(i, _as_stored(i, _target(recipe, i))) for i in items]
-    check_vision_kept(((i.name, i.role, t.fmt) for i, t in assigned), recipe.name)
+    check_vision_kept(((i.name, i.role, t.name) for i, t in assigned), recipe.name)
     groups = _amax_groups(assigned)
     for item, target in assigned:
-        if target.fmt == DROP:
+        if target.action is Action.DROP:
             continue
-        if target.fmt in EXPERT_FORMATS:
+        if target.stacks_experts:
             key = (target.file or "", item.role.layer or 0, item.role.expert or 0)
             experts.setdefault(key, {})[item.role.role.mlp or item.role.role.name] = item
             continue
@@ -211,11 +210,11 @@ def _as_stored(item: SourceItem, target: Target) -> Target:
     takes that variant whole (Kimi K2 Thinking's experts: compressed-tensors group 32 with an
     I32 ``weight_shape``): the converter then keeps the stored tensors as they are, no rounding
     (``JobRunner``)."""
-    if target.fmt != item.fmt or not item.params:
+    if target.name != item.fmt or not item.params:
         return target
     source = dict(item.params)
     same = {**source, **dict(target.params)} == source
-    return dataclasses.replace(target, params=item.params) if same else target
+    return target.with_params(item.params) if same else target
 
 
 def _amax_groups(assigned: list[tuple[SourceItem, Target]]) -> dict[str, tuple[str, ...]]:
@@ -225,10 +224,9 @@ def _amax_groups(assigned: list[tuple[SourceItem, Target]]) -> dict[str, tuple[s
     groups: dict[tuple[Any, ...], list[str]] = {}
     for item, target in assigned:
         label = item.role.role.fused
-        if label is None or target.fmt in (COPY, DROP) or target.fmt in EXPERT_FORMATS:
+        if label is None or target.action is not Action.CONVERT or target.stacks_experts:
             continue
-        fmt = target.format()
-        streaming = fmt.streaming(item.role.shape)  # type: ignore[arg-type]
+        streaming = target.fmt.streaming(item.role.shape)  # type: ignore[union-attr,arg-type]
         if streaming is not None and streaming.needs_amax:
             key = (item.role.layer, item.role.expert, label, target)
             groups.setdefault(key, []).append(item.name)
@@ -236,12 +234,12 @@ def _amax_groups(assigned: list[tuple[SourceItem, Target]]) -> dict[str, tuple[s
 
 
 def _job(idx: int, item: SourceItem, target: Target, amax_group: tuple[str, ...] = ()) -> Job:
-    if target.fmt == COPY:
+    if target.action is Action.COPY:
         meta = TensorMeta(item.dtype, item.role.shape)
         return Job(
             idx, JobKind.COPY, (item.name,), target, (OutPiece(item.name, item.name, 0, meta),)
         )
-    fmt = target.format()
+    fmt = target.fmt
     prefix = item.name.removesuffix(WEIGHT_SUFFIX)
     try:
         stored = fmt.stored(item.role.shape)  # type: ignore[arg-type]
@@ -266,9 +264,8 @@ def _expert_job(
         raise HetquantError(
             f"recipe {recipe.name}: stacked experts must go to a part of their own, not the root"
         )
-    fmt = dataclasses.replace(EXPERT_FORMATS[target.fmt], **dict(target.params))
     inter, hidden = gate.role.shape
-    layer_metas = fmt.stored(n_experts, hidden, inter)
+    layer_metas = target.fmt.stored(n_experts, hidden, inter)  # type: ignore[union-attr,call-arg]
     prefix = down.role.stack
     if prefix is None:
         raise HetquantError(f"{down.name}: not a routed expert; only routed experts are stacked")

@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hetquant.formats import HetquantError, TensorMeta, WeightFormat, get_format
-from hetquant.formats.base import identify, missing_partners, show_meta
 from hetquant.formats.ct_pack_quantized import CtPackQuantized
 from hetquant.formats.ct_scheme import CT_METHOD, CtQuantConfig
 from hetquant.formats.families import ModelConfig, TensorRole, expected_tensors
 from hetquant.formats.fused_experts import unfuse
+from hetquant.formats.identify import identify, missing_partners, show_meta
 from hetquant.formats.safetensors_io import HeaderEntry
 
 __all__ = ["PLAIN", "PREFERRED", "attach_roles"]

@@ -148,10 +148,9 @@ class SourceCheckpoint:
         t = self.tensors[name]
         if t.fmt is None:
             return float_row_arrays(name, self.weight_array(name)[1])
-        rows = getattr(t.fmt, "source_row_arrays", None)
-        if rows is None:
+        if not t.fmt.native_source:
             raise NotNative(f"{name}: source format {t.fmt.name} has no native rows")
-        return rows(t.prefix, self.arrays(name), t.shape)
+        return t.fmt.source_row_arrays(t.prefix, self.arrays(name), t.shape)  # type: ignore[arg-type]
 
     def stored(self, name: str) -> dict[str, torch.Tensor]:
         """The stored tensors of role ``name`` by key, zero-copy."""

@@ -41,14 +41,17 @@ K2 Thinking source's INT4 experts, kept as they are by ``ascend-w4a16``, refuse 
 
 from __future__ import annotations
 
+from hetquant.formats import FORMATS
+
 from . import serving
 from .base import register_recipe
 from .quantized import _KEEP_DENSE_DOWN, _KEEPS, _MTP, KEEP, QUANTIZED_VISION, RuleRecipe
 
 __all__: list[str] = []
 
-_W8A8 = {"attention": "w8a8_dynamic", "absorbed": KEEP, "dense": "w8a8_dynamic",
-         "shared": "w8a8_dynamic", QUANTIZED_VISION: "w8a8_dynamic", **_KEEPS}  # fmt: skip
+_W8A8 = FORMATS["w8a8_dynamic"]
+_W8A8_RULES = {"attention": _W8A8, "absorbed": KEEP, "dense": _W8A8, "shared": _W8A8,
+               QUANTIZED_VISION: _W8A8, **_KEEPS}  # fmt: skip
 # --calib-data searches the routed experts (module docstring); RTN manifests as before
 _CALIBRATED = {"calibrates": True, "records_rtn": False, "search": frozenset({"routed"})}
 
@@ -56,7 +59,7 @@ register_recipe(
     RuleRecipe(
         "ascend-w4a8",
         "vllm-ascend W4A8_DYNAMIC: routed experts int4 per-channel (msModelSlim 1.0.0 packed layout) with int8 activations, the rest as ascend-w8a8; AWQ-calibrated experts with --calib-data",
-        rules={**_W8A8, "routed": "w4a8_dynamic", "mtp_routed": "w8a8_dynamic"},
+        rules={**_W8A8_RULES, "routed": FORMATS["w4a8_dynamic"], "mtp_routed": _W8A8},
         choices={**_MTP, **_KEEP_DENSE_DOWN},
         **_CALIBRATED,
         tags=("ascend", "w4a8", "int4", "int8"),
@@ -67,7 +70,7 @@ register_recipe(
     RuleRecipe(
         "ascend-w4a16",
         "vllm-ascend W4A16 MoE: routed experts int4 weight-only (pack-quantized, group 32 or 128; an INT4 group-32 source kept as is), the rest as ascend-w8a8; AWQ-calibrated experts with --calib-data",
-        rules={**_W8A8, "routed": "ct_pack_quantized"},
+        rules={**_W8A8_RULES, "routed": FORMATS["ct_pack_quantized"]},
         choices={**_MTP, "group_size": (32, 128), **_KEEP_DENSE_DOWN},
         # vllm-ascend's W4A16 MoE scheme declares weight_shape int32 (methods/w4a16.py:237-238)
         fixed={"ct_pack_quantized": (("shape_dtype", "I32"),)},

@@ -13,19 +13,21 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from hetquant.formats import EXPERT_FORMATS, HetquantError, get_expert_format, get_format
-from hetquant.formats.base import ExpertLayerFormat, WeightFormat
+from hetquant.formats import FORMATS, ExpertLayerFormat, HetquantError, WeightFormat
 from hetquant.formats.families import TensorRole
 
 __all__ = [
     "AS_STORED",
     "COPY",
+    "COPY_TARGET",
     "DROP",
+    "DROP_TARGET",
     "RECIPES",
     "ROOT",
     "Action",
     "Recipe",
     "Target",
+    "Written",
     "get_recipe",
     "keep",
     "register_recipe",
@@ -35,11 +37,13 @@ COPY = "copy"  # the source bytes as they are
 DROP = "drop"  # left out of the artifact (e.g. the MTP layer with --mtp drop)
 ROOT = "root"
 AS_STORED = frozenset({"plain", "bf16"})  # source formats kept byte for byte at source precision
+Written = WeightFormat | ExpertLayerFormat  # what a CONVERT target writes
+_UNSET = object()
 
 
 class Action(Enum):
     """What becomes of a source tensor: its bytes as they are, nothing, or written in a format
-    (quantized, dequantized or repacked: ``Target.format()`` says how)."""
+    (quantized, dequantized or repacked: ``Target.fmt`` says how)."""
 
     COPY = COPY
     DROP = DROP
@@ -48,32 +52,55 @@ class Action(Enum):
 
 @dataclass(frozen=True)
 class Target:
-    """Where one source tensor goes: artifact part and format name (``copy`` = bytes as they are).
+    """Where one source tensor goes and what it becomes.
 
-    ``fmt`` stays the name (recipes, the plan digest and manifests record it); ``action`` and
-    ``format()`` are what the engine acts on.
+    ``action``; for ``CONVERT`` the format object written (``fmt``: the variant, ``params``
+    applied) — a per-linear format, or an expert-layer one (all routed experts of a layer
+    stacked). ``params``: the parameters the recipe set, as the plan digest records them.
+    ``name`` is what manifests record: the format's name, or the action's (``copy``, ``drop``).
     """
 
-    fmt: str
-    part: str = ROOT
+    action: Action
+    fmt: Written | None = None
     params: tuple[tuple[str, Any], ...] = ()
+    part: str = ROOT
     file: str | None = None  # parts other than the root name their file (e.g. one per layer)
-    container: str = (
-        "safetensors"  # the file's layout (convert/planning/containers.py); root: safetensors
-    )
+    container: str = "safetensors"  # the file's layout (``planning/containers.py``)
+
+    def __post_init__(self) -> None:
+        if (self.fmt is None) != (self.action is not Action.CONVERT):
+            raise HetquantError(f"a {self.action.value} target takes a format only to convert")
+        unset = [k for k, v in self.params if getattr(self.fmt, k, _UNSET) != v]
+        if unset:
+            raise HetquantError(f"target {self.name}: params {unset} are not applied to its format")
+
+    @classmethod
+    def writing(
+        cls, fmt: Written, params: tuple[tuple[str, Any], ...] = (), **where: Any
+    ) -> Target:
+        """Convert into ``fmt`` (a format object) with ``params`` applied; ``where``: the
+        part, file and container."""
+        variant = dataclasses.replace(fmt, **dict(params)) if params else fmt
+        return cls(Action.CONVERT, variant, tuple(params), **where)
+
+    def with_params(self, params: tuple[tuple[str, Any], ...]) -> Target:
+        """This target with ``params`` (a superset of its own) recorded and applied."""
+        assert self.fmt is not None and dict(self.params).keys() <= dict(params).keys()
+        return dataclasses.replace(
+            self, fmt=dataclasses.replace(self.fmt, **dict(params)), params=params
+        )
 
     @property
-    def action(self) -> Action:
-        return Action(self.fmt) if self.fmt in (COPY, DROP) else Action.CONVERT
+    def name(self) -> str:
+        return self.action.value if self.fmt is None else self.fmt.name
 
-    def format(self) -> WeightFormat | ExpertLayerFormat:
-        """The format object written, with ``params`` applied: a per-linear format, or an
-        expert-layer one (all routed experts of a layer stacked)."""
-        if self.action is not Action.CONVERT:
-            raise HetquantError(f"a {self.fmt} target writes no format")
-        if self.fmt in EXPERT_FORMATS:
-            return dataclasses.replace(get_expert_format(self.fmt), **dict(self.params))
-        return get_format(self.fmt, **dict(self.params))
+    @property
+    def stacks_experts(self) -> bool:
+        """Writes an expert-layer format: the routed experts of a layer stacked."""
+        return isinstance(self.fmt, ExpertLayerFormat)
+
+
+COPY_TARGET, DROP_TARGET = Target(Action.COPY), Target(Action.DROP)
 
 
 @dataclass(frozen=True)
@@ -142,7 +169,7 @@ class Recipe:
 def keep(source_fmt: str) -> Target:
     """At source precision: plain tensors and BF16 weights as they are, a weight in any other
     source format (FP8 blocks, compressed-tensors INT4, ...) dequantized exactly to BF16."""
-    return Target(COPY) if source_fmt in AS_STORED else Target("bf16")
+    return COPY_TARGET if source_fmt in AS_STORED else Target.writing(FORMATS["bf16"])
 
 
 RECIPES: dict[str, Recipe] = {}

@@ -40,7 +40,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from hetquant.formats import HetquantError, get_format
+from hetquant.formats import HetquantError
 from hetquant.formats.families import parse_config
 from hetquant.formats.nvfp4 import BLOCK, hf_quant_config
 from hetquant.formats.w8a8_npu import QUANT_TYPE_FLOAT, description_entries, description_header
@@ -63,7 +63,7 @@ def unconverted_modules(plan: Any) -> list[str]:
         if (
             linear_like
             and item.name.endswith(".weight")
-            and (job.kind == COPY or job.target.fmt == "bf16")
+            and (job.kind == COPY or job.target.name == "bf16")
         ):
             kept.append(item.name.removesuffix(".weight"))
     return kept
@@ -97,11 +97,11 @@ def _ascend(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
         else:
             keys = [p.key for p in job.outputs]
             prefix = job.source.removesuffix(".weight")
-            doc.update(description_entries(prefix, job.target.fmt, keys))
+            doc.update(description_entries(prefix, job.target.name, keys))
     doc.update(description_header())  # after the entries, as msModelSlim writes them
     doc["group_size"] = _description_group(plan)  # the header's slot: 0 unless a 4-bit scheme
     cfg.pop("quantization_config", None)
-    if any(j.target.fmt == "w4a8_dynamic" for j in plan.jobs) and (
+    if any(j.target.name == "w4a8_dynamic" for j in plan.jobs) and (
         cfg.get("model_type") in _W4A8_CONFIG_KEYS_FOR
     ):
         cfg.update(_w4a8_config_keys(plan))
@@ -118,11 +118,9 @@ _DESCRIPTION_GROUP: dict[str, Callable[[Any], int]] = {
 
 def _description_group(plan: Any) -> int:
     groups = {
-        _DESCRIPTION_GROUP[j.target.fmt](
-            get_format(j.target.fmt, **dict(j.target.params))
-        ): j.source
+        _DESCRIPTION_GROUP[j.target.name](j.target.fmt): j.source
         for j in plan.jobs
-        if j.target.part == ROOT and j.target.fmt in _DESCRIPTION_GROUP
+        if j.target.part == ROOT and j.target.name in _DESCRIPTION_GROUP
     }
     if len(groups) > 1:
         raise HetquantError(
@@ -148,24 +146,16 @@ def _w4a8_config_keys(plan: Any) -> dict[str, str]:
 
 
 def _awq(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
-    group = next(
-        dict(j.target.params)["group_size"] for j in plan.jobs if j.target.fmt == "awq_w4a16"
-    )
-    cfg["quantization_config"] = get_format("awq_w4a16", group_size=group).quantization_config(
-        unconverted_modules(plan) or None
-    )
+    fmt = next(j.target.fmt for j in plan.jobs if j.target.name == "awq_w4a16")
+    cfg["quantization_config"] = fmt.quantization_config(unconverted_modules(plan) or None)
 
 
 def _ct(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
-    group = next(
-        dict(j.target.params)["group_size"]
-        for j in plan.jobs
-        if j.target.fmt == "ct_pack_quantized"
-    )
+    fmt = next(j.target.fmt for j in plan.jobs if j.target.name == "ct_pack_quantized")
     kept = unconverted_modules(plan)
     ignore = sorted({*kept, *fused_kept(plan, kept)})
-    qc = get_format("ct_pack_quantized", group_size=group).quantization_config(ignore=ignore)
-    cfg["quantization_config"] = {**qc, "group_size": group}
+    qc = fmt.quantization_config(ignore=ignore)  # reads the group size alone
+    cfg["quantization_config"] = {**qc, "group_size": fmt.group_size}
 
 
 def _nvfp4(plan: Any, cfg: dict[str, Any], files: dict[str, Any]) -> None:
@@ -209,9 +199,9 @@ def artifact_metadata(
         cfg = parse_config(source_config).without_mtp(cfg)
     files: dict[str, Any] = {}
     writers = {
-        _WRITERS[j.target.fmt]
+        _WRITERS[j.target.name]
         for j in plan.jobs
-        if j.target.part == ROOT and j.target.fmt in _WRITERS
+        if j.target.part == ROOT and j.target.name in _WRITERS
     }
     if _ascend in writers:  # its description covers every root module (W4A16 experts included)
         writers = {_ascend}

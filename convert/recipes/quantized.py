@@ -63,7 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetquant.formats import EXPERT_FORMATS, FORMATS, HetquantError, get_format
+from hetquant.formats import EXPERT_FORMATS, FORMATS, ExpertLayerFormat, HetquantError
 from hetquant.formats.expert_repack import EXPERT_REPACKS, repack_target
 from hetquant.formats.families import TensorRole
 from hetquant.formats.families.roles import MTP
@@ -72,17 +72,91 @@ from hetquant.formats.int4_cpu_group import GROUP_SIZES as CPU_GROUP_SIZES
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
 from . import serving
-from .base import DROP, Recipe, Target, keep, register_recipe
+from .base import DROP_TARGET, Recipe, Target, Written, keep, register_recipe
 
-__all__ = ["KEEP", "LOW_BITS", "QUANTIZED_VISION", "RuleRecipe", "density", "role_class"]
+__all__ = [
+    "CPU_INT4",
+    "FP4",
+    "KEEP",
+    "LOW_BITS",
+    "QUANTIZED_VISION",
+    "Choice",
+    "Params",
+    "Rule",
+    "RuleRecipe",
+    "density",
+    "role_class",
+]
 
-KEEP = "keep"
 QUANTIZED_VISION = "quantized_vision"  # the rule for class ``vision`` under --quantize-vision
+
 CPU_EXPERTS = "cpu_experts"
 LOW_BITS = 6.0  # stored bits per weight under which a format is a low-bit (4-bit-code) one
 PROBE_SHAPE = (256, 1024)  # a weight every registered format stores, to measure its density
 _CLASS_OF_KIND = {"router": "router", "bias": "router", "embedding": "embedding",
                   "head": "embedding", "norm": "norm"}  # fmt: skip
+Params = tuple[tuple[str, Any], ...]
+
+
+class Choice:
+    """A rule that is not one format: the recipe's options or the source decide (module
+    docstring). ``resolve`` gives (format, params), or None: keep at source precision."""
+
+    def resolve(
+        self, recipe: RuleRecipe, role: TensorRole, source_fmt: str
+    ) -> tuple[Written, Params] | None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class _Keep(Choice):
+    """At source precision (``recipes.keep``)."""
+
+    def resolve(self, recipe: RuleRecipe, role: TensorRole, source_fmt: str) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class _ByOption(Choice):
+    """The format that the value of option ``option`` names."""
+
+    option: str
+    formats: tuple[tuple[Any, Written], ...]
+
+    def resolve(
+        self, recipe: RuleRecipe, role: TensorRole, source_fmt: str
+    ) -> tuple[Written, Params]:
+        return dict(self.formats)[recipe.option(self.option)], ()
+
+
+@dataclass(frozen=True)
+class _CpuInt4(Choice):
+    """``int4_cpu*`` (module docstring): the source's lossless CPU repack, else per-channel, or
+    group-wise with ``cpu_group_size``."""
+
+    def resolve(
+        self, recipe: RuleRecipe, role: TensorRole, source_fmt: str
+    ) -> tuple[Written, Params]:
+        repack, group = repack_target(source_fmt), recipe.cpu_group_size()
+        if repack is None:
+            if group is None:
+                return EXPERT_FORMATS["int4_cpu_experts"], ()
+            return EXPERT_FORMATS["int4_cpu_group_experts"], (("group_size", group),)
+        if group is not None:
+            raise HetquantError(
+                f"{role.role.name} (layer {role.layer}): the source stores the routed experts in "
+                f"{source_fmt} (INT4 with its own groups), repacked losslessly into {repack} as "
+                "they are; --cpu-group-size would re-quantize them: drop it"
+            )
+        return EXPERT_FORMATS[repack], ()  # the source's group: ``refine``
+
+
+KEEP: Choice = _Keep()
+CPU_INT4: Choice = _CpuInt4()
+FP4: Choice = _ByOption(
+    "fp4_layout", (("ascend", FORMATS["nvfp4_ascend"]), ("nvfp4", FORMATS["nvfp4"]))
+)
+Rule = Written | Choice  # a rule table's value
 
 
 def role_class(role: TensorRole) -> str:
@@ -105,30 +179,26 @@ def role_class(role: TensorRole) -> str:
 
 @dataclass(frozen=True)
 class RuleRecipe(Recipe):
-    """A recipe given by ``rules`` (class → format or KEEP), option choices and parameters it
-    fixes for a format (``fixed``)."""
+    """A recipe given by ``rules`` (class → format object or :class:`Choice`), option choices
+    and parameters it fixes for a format (``fixed``, by format name)."""
 
-    rules: dict[str, str] = field(default_factory=dict)
-    fixed: dict[str, tuple[tuple[str, Any], ...]] = field(default_factory=dict)  # format → params
+    rules: dict[str, Rule] = field(default_factory=dict)
+    fixed: dict[str, Params] = field(default_factory=dict)  # format name → params
     search: frozenset[str] | None = None  # role classes --calib-data searches (None: all)
 
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         if role.mtp and self.option("mtp") == "drop":
-            return Target(DROP)
-        fmt = self.rule(role)
-        if fmt == KEEP:
+            return DROP_TARGET
+        rule = self.rule(role)
+        chosen = rule.resolve(self, role, source_fmt) if isinstance(rule, Choice) else (rule, ())
+        if chosen is None:
             return keep(source_fmt)
-        params: tuple[tuple[str, Any], ...] = ()
-        if fmt == "int4_cpu*":
-            fmt, params = self._cpu_format(role, source_fmt)
-        target = self._target(fmt, role)
-        if params:
-            target = dataclasses.replace(target, params=params)
+        target = self._target(*chosen, role)
         self._check_requantize(role, source_fmt, target)
         return target
 
-    def rule(self, role: TensorRole) -> str:
-        """The format (or KEEP) the rules give a tensor of ``role``: its class's, the MTP
+    def rule(self, role: TensorRole) -> Rule:
+        """The format (or choice) the rules give a tensor of ``role``: its class's, the MTP
         layer's own (``mtp_<class>``), KEEP for a dense MLP's down_proj with
         ``keep_dense_down``."""
         cls = role_class(role)
@@ -166,76 +236,57 @@ class RuleRecipe(Recipe):
         """``search`` / ``quantized`` / None for a tensor of ``role`` (``Recipe.calibration``);
         None for a vision linear: calibration runs the text path only."""
         cls = role_class(role)
-        if not self.calibrates or role.role.kind != "linear" or self.rule(role) == KEEP:
+        if not self.calibrates or role.role.kind != "linear" or self.rule(role) is KEEP:
             return None
         if cls == VISION:
             return None
         return "search" if self.search is None or cls in self.search else "quantized"
 
-    def _cpu_option(self) -> int | None:
+    def cpu_group_size(self) -> int | None:
+        """``--cpu-group-size`` where the recipe takes it (None: per-channel)."""
         return self.option("cpu_group_size") if "cpu_group_size" in self.choices else None
 
-    def _cpu_format(self, role: TensorRole, source_fmt: str) -> tuple[str, tuple]:
-        """``int4_cpu*`` resolved to (format, params) (module docstring)."""
-        repack, group = repack_target(source_fmt), self._cpu_option()
-        if repack is None:
-            if group is None:
-                return "int4_cpu_experts", ()
-            return "int4_cpu_group_experts", (("group_size", group),)
-        if group is not None:
-            raise HetquantError(
-                f"{role.role.name} (layer {role.layer}): the source stores the routed experts in "
-                f"{source_fmt} (INT4 with its own groups), repacked losslessly into {repack} as "
-                "they are; --cpu-group-size would re-quantize them: drop it"
-            )
-        return repack, ()  # the source's group: ``refine``
-
-    def refine(
-        self, target: Target, source_params: tuple[tuple[str, Any], ...], source_fmt: str = ""
-    ) -> Target:
+    def refine(self, target: Target, source_params: Params, source_fmt: str = "") -> Target:
         """A lossless repack target takes the source variant's parameters it shares (the
         compressed-tensors group size becomes the CPU group format's). A linear target with a
         repack from the source's format (``formats/linear_repack.py``) keeps the recipe's
         parameters; where those do not hold the source's codes, re-quantizing is refused unless
         ``requantize`` was asked for."""
-        if (source_fmt, target.fmt) in LINEAR_REPACKS:
+        if (source_fmt, target.name) in LINEAR_REPACKS:
             self._check_repack(target, source_params, source_fmt)
             return target
-        fmt = EXPERT_FORMATS.get(target.fmt)
-        if fmt is None or not source_params or target.params:
+        if not target.stacks_experts or not source_params or target.params:
             return target
-        names = {f.name for f in dataclasses.fields(fmt)}  # type: ignore[arg-type]
+        names = {f.name for f in dataclasses.fields(target.fmt)}  # type: ignore[arg-type]
         params = tuple((k, v) for k, v in source_params if k in names)
-        return dataclasses.replace(target, params=params) if params else target
+        return target.with_params(params) if params else target
 
     def _check_requantize(self, role: TensorRole, source_fmt: str, target: Target) -> None:
         """A low-bit source (INT4 codes and scales, e.g. Kimi K2 Thinking's QAT experts) written
         in another low-bit format is rounded a second time onto a grid it was not trained for:
         refused unless ``requantize`` was asked for."""
-        if source_fmt == target.fmt or self.option("requantize"):
+        if source_fmt == target.name or self.option("requantize"):
             return
-        if (source_fmt, target.fmt) in EXPERT_REPACKS:  # codes and scales kept: no rounding
+        if (source_fmt, target.name) in EXPERT_REPACKS:  # codes and scales kept: no rounding
             return
-        if (source_fmt, target.fmt) in LINEAR_REPACKS:  # kept where they fit: _check_repack
+        if (source_fmt, target.name) in LINEAR_REPACKS:  # kept where they fit: _check_repack
             return
-        src, dst = density(source_fmt), density(target.fmt, target.params)
+        src, dst = density(_registered(source_fmt)), density(target.fmt)
         if src is None or dst is None or src >= LOW_BITS or dst >= LOW_BITS:
             return
         where = f"layer {role.layer}" + ("" if role.expert is None else f" expert {role.expert}")
         raise HetquantError(
             f"{role.role.name} ({where}): the source stores it in {source_fmt}, a low-bit "
-            f"format; recipe {self.name} would re-quantize it to {target.fmt} "
+            f"format; recipe {self.name} would re-quantize it to {target.name} "
             f"({dst:.2f} bits/weight), losing accuracy twice. Use --requantize to accept that, "
             "or a recipe that keeps it (bf16 dequantizes it exactly)"
         )
 
-    def _check_repack(
-        self, target: Target, source_params: tuple[tuple[str, Any], ...], source_fmt: str
-    ) -> None:
+    def _check_repack(self, target: Target, source_params: Params, source_fmt: str) -> None:
         if self.option("requantize"):
             return
-        src = get_format(source_fmt, **dict(source_params))
-        why = LINEAR_REPACKS[source_fmt, target.fmt].holds(src, _variant(target))
+        src = dataclasses.replace(FORMATS[source_fmt], **dict(source_params))
+        why = LINEAR_REPACKS[source_fmt, target.name].holds(src, target.fmt)
         if why is not None:
             raise HetquantError(
                 f"recipe {self.name} cannot keep the source's {source_fmt} codes: {why}; "
@@ -244,28 +295,22 @@ class RuleRecipe(Recipe):
                 "--requantize to accept that"
             )
 
-    def _target(self, fmt: str, role: TensorRole) -> Target:
-        if fmt in EXPERT_FORMATS:
+    def _target(self, fmt: Written, params: Params, role: TensorRole) -> Target:
+        if isinstance(fmt, ExpertLayerFormat):
             file = f"{CPU_EXPERTS}/layer_{role.layer:03d}.safetensors"
-            return Target(fmt, CPU_EXPERTS, file=file)
-        if fmt == "nvfp4*":
-            return Target("nvfp4_ascend" if self.option("fp4_layout") == "ascend" else "nvfp4")
-        params = _TARGET_PARAMS[fmt](self, role) if fmt in _TARGET_PARAMS else ()
-        params += self.fixed.get(fmt, ())
-        return Target(fmt, params=params) if params else Target(fmt)
+            return Target.writing(fmt, params, part=CPU_EXPERTS, file=file)
+        params += _TARGET_PARAMS[fmt.name](self, role) if fmt.name in _TARGET_PARAMS else ()
+        params += self.fixed.get(fmt.name, ())
+        return Target.writing(fmt, params)
 
 
 # a target format's parameters, from the recipe's options and the tensor's role
-_TARGET_PARAMS: dict[str, Callable[[RuleRecipe, TensorRole], tuple[tuple[str, Any], ...]]] = {
+_TARGET_PARAMS: dict[str, Callable[[RuleRecipe, TensorRole], Params]] = {
     "awq_w4a16": lambda r, role: (("group_size", r.option("group_size")),),
     # msModelSlim sums scale_bias in 16 chunks for row-parallel linears (down), 1 for others
     "w4a8_dynamic": lambda r, role: (("bias_chunks", 16 if role.role.tp == "row" else 1),),
     "ct_pack_quantized": lambda r, role: (("group_size", r.option("group_size")),),
 }
-
-
-def _variant(target: Target) -> Any:
-    return target.format()
 
 
 @functools.cache
@@ -274,18 +319,21 @@ def _dense_down(cls: str, role: TensorRole) -> bool:
     return cls == "dense" and role.role.mlp == "down"
 
 
-def density(fmt: str, params: tuple = ()) -> float | None:
-    """Stored bits per weight of format ``fmt`` on ``PROBE_SHAPE`` (None: not a weight format)."""
-    if fmt in FORMATS:
-        f = dataclasses.replace(FORMATS[fmt], **dict(params)) if params else FORMATS[fmt]
-        return f.bits_per_weight(PROBE_SHAPE)
-    if fmt in EXPERT_FORMATS:
+def _registered(name: str) -> Written | None:
+    """The registered format a source format's name names (None: ``plain``, not a format)."""
+    return FORMATS.get(name) or EXPERT_FORMATS.get(name)
+
+
+def density(fmt: Written | None) -> float | None:
+    """Stored bits per weight of ``fmt`` on ``PROBE_SHAPE`` (None: not a format)."""
+    if isinstance(fmt, ExpertLayerFormat):
         inter, hidden = PROBE_SHAPE
-        stored = EXPERT_FORMATS[fmt].stored(1, hidden, inter)
+        stored = fmt.stored(1, hidden, inter)
         return 8 * sum(m.nbytes for m in stored.values()) / (3 * inter * hidden)
-    return None
+    return None if fmt is None else fmt.bits_per_weight(PROBE_SHAPE)
 
 
+_W8A8, _AWQ = FORMATS["w8a8_dynamic"], FORMATS["awq_w4a16"]
 _REQUANTIZE = {"requantize": (False, True)}
 # every rule recipe takes --quantize-vision; its ``quantized_vision`` rule says what it would
 # write, and the plan refuses a format no engine reads (formats/families/vlm.py)
@@ -302,12 +350,12 @@ register_recipe(
         "ascend-hybrid",
         "2×910B4 + Kunpeng: NPU W8A8_DYNAMIC (MLA, dense, shared) + routed experts in CPU INT4 per-channel (--cpu-group-size: group-wise; repacked losslessly from an INT4 group-quantized source); AWQ-calibrated experts with --calib-data",
         rules={
-            "attention": "w8a8_dynamic",
+            "attention": _W8A8,
             "absorbed": KEEP,
-            "dense": "w8a8_dynamic",
-            "shared": "w8a8_dynamic",
-            "routed": "int4_cpu*",
-            QUANTIZED_VISION: "w8a8_dynamic",
+            "dense": _W8A8,
+            "shared": _W8A8,
+            "routed": CPU_INT4,
+            QUANTIZED_VISION: _W8A8,
             **_KEEPS,
         },
         choices={
@@ -328,12 +376,12 @@ register_recipe(
         "ascend-w8a8",
         "8×910B int8: W8A8_DYNAMIC everywhere the hybrid uses it, routed experts included",
         rules={
-            "attention": "w8a8_dynamic",
+            "attention": _W8A8,
             "absorbed": KEEP,
-            "dense": "w8a8_dynamic",
-            "shared": "w8a8_dynamic",
-            "routed": "w8a8_dynamic",
-            QUANTIZED_VISION: "w8a8_dynamic",
+            "dense": _W8A8,
+            "shared": _W8A8,
+            "routed": _W8A8,
+            QUANTIZED_VISION: _W8A8,
             **_KEEPS,
         },
         choices={**_MTP, **_KEEP_DENSE_DOWN},
@@ -346,12 +394,12 @@ register_recipe(
         "awq-w4a16",
         "AutoAWQ GEMM w4a16 (group 128 or 64) for every linear but router and lm_head; AWQ-calibrated with --calib-data, else round-to-nearest",
         rules={
-            "attention": "awq_w4a16",
-            "absorbed": "awq_w4a16",
-            "dense": "awq_w4a16",
-            "shared": "awq_w4a16",
-            "routed": "awq_w4a16",
-            QUANTIZED_VISION: "awq_w4a16",  # refused by the plan: no engine reads it
+            "attention": _AWQ,
+            "absorbed": _AWQ,
+            "dense": _AWQ,
+            "shared": _AWQ,
+            "routed": _AWQ,
+            QUANTIZED_VISION: _AWQ,  # refused by the plan: no engine reads it
             **_KEEPS,
         },
         choices={**_MTP, "group_size": (128, 64)},
@@ -362,11 +410,11 @@ register_recipe(
 )
 register_recipe(RuleRecipe(
     "fp4", "NVFP4 (E2M1 + E4M3 per 16 + F32 global) for dense MLP and experts, Ascend 8×8 tiled layout by default",
-    rules={"attention": KEEP, "absorbed": KEEP, "dense": "nvfp4*", "shared": "nvfp4*", "routed": "nvfp4*", QUANTIZED_VISION: "nvfp4*", **_KEEPS},
+    rules={"attention": KEEP, "absorbed": KEEP, "dense": FP4, "shared": FP4, "routed": FP4, QUANTIZED_VISION: FP4, **_KEEPS},
     choices={**_MTP, "fp4_layout": ("ascend", "nvfp4")}, tags=("nvfp4", "fp4"),))  # fmt: skip
 register_recipe(RuleRecipe(
     "ct-w4a16",
     "compressed-tensors pack-quantized W4A16 (symmetric, group 32 or 128) for the routed experts, the rest at source precision, as vllm-ascend's W4A16 MoE and vLLM load it; AWQ-calibrated with --calib-data, else round-to-nearest",
-    rules={"attention": KEEP, "absorbed": KEEP, "dense": KEEP, "shared": KEEP, "routed": "ct_pack_quantized", QUANTIZED_VISION: "ct_pack_quantized", **_KEEPS},
+    rules={"attention": KEEP, "absorbed": KEEP, "dense": KEEP, "shared": KEEP, "routed": FORMATS["ct_pack_quantized"], QUANTIZED_VISION: FORMATS["ct_pack_quantized"], **_KEEPS},
     choices={**_MTP, "group_size": (32, 128)},
     calibrates=True, tags=("compressed-tensors", "int4", "w4a16"), serving=serving.COMPRESSED_TENSORS,))  # fmt: skip

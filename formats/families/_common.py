@@ -6,45 +6,41 @@ the positions it wants: table order is model order (manifests record it)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from .roles import GLOBAL, GLOBAL_LAST, Role
+from .shapes import F, shape
 
 __all__ = ["DENSE_MLP", "GLOBALS", "LAYER_NORMS", "ROUTED_EXPERTS", "ROUTER"]
 
-
-def _h(c: Any) -> int:
-    return c.hidden_size
-
+H, V = F.hidden_size, F.vocab_size
 
 R = Role
 GLOBALS = (  # the embedding and final norm before the layers, lm_head after them
     R("embed", "model.embed_tokens.weight", GLOBAL, "embeddings", "embedding", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
-    R("final_norm", "model.norm.weight", GLOBAL, "norms", "norm", "replicate", None, lambda c: (_h(c),)),
+      shape(V, H)),
+    R("final_norm", "model.norm.weight", GLOBAL, "norms", "norm", "replicate", None, shape(H)),
     R("lm_head", "lm_head.weight", GLOBAL_LAST, "embeddings", "head", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
+      shape(V, H)),
 )  # fmt: skip
 LAYER_NORMS = (
-    R("attn_norm", "input_layernorm.weight", "layer", "norms", "norm", "replicate", None, lambda c: (_h(c),)),
+    R("attn_norm", "input_layernorm.weight", "layer", "norms", "norm", "replicate", None, shape(H)),
     R("ffn_norm", "post_attention_layernorm.weight", "layer", "norms", "norm", "replicate", None,
-      lambda c: (_h(c),)),
+      shape(H)),
 )  # fmt: skip
 DENSE_MLP = (
     R("dense_gate", "mlp.gate_proj.weight", "dense", "dense_mlp", "linear", "column", None,
-      lambda c: (c.intermediate_size, _h(c)), mlp="gate"),
+      shape(F.intermediate_size, H), mlp="gate"),
     R("dense_up", "mlp.up_proj.weight", "dense", "dense_mlp", "linear", "column", None,
-      lambda c: (c.intermediate_size, _h(c)), mlp="up"),
+      shape(F.intermediate_size, H), mlp="up"),
     R("dense_down", "mlp.down_proj.weight", "dense", "dense_mlp", "linear", "row", None,
-      lambda c: (_h(c), c.intermediate_size), mlp="down"),
+      shape(H, F.intermediate_size), mlp="down"),
 )  # fmt: skip
 ROUTER = R("router", "mlp.gate.weight", "moe", "router", "router", "replicate", None,
-           lambda c: (c.num_experts, _h(c)))  # fmt: skip
+           shape(F.num_experts, H))  # fmt: skip
 ROUTED_EXPERTS = (
     R("expert_gate", "mlp.experts.{e}.gate_proj.weight", "moe", "routed_experts", "linear", "column",
-      "routed", lambda c: (c.moe_intermediate_size, _h(c)), mlp="gate"),
+      "routed", shape(F.moe_intermediate_size, H), mlp="gate"),
     R("expert_up", "mlp.experts.{e}.up_proj.weight", "moe", "routed_experts", "linear", "column",
-      "routed", lambda c: (c.moe_intermediate_size, _h(c)), mlp="up"),
+      "routed", shape(F.moe_intermediate_size, H), mlp="up"),
     R("expert_down", "mlp.experts.{e}.down_proj.weight", "moe", "routed_experts", "linear", "row",
-      "routed", lambda c: (_h(c), c.moe_intermediate_size), mlp="down"),
+      "routed", shape(H, F.moe_intermediate_size), mlp="down"),
 )  # fmt: skip

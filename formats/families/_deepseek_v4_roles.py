@@ -27,30 +27,26 @@ the indexer's ``weights_proj`` with ``quant_config=None``, ``compressor.py:271-2
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from .roles import GLOBAL, GLOBAL_LAST, MTP, Role
+from .shapes import Call, F, Field, shape
 
 __all__ = ["HF_GLOBALS", "LAYER_ROLES", "MTP_ROLES", "NATIVE_GLOBALS", "hf_roles"]
 
 
-def _h(c: Any) -> int:
-    return c.hidden_size
-
-
-def _shared(c: Any) -> int:
-    return c.moe_intermediate_size * c.n_shared_experts
+H, HC, HEADS = F.hidden_size, F.hc_mult, F.num_attention_heads
+SHARED_I = F.moe_intermediate_size * F.n_shared_experts  # the shared experts as one MLP
 
 
 def _hc(scope: str, prefix: str) -> tuple[Role, ...]:
     """A hyper-connection's ``fn`` [(2+n)·n, n·H], ``base`` [(2+n)·n], ``scale`` [3]."""
     return (
         R(f"hc_{prefix}_fn", f"hc_{prefix}_fn", scope, "hyper_connections", "norm", "replicate",
-          None, lambda c: (c.streams, c.hc_mult * _h(c)), kept=True),
+          None, shape(F.streams, HC * H), kept=True),
         R(f"hc_{prefix}_base", f"hc_{prefix}_base", scope, "hyper_connections", "norm",
-          "replicate", None, lambda c: (c.streams,), kept=True),
+          "replicate", None, shape(F.streams), kept=True),
         R(f"hc_{prefix}_scale", f"hc_{prefix}_scale", scope, "hyper_connections", "norm",
-          "replicate", None, lambda c: (3,), kept=True),
+          "replicate", None, shape(3), kept=True),
     )  # fmt: skip
 
 
@@ -61,115 +57,111 @@ def _head_hc(scope: str, names: tuple[str, str, str]) -> tuple[Role, ...]:
     fn, base, scale = names
     return (
         R(f"{tag}hc_head_fn", fn, scope, "hyper_connections", "norm", "replicate", None,
-          lambda c: (c.hc_mult, c.hc_mult * _h(c)), kept=True),
+          shape(HC, HC * H), kept=True),
         R(f"{tag}hc_head_base", base, scope, "hyper_connections", "norm", "replicate", None,
-          lambda c: (c.hc_mult,), kept=True),
+          shape(HC), kept=True),
         R(f"{tag}hc_head_scale", scale, scope, "hyper_connections", "norm", "replicate", None,
-          lambda c: (1,), kept=True),
+          shape(1), kept=True),
     )  # fmt: skip
 
 
 def _compressor(scope: str, where: str, coff: int, dim: str) -> tuple[Role, ...]:
     """A compressor (``coff`` 2: overlapping windows, CSA and the indexer's; 1: HCA) of ``dim``
     (the head dim it compresses to) at rate ``c.rate(scope)``."""
-    tag = where.replace(".", "_")
-
-    def d(c: Any) -> int:
-        return getattr(c, dim)
-
+    tag, d, rate = where.replace(".", "_"), Field(dim), Call("rate", scope)
     return (
         R(f"{tag}_ape_{scope}", f"{where}.ape", scope, "compressor", "bias", "replicate", None,
-          lambda c: (c.rate(scope), coff * d(c)), kept=True),
+          shape(rate, coff * d), kept=True),
         R(f"{tag}_wkv_{scope}", f"{where}.wkv.weight", scope, "compressor", "linear", "replicate",
-          None, lambda c: (coff * d(c), _h(c)), kept=True),
+          None, shape(coff * d, H), kept=True),
         R(f"{tag}_wgate_{scope}", f"{where}.wgate.weight", scope, "compressor", "linear",
-          "replicate", None, lambda c: (coff * d(c), _h(c)), kept=True),
+          "replicate", None, shape(coff * d, H), kept=True),
         R(f"{tag}_norm_{scope}", f"{where}.norm.weight", scope, "compressor", "norm", "replicate",
-          None, lambda c: (d(c),), kept=True),
+          None, shape(d), kept=True),
     )  # fmt: skip
 
 
 R = Role
 NATIVE_GLOBALS: tuple[Role, ...] = (
     R("embed", "embed.weight", GLOBAL, "embeddings", "embedding", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
+      shape(F.vocab_size, H)),
     R("final_norm", "norm.weight", GLOBAL_LAST, "norms", "norm", "replicate", None,
-      lambda c: (_h(c),)),
+      shape(H)),
     *_head_hc(GLOBAL_LAST, ("hc_head_fn", "hc_head_base", "hc_head_scale")),
     R("lm_head", "head.weight", GLOBAL_LAST, "embeddings", "head", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
+      shape(F.vocab_size, H)),
 )  # fmt: skip
 HF_GLOBALS: tuple[Role, ...] = (
     R("embed", "model.embed_tokens.weight", GLOBAL, "embeddings", "embedding", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
+      shape(F.vocab_size, H)),
     R("final_norm", "model.norm.weight", GLOBAL_LAST, "norms", "norm", "replicate", None,
-      lambda c: (_h(c),)),
+      shape(H)),
     *_head_hc(GLOBAL_LAST, ("model.hc_head.hc_fn", "model.hc_head.hc_base",
                             "model.hc_head.hc_scale")),
     R("lm_head", "head.weight", GLOBAL_LAST, "embeddings", "head", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
+      shape(F.vocab_size, H)),
 )  # fmt: skip
 
 LAYER_ROLES: tuple[Role, ...] = (
     *_hc("layer", "attn"),
     R("attn_norm", "attn_norm.weight", "layer", "norms", "norm", "replicate", None,
-      lambda c: (_h(c),)),
+      shape(H)),
     R("q_a", "attn.wq_a.weight", "layer", "attention", "linear", "replicate", None,
-      lambda c: (c.q_lora_rank, _h(c)), fuse="fused_wqa_wkv"),
+      shape(F.q_lora_rank, H), fuse="fused_wqa_wkv"),
     R("q_a_norm", "attn.q_norm.weight", "layer", "norms", "norm", "replicate", None,
-      lambda c: (c.q_lora_rank,)),
+      shape(F.q_lora_rank)),
     R("q_b", "attn.wq_b.weight", "layer", "attention", "linear", "column", None,
-      lambda c: (c.num_attention_heads * c.head_dim, c.q_lora_rank)),
+      shape(HEADS * F.head_dim, F.q_lora_rank)),
     R("kv", "attn.wkv.weight", "layer", "attention", "linear", "replicate", None,
-      lambda c: (c.head_dim, _h(c)), fuse="fused_wqa_wkv"),
+      shape(F.head_dim, H), fuse="fused_wqa_wkv"),
     R("kv_norm", "attn.kv_norm.weight", "layer", "norms", "norm", "replicate", None,
-      lambda c: (c.head_dim,)),
+      shape(F.head_dim)),
     # one sink per head; replicated (the loader splits 2-D weights; vLLM narrows it per rank)
     R("sinks", "attn.attn_sink", "layer", "attention", "bias", "replicate", None,
-      lambda c: (c.num_attention_heads,), kept=True),
+      shape(HEADS), kept=True),
     *_compressor("csa", "attn.compressor", 2, "head_dim"),
     *_compressor("csa", "attn.indexer.compressor", 2, "index_head_dim"),
     R("indexer_wq_b", "attn.indexer.wq_b.weight", "csa", "indexer", "linear", "replicate", None,
-      lambda c: (c.index_n_heads * c.index_head_dim, c.q_lora_rank), kept=True),
+      shape(F.index_n_heads * F.index_head_dim, F.q_lora_rank), kept=True),
     R("indexer_weights_proj", "attn.indexer.weights_proj.weight", "csa", "indexer", "linear",
-      "replicate", None, lambda c: (c.index_n_heads, _h(c)), kept=True),
+      "replicate", None, shape(F.index_n_heads, H), kept=True),
     *_compressor("hca", "attn.compressor", 1, "head_dim"),
     # grouped output projection: o_groups blocks of [o_lora, heads·head_dim / o_groups], then mix
     R("o_a", "attn.wo_a.weight", "layer", "attention", "linear", "column", None,
-      lambda c: (c.o_groups * c.o_lora_rank, c.num_attention_heads * c.head_dim // c.o_groups)),
+      shape(F.o_groups * F.o_lora_rank, HEADS * F.head_dim // F.o_groups)),
     R("o_b", "attn.wo_b.weight", "layer", "attention", "linear", "row", None,
-      lambda c: (_h(c), c.o_groups * c.o_lora_rank)),
+      shape(H, F.o_groups * F.o_lora_rank)),
     *_hc("layer", "ffn"),
     R("ffn_norm", "ffn_norm.weight", "layer", "norms", "norm", "replicate", None,
-      lambda c: (_h(c),)),
+      shape(H)),
     R("router", "ffn.gate.weight", "layer", "router", "router", "replicate", None,
-      lambda c: (c.n_routed_experts, _h(c))),
+      shape(F.n_routed_experts, H)),
     R("router_bias", "ffn.gate.bias", "topk", "router", "bias", "replicate", None,
-      lambda c: (c.n_routed_experts,)),
+      shape(F.n_routed_experts)),
     R("hash_table", "ffn.gate.tid2eid", "hash", "router", "index", "replicate", None,
-      lambda c: (c.vocab_size, c.num_experts_per_tok), kept=True),
+      shape(F.vocab_size, F.num_experts_per_tok), kept=True),
     R("shared_gate", "ffn.shared_experts.w1.weight", "shared", "shared_experts", "linear",
-      "column", "shared", lambda c: (_shared(c), _h(c)), mlp="gate"),
+      "column", "shared", shape(SHARED_I, H), mlp="gate"),
     R("shared_up", "ffn.shared_experts.w3.weight", "shared", "shared_experts", "linear",
-      "column", "shared", lambda c: (_shared(c), _h(c)), mlp="up"),
+      "column", "shared", shape(SHARED_I, H), mlp="up"),
     R("shared_down", "ffn.shared_experts.w2.weight", "shared", "shared_experts", "linear", "row",
-      "shared", lambda c: (_h(c), _shared(c)), mlp="down"),
+      "shared", shape(H, SHARED_I), mlp="down"),
     R("expert_gate", "ffn.experts.{e}.w1.weight", "layer", "routed_experts", "linear", "column",
-      "routed", lambda c: (c.moe_intermediate_size, _h(c)), mlp="gate"),
+      "routed", shape(F.moe_intermediate_size, H), mlp="gate"),
     R("expert_up", "ffn.experts.{e}.w3.weight", "layer", "routed_experts", "linear", "column",
-      "routed", lambda c: (c.moe_intermediate_size, _h(c)), mlp="up"),
+      "routed", shape(F.moe_intermediate_size, H), mlp="up"),
     R("expert_down", "ffn.experts.{e}.w2.weight", "layer", "routed_experts", "linear", "row",
-      "routed", lambda c: (_h(c), c.moe_intermediate_size), mlp="down"),
+      "routed", shape(H, F.moe_intermediate_size), mlp="down"),
 )  # fmt: skip
 
 MTP_ROLES: tuple[Role, ...] = (  # DeepSeek-V4's MTP layer extras, under ``mtp.{m}.``
-    R("mtp_enorm", "enorm.weight", MTP, "mtp", "norm", "replicate", None, lambda c: (_h(c),)),
-    R("mtp_hnorm", "hnorm.weight", MTP, "mtp", "norm", "replicate", None, lambda c: (_h(c),)),
+    R("mtp_enorm", "enorm.weight", MTP, "mtp", "norm", "replicate", None, shape(H)),
+    R("mtp_hnorm", "hnorm.weight", MTP, "mtp", "norm", "replicate", None, shape(H)),
     R("mtp_e_proj", "e_proj.weight", MTP, "mtp", "linear", "replicate", None,
-      lambda c: (_h(c), _h(c))),
+      shape(H, H)),
     R("mtp_h_proj", "h_proj.weight", MTP, "mtp", "linear", "replicate", None,
-      lambda c: (_h(c), _h(c))),
-    R("mtp_head_norm", "norm.weight", MTP, "mtp", "norm", "replicate", None, lambda c: (_h(c),)),
+      shape(H, H)),
+    R("mtp_head_norm", "norm.weight", MTP, "mtp", "norm", "replicate", None, shape(H)),
     *_head_hc(MTP, ("hc_head_fn", "hc_head_base", "hc_head_scale")),
 )  # fmt: skip
 

@@ -42,6 +42,7 @@ from .base import ModelConfig, ModelFamily, register_family
 from .fields import REQUIRED, ConfigFields, source_quantization
 from .mappings import AwqMappings, Balance
 from .roles import MTP, Role
+from .shapes import F, shape
 
 __all__ = ["AWQ", "FAMILY", "ROLES", "DeepseekV3Config", "RouterSpec"]
 
@@ -203,57 +204,51 @@ def _router_fields(f: ConfigFields, default: Any) -> dict[str, Any]:
 # -- the role table ----------------------------------------------------------------------------
 
 
-def _h(c: DeepseekV3Config) -> int:
-    return c.hidden_size
-
-
-def _shared_i(c: DeepseekV3Config) -> int:
-    return c.moe_intermediate_size * c.n_shared_experts
-
-
+H, HEADS, Q_RANK = F.hidden_size, F.num_attention_heads, F.q_lora_rank.or_zero
+SHARED_I = F.moe_intermediate_size * F.n_shared_experts  # the shared experts as one MLP
 R = Role
 ROLES: tuple[Role, ...] = (
     *GLOBALS,
     *LAYER_NORMS,
     R("q_a", "self_attn.q_a_proj.weight", "attn_q_lora", "attention", "linear", "replicate", None,
-      lambda c: (c.q_lora_rank or 0, _h(c)), fuse="fused_qkv_a_proj"),
+      shape(Q_RANK, H), fuse="fused_qkv_a_proj"),
     R("q_a_norm", "self_attn.q_a_layernorm.weight", "attn_q_lora", "norms", "norm", "replicate", None,
-      lambda c: (c.q_lora_rank or 0,)),
+      shape(Q_RANK)),
     R("q_b", "self_attn.q_b_proj.weight", "attn_q_lora", "attention", "linear", "column", None,
-      lambda c: (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank or 0)),
+      shape(HEADS * F.qk_head_dim, Q_RANK)),
     R("q", "self_attn.q_proj.weight", "attn_q", "attention", "linear", "column", None,
-      lambda c: (c.num_attention_heads * c.qk_head_dim, _h(c))),
+      shape(HEADS * F.qk_head_dim, H)),
     R("kv_a", "self_attn.kv_a_proj_with_mqa.weight", "layer", "attention", "linear", "replicate", None,
-      lambda c: (c.kv_lora_rank + c.qk_rope_head_dim, _h(c)), fuse="fused_qkv_a_proj"),
+      shape(F.kv_lora_rank + F.qk_rope_head_dim, H), fuse="fused_qkv_a_proj"),
     R("kv_a_norm", "self_attn.kv_a_layernorm.weight", "layer", "norms", "norm", "replicate", None,
-      lambda c: (c.kv_lora_rank,)),
+      shape(F.kv_lora_rank)),
     R("kv_b", "self_attn.kv_b_proj.weight", "layer", "attention", "linear", "column", None,
-      lambda c: (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+      shape(HEADS * (F.qk_nope_head_dim + F.v_head_dim), F.kv_lora_rank),
       absorbed=True),
     R("o", "self_attn.o_proj.weight", "layer", "attention", "linear", "row", None,
-      lambda c: (_h(c), c.num_attention_heads * c.v_head_dim)),
+      shape(H, HEADS * F.v_head_dim)),
     *DENSE_MLP,
     ROUTER,
     R("router_bias", "mlp.gate.e_score_correction_bias", "moe", "router", "bias", "replicate", None,
-      lambda c: (c.n_routed_experts,)),
+      shape(F.n_routed_experts)),
     R("shared_gate", "mlp.shared_experts.gate_proj.weight", "moe_shared", "shared_experts", "linear",
-      "column", "shared", lambda c: (_shared_i(c), _h(c)), mlp="gate"),
+      "column", "shared", shape(SHARED_I, H), mlp="gate"),
     R("shared_up", "mlp.shared_experts.up_proj.weight", "moe_shared", "shared_experts", "linear",
-      "column", "shared", lambda c: (_shared_i(c), _h(c)), mlp="up"),
+      "column", "shared", shape(SHARED_I, H), mlp="up"),
     R("shared_down", "mlp.shared_experts.down_proj.weight", "moe_shared", "shared_experts", "linear",
-      "row", "shared", lambda c: (_h(c), _shared_i(c)), mlp="down"),
+      "row", "shared", shape(H, SHARED_I), mlp="down"),
     *ROUTED_EXPERTS,
     # multi-token-prediction extras
-    R("mtp_enorm", "enorm.weight", MTP, "mtp", "norm", "replicate", None, lambda c: (_h(c),)),
-    R("mtp_hnorm", "hnorm.weight", MTP, "mtp", "norm", "replicate", None, lambda c: (_h(c),)),
+    R("mtp_enorm", "enorm.weight", MTP, "mtp", "norm", "replicate", None, shape(H)),
+    R("mtp_hnorm", "hnorm.weight", MTP, "mtp", "norm", "replicate", None, shape(H)),
     R("mtp_eh_proj", "eh_proj.weight", MTP, "mtp", "linear", "replicate", None,
-      lambda c: (_h(c), 2 * _h(c))),
+      shape(H, 2 * H)),
     R("mtp_embed", "embed_tokens.weight", MTP, "mtp", "embedding", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
+      shape(F.vocab_size, H)),
     R("mtp_head_norm", "shared_head.norm.weight", MTP, "mtp", "norm", "replicate", None,
-      lambda c: (_h(c),)),
+      shape(H)),
     R("mtp_head", "shared_head.head.weight", MTP, "mtp", "head", "vocab", None,
-      lambda c: (c.vocab_size, _h(c))),
+      shape(F.vocab_size, H)),
 )  # fmt: skip
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from .base import ModelFamily, register_family
 from .deepseek_v3 import AWQ, ROLES, DeepseekV3Config
 from .roles import Role
+from .shapes import F, shape
 
 __all__ = ["FAMILY", "INDEXER_ROLES", "DeepseekV32Config"]
 
@@ -51,26 +52,18 @@ class DeepseekV32Config(DeepseekV3Config):
     index_topk: int
 
 
-def _indexer_rows(c: DeepseekV32Config) -> int:
-    return c.index_n_heads * c.index_head_dim
-
-
-def _q_rank(c: DeepseekV32Config) -> int:
-    return c.q_lora_rank or 0
-
-
 R = Role
 INDEXER_ROLES: tuple[Role, ...] = (
     R("indexer_wq_b", "self_attn.indexer.wq_b.weight", "attn_q_lora", "indexer", "linear",
-      "replicate", None, lambda c: (_indexer_rows(c), _q_rank(c)), kept=True),
+      "replicate", None, shape(F.index_n_heads * F.index_head_dim, F.q_lora_rank.or_zero), kept=True),
     R("indexer_wk", "self_attn.indexer.wk.weight", "layer", "indexer", "linear", "replicate", None,
-      lambda c: (c.index_head_dim, c.hidden_size), kept=True),
+      shape(F.index_head_dim, F.hidden_size), kept=True),
     R("indexer_k_norm", "self_attn.indexer.k_norm.weight", "layer", "indexer", "norm", "replicate",
-      None, lambda c: (c.index_head_dim,), kept=True),
+      None, shape(F.index_head_dim), kept=True),
     R("indexer_k_norm_bias", "self_attn.indexer.k_norm.bias", "layer", "indexer", "bias",
-      "replicate", None, lambda c: (c.index_head_dim,), kept=True),
+      "replicate", None, shape(F.index_head_dim), kept=True),
     R("indexer_weights_proj", "self_attn.indexer.weights_proj.weight", "layer", "indexer", "linear",
-      "replicate", None, lambda c: (c.index_n_heads, c.hidden_size), kept=True),
+      "replicate", None, shape(F.index_n_heads, F.hidden_size), kept=True),
 )  # fmt: skip
 
 _AT = next(i for i, r in enumerate(ROLES) if r.name == "o") + 1  # after the attention rows

@@ -39,7 +39,8 @@ from typing import Any
 
 from ..errors import HetquantError
 from .fields import ConfigFields
-from .vlm import VisionConfig, VisionPart, VlmSpec, register_vlm
+from .shapes import Dim, K, shape
+from .vlm import VisionPart, VlmSpec, register_vlm
 
 __all__ = ["FAMILY", "SPEC", "vision_raw"]
 
@@ -78,42 +79,36 @@ def _vision_counts(f: ConfigFields) -> tuple[int, int]:
     return f.integer("num_hidden_layers"), 0
 
 
-def _h(v: VisionConfig) -> int:
-    return v["hidden_size"]
+def _linear(prefix: str, out: Dim, inp: Dim, quantizable: bool = False) -> tuple[VisionPart, ...]:
+    return (VisionPart(f"{prefix}.weight", "linear", shape(out, inp), quantizable),
+            VisionPart(f"{prefix}.bias", "bias", shape(out)))  # fmt: skip
 
 
-def _m(v: VisionConfig) -> int:
-    return v["hidden_size"] * v["merge_area"]
+def _norm(prefix: str, dim: Dim) -> tuple[VisionPart, ...]:
+    return (VisionPart(f"{prefix}.weight", "norm", shape(dim)),
+            VisionPart(f"{prefix}.bias", "norm", shape(dim)))  # fmt: skip
 
 
-def _linear(prefix: str, out: Any, inp: Any, quantizable: bool = False) -> tuple[VisionPart, ...]:
-    return (VisionPart(f"{prefix}.weight", "linear", lambda v: (out(v), inp(v)), quantizable),
-            VisionPart(f"{prefix}.bias", "bias", lambda v: (out(v),)))  # fmt: skip
-
-
-def _norm(prefix: str, dim: Any) -> tuple[VisionPart, ...]:
-    return (VisionPart(f"{prefix}.weight", "norm", lambda v: (dim(v),)),
-            VisionPart(f"{prefix}.bias", "norm", lambda v: (dim(v),)))  # fmt: skip
-
-
+_h = K("hidden_size")
+_m = _h * K("merge_area")  # the projector's width: merged patches' channels
 V, B = "vision_tower", "vision_tower.encoder.blocks.{b}"
 Q = True  # quantizable (module docstring: msModelSlim's Kimi K2.5 W4A8 recipe)
 VISION_PARTS: tuple[VisionPart, ...] = (
     VisionPart(f"{V}.patch_embed.proj.weight", "linear",
-               lambda v: (_h(v), 3, v["patch_size"], v["patch_size"])),
-    VisionPart(f"{V}.patch_embed.proj.bias", "bias", lambda v: (_h(v),)),
+               shape(_h, 3, K("patch_size"), K("patch_size"))),
+    VisionPart(f"{V}.patch_embed.proj.bias", "bias", shape(_h)),
     VisionPart(f"{V}.patch_embed.pos_emb.weight", "embedding",
-               lambda v: (v["pos_emb_height"], v["pos_emb_width"], _h(v))),
+               shape(K("pos_emb_height"), K("pos_emb_width"), _h)),
     *_norm(f"{B}.norm0", _h),
-    *_linear(f"{B}.wqkv", lambda v: 3 * _h(v), _h),
+    *_linear(f"{B}.wqkv", 3 * _h, _h),
     *_linear(f"{B}.wo", _h, _h),
     *_norm(f"{B}.norm1", _h),
-    *_linear(f"{B}.mlp.fc0", lambda v: v["intermediate_size"], _h, Q),
-    *_linear(f"{B}.mlp.fc1", _h, lambda v: v["intermediate_size"], Q),
+    *_linear(f"{B}.mlp.fc0", K("intermediate_size"), _h, Q),
+    *_linear(f"{B}.mlp.fc1", _h, K("intermediate_size"), Q),
     *_norm(f"{V}.encoder.final_layernorm", _h),
     *_norm("mm_projector.pre_norm", _h),
     *_linear("mm_projector.proj.0", _m, _m),
-    *_linear("mm_projector.proj.2", lambda v: v["text_hidden_size"], _m),
+    *_linear("mm_projector.proj.2", K("text_hidden_size"), _m),
 )  # fmt: skip
 
 SPEC = VlmSpec(

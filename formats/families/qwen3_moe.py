@@ -51,6 +51,7 @@ from .deepseek_v3 import RouterSpec
 from .fields import ConfigFields, source_quantization
 from .mappings import AwqMappings, Balance
 from .roles import Role
+from .shapes import F, shape
 
 __all__ = ["AWQ", "FAMILY", "ROLES", "Qwen3MoeConfig"]
 
@@ -164,35 +165,26 @@ class Qwen3MoeConfig(ModelConfig):
 # -- the role table ----------------------------------------------------------------------------
 
 
-def _h(c: Qwen3MoeConfig) -> int:
-    return c.hidden_size
-
-
-def _q(c: Qwen3MoeConfig) -> int:
-    return c.num_attention_heads * c.head_dim
-
-
-def _kv(c: Qwen3MoeConfig) -> int:
-    return c.num_key_value_heads * c.head_dim
-
-
+H = F.hidden_size
+Q = F.num_attention_heads * F.head_dim  # q_proj's rows
+KV = F.num_key_value_heads * F.head_dim  # k_proj's and v_proj's
 R = Role
 ROLES: tuple[Role, ...] = (
     *GLOBALS,
     *LAYER_NORMS,
     # every layer: GQA attention with per-head q/k norms
     R("q", "self_attn.q_proj.weight", "layer", "attention", "linear", "column", None,
-      lambda c: (_q(c), _h(c)), fuse="qkv_proj"),
+      shape(Q, H), fuse="qkv_proj"),
     R("k", "self_attn.k_proj.weight", "layer", "attention", "linear", "column", None,
-      lambda c: (_kv(c), _h(c)), fuse="qkv_proj"),
+      shape(KV, H), fuse="qkv_proj"),
     R("v", "self_attn.v_proj.weight", "layer", "attention", "linear", "column", None,
-      lambda c: (_kv(c), _h(c)), fuse="qkv_proj"),
+      shape(KV, H), fuse="qkv_proj"),
     R("q_norm", "self_attn.q_norm.weight", "layer", "norms", "norm", "replicate", None,
-      lambda c: (c.head_dim,)),
+      shape(F.head_dim)),
     R("k_norm", "self_attn.k_norm.weight", "layer", "norms", "norm", "replicate", None,
-      lambda c: (c.head_dim,)),
+      shape(F.head_dim)),
     R("o", "self_attn.o_proj.weight", "layer", "attention", "linear", "row", None,
-      lambda c: (_h(c), _q(c))),
+      shape(H, Q)),
     *DENSE_MLP,  # the mlp_only_layers / decoder_sparse_step layers
     ROUTER,  # MoE layers: router and routed experts, no shared expert, no router bias
     *ROUTED_EXPERTS,

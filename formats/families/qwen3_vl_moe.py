@@ -45,7 +45,8 @@ from typing import Any
 
 from ..errors import HetquantError
 from .fields import ConfigFields
-from .vlm import VisionConfig, VisionPart, VlmSpec, register_vlm
+from .shapes import Dim, K, shape
+from .vlm import VisionPart, VlmSpec, register_vlm
 
 __all__ = ["FAMILY", "SPEC", "decoder_raw"]
 
@@ -77,41 +78,32 @@ def _vision_counts(f: ConfigFields) -> tuple[int, int]:
     return f.integer("depth"), len(f.integers("deepstack_visual_indexes", ()))
 
 
-def _h(v: VisionConfig) -> int:
-    return v["hidden_size"]
+def _linear(prefix: str, out: Dim, inp: Dim, quantizable: bool = False) -> tuple[VisionPart, ...]:
+    return (VisionPart(f"{prefix}.weight", "linear", shape(out, inp), quantizable),
+            VisionPart(f"{prefix}.bias", "bias", shape(out)))  # fmt: skip
 
 
-def _m(v: VisionConfig) -> int:
-    return v["hidden_size"] * v["spatial_merge_size"] ** 2
+def _norm(prefix: str, dim: Dim) -> tuple[VisionPart, ...]:
+    return (VisionPart(f"{prefix}.weight", "norm", shape(dim)),
+            VisionPart(f"{prefix}.bias", "norm", shape(dim)))  # fmt: skip
 
 
-def _out(v: VisionConfig) -> int:
-    return v["out_hidden_size"]
-
-
-def _linear(prefix: str, out: Any, inp: Any, quantizable: bool = False) -> tuple[VisionPart, ...]:
-    return (VisionPart(f"{prefix}.weight", "linear", lambda v: (out(v), inp(v)), quantizable),
-            VisionPart(f"{prefix}.bias", "bias", lambda v: (out(v),)))  # fmt: skip
-
-
-def _norm(prefix: str, dim: Any) -> tuple[VisionPart, ...]:
-    return (VisionPart(f"{prefix}.weight", "norm", lambda v: (dim(v),)),
-            VisionPart(f"{prefix}.bias", "norm", lambda v: (dim(v),)))  # fmt: skip
-
-
+_h = K("hidden_size")
+_m = _h * K("spatial_merge_size") * K("spatial_merge_size")  # a merger's width
+_out = K("out_hidden_size")
 V, B, D = "model.visual", "model.visual.blocks.{b}", "model.visual.deepstack_merger_list.{d}"
 Q = True  # quantizable (module docstring: msModelSlim's Qwen3-VL-MoE W8A8 recipe)
 VISION_PARTS: tuple[VisionPart, ...] = (
-    VisionPart(f"{V}.patch_embed.proj.weight", "linear", lambda v: (
-        _h(v), v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"])),
-    VisionPart(f"{V}.patch_embed.proj.bias", "bias", lambda v: (_h(v),)),
-    VisionPart(f"{V}.pos_embed.weight", "embedding", lambda v: (v["num_position_embeddings"], _h(v))),
+    VisionPart(f"{V}.patch_embed.proj.weight", "linear", shape(
+        _h, K("in_channels"), K("temporal_patch_size"), K("patch_size"), K("patch_size"))),
+    VisionPart(f"{V}.patch_embed.proj.bias", "bias", shape(_h)),
+    VisionPart(f"{V}.pos_embed.weight", "embedding", shape(K("num_position_embeddings"), _h)),
     *_norm(f"{B}.norm1", _h),
-    *_linear(f"{B}.attn.qkv", lambda v: 3 * _h(v), _h, Q),
+    *_linear(f"{B}.attn.qkv", 3 * _h, _h, Q),
     *_linear(f"{B}.attn.proj", _h, _h, Q),
     *_norm(f"{B}.norm2", _h),
-    *_linear(f"{B}.mlp.linear_fc1", lambda v: v["intermediate_size"], _h, Q),
-    *_linear(f"{B}.mlp.linear_fc2", _h, lambda v: v["intermediate_size"]),
+    *_linear(f"{B}.mlp.linear_fc1", K("intermediate_size"), _h, Q),
+    *_linear(f"{B}.mlp.linear_fc2", _h, K("intermediate_size")),
     *_norm(f"{V}.merger.norm", _h),
     *_linear(f"{V}.merger.linear_fc1", _m, _m),
     *_linear(f"{V}.merger.linear_fc2", _out, _m),

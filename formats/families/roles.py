@@ -10,9 +10,9 @@ none.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from .shapes import Shape
 
 __all__ = [
     "EXPERT_KINDS",
@@ -57,7 +57,7 @@ class Role:
     kind: str  # KINDS
     tp: str  # TP_SPLITS
     expert: str | None  # EXPERT_KINDS
-    shape: Callable[[Any], tuple[int, ...]]  # of the family's config
+    shape: Shape  # of the family's config: data (``shapes.py``), so plans pickle
     mlp: str | None = None  # gate | up | down
     absorbed: bool = False
     kept: bool = False

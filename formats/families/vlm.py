@@ -54,6 +54,7 @@ from ..errors import HetquantError
 from .base import ModelConfig, ModelFamily, get_family, register_family
 from .fields import ConfigFields
 from .roles import GLOBAL, GLOBAL_LAST, Located, Role, TensorRole
+from .shapes import Shape
 
 __all__ = [
     "SOURCE_PRECISION",
@@ -92,14 +93,14 @@ class VisionPart:
 
     pattern: str
     kind: str
-    shape: Callable[[VisionConfig], tuple[int, ...]]
+    shape: Shape  # of the vision config
     quantizable: bool = False
 
     @cached_property
     def role(self) -> Role:
         name = VISION + ":" + re.sub(r"\.\{[bd]\}", "", self.pattern)
         return Role(name, self.pattern, VISION, VISION, self.kind, "replicate", None,
-                    lambda c: self.shape(c.vision), kept=not self.quantizable)  # fmt: skip
+                    Shape(self.shape.dims, of="vision"), kept=not self.quantizable)  # fmt: skip
 
     @cached_property
     def regex(self) -> re.Pattern[str]:

@@ -131,8 +131,6 @@ def _identify(
     """The registered expert-layer format (with its parameters) whose layout ``metas`` are: the
     one whose ``from_stored`` answer gives back exactly ``metas``."""
     for fmt in EXPERT_FORMATS.values():
-        if not hasattr(fmt, "from_stored"):
-            continue
         try:
             variant, dims = fmt.from_stored(metas)
             if variant.stored(*dims) == metas:
@@ -140,7 +138,7 @@ def _identify(
         except (HetquantError, KeyError, IndexError, ValueError, ArithmeticError):
             continue  # not this layout
     shown = ", ".join(f"{k} {m.dtype} {list(m.shape)}" for k, m in metas.items())
-    known = [n for n, f in EXPERT_FORMATS.items() if hasattr(f, "from_stored")]
+    known = list(EXPERT_FORMATS)
     raise HetquantError(
         f"{path}: {prefix} is no CPU expert layout the pool serves ({shown}); expected one of "
         f"{known} (formats/int4_cpu*.py); re-convert the artifact"

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError, WeightFormat
-from hetquant.formats.base import ExpertLayerFormat, stored_metas
+from hetquant.formats.base import stored_metas
+from hetquant.formats.expert_layer import ExpertLayerFormat
 
 __all__ = [
     "BACKENDS",

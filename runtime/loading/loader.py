@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from hetquant.formats import WeightFormat, get_format
-from hetquant.formats.base import identify
 from hetquant.formats.dtypes import torch_dtype
 from hetquant.formats.errors import HetquantError
 from hetquant.formats.families import ModelConfig, parse_config
 from hetquant.formats.filenames import INDEX_NAME, MANIFEST_NAME
+from hetquant.formats.identify import identify
 from hetquant.formats.json_io import load_json, parse_json
 from hetquant.formats.manifest_schema import check_manifest
 from hetquant.formats.safe_paths import inside

@@ -9,8 +9,8 @@ from typing import Any
 
 from hetquant.convert import Plan
 from hetquant.convert.recipes import get_recipe
-from hetquant.formats import HetquantError, get_format
-from hetquant.formats.base import FORMATS
+from hetquant.formats import HetquantError
+from hetquant.formats.base import WeightFormat
 from hetquant.formats.families import parse_config
 from hetquant.formats.safetensors_io import HeaderEntry
 from hetquant.runtime import ParallelLayout
@@ -41,8 +41,8 @@ def planned_modules(plan: Plan) -> dict[str, ModuleInfo]:
             entries = {k: ("planned", HeaderEntry(f"{module}.{k}", m.dtype, m.shape, 0, 0))
                        for k, m in by_module[module].items()}  # fmt: skip
             fmt = job.target.fmt
-            if fmt in FORMATS and fmt != "bf16":
-                info = ModuleInfo(module, get_format(fmt, **dict(job.target.params)),
+            if isinstance(fmt, WeightFormat) and fmt.name != "bf16":
+                info = ModuleInfo(module, fmt,
                                   plan.item(source).role.shape, entries)  # fmt: skip
             else:  # kept / copied: one plain tensor per name
                 (key,) = entries

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from hetquant.convert import RECIPES, Recipe, Target, get_recipe
-from hetquant.convert.recipes.quantized import RuleRecipe
+from hetquant.convert.recipes import Written
+from hetquant.convert.recipes.quantized import Params, RuleRecipe
 from hetquant.formats.families import TensorRole
 
 NAME = "test-hybrid-raw-experts"
@@ -20,10 +21,11 @@ PART = "raw_experts"
 
 @dataclass(frozen=True)
 class RawExperts(RuleRecipe):
-    def _target(self, fmt: str, role: TensorRole) -> Target:
-        if fmt == "int4_cpu_experts":
-            return Target(fmt, PART, file=f"{PART}/layer_{role.layer:03d}.bin", container="raw")
-        return super()._target(fmt, role)
+    def _target(self, fmt: Written, params: Params, role: TensorRole) -> Target:
+        if fmt.name == "int4_cpu_experts":
+            file = f"{PART}/layer_{role.layer:03d}.bin"
+            return Target.writing(fmt, params, part=PART, file=file, container="raw")
+        return super()._target(fmt, params, role)
 
 
 def recipe() -> Recipe:

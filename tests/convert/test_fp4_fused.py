@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from support import REPO, TINY
 
 from hetquant.convert import SourceCheckpoint, convert, get_recipe, plan_for
-from hetquant.convert.recipes.quantized import KEEP, RuleRecipe
+from hetquant.convert.recipes.quantized import FP4, KEEP, RuleRecipe
 from hetquant.formats.nvfp4 import E2M1_MAX, FP8_E4M3_MAX
 from hetquant.formats.nvfp4_ascend import to_canonical
 
@@ -97,7 +97,7 @@ def test_plan_groups_by_merged_module(source: SourceCheckpoint) -> None:
 
 def test_attention_merge_from_the_role_table(source: SourceCheckpoint) -> None:
     """DeepSeek's q_a and kv_a (vLLM's fused_qkv_a_proj) group when both go to NVFP4."""
-    rules = {c: "nvfp4*" for c in ("attention", "absorbed", "dense", "shared", "routed")}
+    rules = {c: FP4 for c in ("attention", "absorbed", "dense", "shared", "routed")}
     rules |= {c: KEEP for c in ("kept", "router", "embedding", "norm", "mtp_extra")}
     recipe = RuleRecipe("t", "", rules=rules, choices={"mtp": ("keep",), "requantize": (False,),
                                                        "fp4_layout": ("nvfp4",)})  # fmt: skip

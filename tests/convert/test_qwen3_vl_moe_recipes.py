@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from hetquant.convert import SourceCheckpoint, convert
 from hetquant.convert.recipes import get_recipe
 from hetquant.convert.verify import verify_artifact
-from hetquant.formats import HetquantError
+from hetquant.formats import FORMATS, HetquantError
 from hetquant.formats.families import parse_config
 from hetquant.formats.families.qwen3_vl_moe import decoder_raw
 from hetquant.runtime import ParallelLayout, open_artifact
@@ -154,7 +154,7 @@ def test_a_recipe_quantizing_the_vision_tower_refused(
     vision module, before any output exists."""
     base = get_recipe("ascend-w8a8")
     bad = dataclasses.replace(
-        base, name="vision-w8a8", rules={**base.rules, "kept": "w8a8_dynamic"}
+        base, name="vision-w8a8", rules={**base.rules, "kept": FORMATS["w8a8_dynamic"]}
     )
     out = tmp_path / "out"
     with pytest.raises(HetquantError) as e:

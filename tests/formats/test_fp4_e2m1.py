@@ -8,8 +8,9 @@ import torch
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from hetquant.formats import HetquantError, TensorMeta, get_format
-from hetquant.formats.base import identify, stored_metas
+from hetquant.formats.base import stored_metas
 from hetquant.formats.fp4_e2m1 import E2M1, E2M1_X2, pack_e2m1, unpack_e2m1
+from hetquant.formats.identify import identify
 
 FP4 = get_format("fp4_e2m1")
 FP8S = get_format("fp8_block_scale")

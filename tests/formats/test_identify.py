@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hetquant.formats import FORMATS, HetquantError, TensorMeta, get_format
-from hetquant.formats.base import identify
+from hetquant.formats.identify import identify
 
 # format → (parameter variants, shapes [out, in]): awkward shapes on purpose (partial FP8 blocks,
 # odd rows); every registered format must be listed (test_every_format_is_covered).

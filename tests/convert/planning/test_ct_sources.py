@@ -162,6 +162,6 @@ def test_hybrid_repack_takes_the_source_group(thinking: Path) -> None:
         meta = {t.name: t.meta for t in scale.tensors}["model.layers.1.mlp.experts.gate_up_scale"]
         want = (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size // group)
         assert (meta.dtype, meta.shape) == ("BF16", want)
-        assert {j.target.fmt for j in plan.jobs if j.kind == "experts"} == {
+        assert {j.target.name for j in plan.jobs if j.kind == "experts"} == {
             "int4_cpu_group_experts"
         }

@@ -31,7 +31,7 @@ def _rules(recipe: str, keep: bool) -> dict[str, str]:
     """Linear weight name → target format of the plan (``bf16`` for KEEP)."""
     rec = get_recipe(recipe).with_options({"keep_dense_down": keep})
     plan = plan_for(SourceCheckpoint.open(TINY), rec, 1 << 40)
-    return {n: job.target.fmt for job in plan.jobs for n in job.sources}
+    return {n: job.target.name for job in plan.jobs for n in job.sources}
 
 
 @pytest.mark.parametrize("recipe", ["ascend-hybrid", "ascend-w8a8", "ascend-w4a8", "ascend-w4a16"])

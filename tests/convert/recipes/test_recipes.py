@@ -13,7 +13,6 @@ from support import TINY, tree_hashes
 
 from hetquant.convert import SourceCheckpoint, convert, get_recipe, replay_plan, verify_artifact
 from hetquant.convert.engine.manifest import MANIFEST_NAME
-from hetquant.formats import get_expert_format, get_format
 from hetquant.formats.families import load_json
 from hetquant.formats.int4_cpu import dequantize_expert
 from hetquant.formats.nvfp4 import BLOCK
@@ -119,11 +118,11 @@ def test_every_tensor_within_its_format_bound(
         elif job.kind == "linear":
             prefix = job.source.removesuffix("weight")
             mine = {p.key: stored[p.tensor] for p in job.outputs}
-            fmt = get_format(job.target.fmt, **dict(job.target.params))
+            fmt = job.target.fmt
             ref = _src_bf16(source, job.source)
             err = (fmt.dequantize(mine) - ref).abs()
             assert bool(
-                (err <= _bound(job.target.fmt, mine, ref.shape) * (1 + REL) + 1e-30).all()
+                (err <= _bound(job.target.name, mine, ref.shape) * (1 + REL) + 1e-30).all()
             ), prefix
         else:  # stacked routed experts
             layer = {p.key: stored[p.tensor] for p in job.outputs}
@@ -161,13 +160,13 @@ def test_streamed_jobs_store_exactly_the_whole_tensor_quantization(
     for job in (j for j in plan.jobs if j.kind != "copy"):
         refs = [_src_bf16(source, name).to(torch.bfloat16) for name in job.sources]
         if job.kind == "linear":
-            fmt = get_format(job.target.fmt, **dict(job.target.params))
+            fmt = job.target.fmt
             # a merged module's members share the per-tensor scale of their joint absmax
             group = [_src_bf16(source, n).abs().amax() for n in job.amax_group]
             opts = {"weight_amax": float(max(group))} if group else {}
             whole = fmt.quantize(refs[0], **opts)
         else:
-            whole = get_expert_format(job.target.fmt).quantize_expert(*refs)
+            whole = job.target.fmt.quantize_expert(*refs)
         for piece in job.outputs:
             want = whole[piece.key].contiguous().reshape(-1).view(torch.uint8)
             assert torch.equal(_piece_bytes(stored, piece), want), (job.source, piece.key)
@@ -255,7 +254,7 @@ def test_golden_format_listing(recipe: str, source: SourceCheckpoint) -> None:
 
     plan = plan_for(source, get_recipe(recipe), 1 << 40)
     fmt_of = {
-        src: ("copy" if j.kind == "copy" else j.target.fmt) for j in plan.jobs for src in j.sources
+        src: ("copy" if j.kind == "copy" else j.target.name) for j in plan.jobs for src in j.sources
     }
     layers = {"dense": [0], "eh_proj": [3]}
     for cls, probes in PROBES.items():

@@ -29,6 +29,7 @@ from hetquant.formats.families import (
     unregister_family,
 )
 from hetquant.formats.families.roles import GLOBAL, GLOBAL_LAST
+from hetquant.formats.families.shapes import F, shape
 from hetquant.runtime import ParallelLayout, open_artifact
 
 H, VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, INTER = 256, 320, 2, 4, 2, 64, 4, 256
@@ -65,12 +66,7 @@ def _row(name, pattern, scope, group, kind, tp, expert, shape, **kw) -> Role:  #
     return Role(name, pattern, scope, group, kind, tp, expert, shape, **kw)
 
 
-def _q(c: ToyConfig) -> int:
-    return c.num_attention_heads * c.head_dim
-
-
-def _kv(c: ToyConfig) -> int:
-    return c.num_key_value_heads * c.head_dim
+_H, _Q, _KV = F.hidden_size, F.num_attention_heads * F.head_dim, F.num_key_value_heads * F.head_dim
 
 
 TOY = ModelFamily(
@@ -78,35 +74,35 @@ TOY = ModelFamily(
     ToyConfig,
     (
         _row("embed", "model.embed_tokens.weight", GLOBAL, "embeddings", "embedding", "vocab", None,
-             lambda c: (c.vocab_size, c.hidden_size)),
+             shape(F.vocab_size, _H)),
         _row("final_norm", "model.norm.weight", GLOBAL, "norms", "norm", "replicate", None,
-             lambda c: (c.hidden_size,)),
+             shape(_H)),
         _row("lm_head", "lm_head.weight", GLOBAL_LAST, "embeddings", "head", "vocab", None,
-             lambda c: (c.vocab_size, c.hidden_size)),
+             shape(F.vocab_size, _H)),
         _row("attn_norm", "input_layernorm.weight", "layer", "norms", "norm", "replicate", None,
-             lambda c: (c.hidden_size,)),
+             shape(_H)),
         _row("q", "self_attn.q_proj.weight", "layer", "attention", "linear", "column", None,
-             lambda c: (_q(c), c.hidden_size)),
+             shape(_Q, _H)),
         _row("k", "self_attn.k_proj.weight", "layer", "attention", "linear", "column", None,
-             lambda c: (_kv(c), c.hidden_size)),
+             shape(_KV, _H)),
         _row("v", "self_attn.v_proj.weight", "layer", "attention", "linear", "column", None,
-             lambda c: (_kv(c), c.hidden_size)),
+             shape(_KV, _H)),
         _row("q_norm", "self_attn.q_norm.weight", "layer", "norms", "norm", "replicate", None,
-             lambda c: (c.head_dim,)),
+             shape(F.head_dim)),
         _row("k_norm", "self_attn.k_norm.weight", "layer", "norms", "norm", "replicate", None,
-             lambda c: (c.head_dim,)),
+             shape(F.head_dim)),
         _row("o", "self_attn.o_proj.weight", "layer", "attention", "linear", "row", None,
-             lambda c: (c.hidden_size, _q(c))),
+             shape(_H, _Q)),
         _row("ffn_norm", "post_attention_layernorm.weight", "layer", "norms", "norm", "replicate",
-             None, lambda c: (c.hidden_size,)),
+             None, shape(_H)),
         _row("router", "mlp.gate.weight", "layer", "router", "router", "replicate", None,
-             lambda c: (c.num_experts, c.hidden_size)),
+             shape(F.num_experts, _H)),
         _row("expert_gate", "mlp.experts.{e}.gate_proj.weight", "layer", "routed_experts", "linear",
-             "column", "routed", lambda c: (c.moe_intermediate_size, c.hidden_size), mlp="gate"),
+             "column", "routed", shape(F.moe_intermediate_size, _H), mlp="gate"),
         _row("expert_up", "mlp.experts.{e}.up_proj.weight", "layer", "routed_experts", "linear",
-             "column", "routed", lambda c: (c.moe_intermediate_size, c.hidden_size), mlp="up"),
+             "column", "routed", shape(F.moe_intermediate_size, _H), mlp="up"),
         _row("expert_down", "mlp.experts.{e}.down_proj.weight", "layer", "routed_experts", "linear",
-             "row", "routed", lambda c: (c.hidden_size, c.moe_intermediate_size), mlp="down"),
+             "row", "routed", shape(_H, F.moe_intermediate_size), mlp="down"),
     ),
     AwqMappings(
         balances=(Balance("attn_in", "attn_norm", ("q", "k", "v")),),

@@ -25,8 +25,8 @@ from hetquant.convert import (
     verify_artifact,
 )
 from hetquant.formats import FORMATS, TensorMeta, WeightFormat
-from hetquant.formats.base import identify
 from hetquant.formats.families import TensorRole, register_family, unregister_family
+from hetquant.formats.identify import identify
 from hetquant.runtime import ParallelLayout, open_artifact
 
 
@@ -61,7 +61,7 @@ class ToyInt8(WeightFormat):
 class ToyRecipe(Recipe):
     def assign(self, role: TensorRole, source_fmt: str) -> Target:
         linear = role.role.kind == "linear" and role.role.expert is None
-        return Target(ToyInt8.name) if linear else keep(source_fmt)
+        return Target.writing(ToyInt8()) if linear else keep(source_fmt)
 
 
 @pytest.fixture(scope="module")
