@@ -95,7 +95,7 @@ def test_vision_linears_take_no_calibration(tiny_qwen3_vl: dict[str, Path]) -> N
     src = SourceCheckpoint.open(tiny_qwen3_vl["bf16"])
     rec = get_recipe("ascend-hybrid").with_options({"quantize_vision": True})
     qkv = src.tensors["model.visual.blocks.0.attn.qkv.weight"].role
-    assert rec.assign(qkv, "plain").fmt == "w8a8_dynamic" and rec.calibration(qkv) is None
+    assert rec.assign(qkv, "plain").name == "w8a8_dynamic" and rec.calibration(qkv) is None
     attn = src.tensors["model.language_model.layers.0.self_attn.q_proj.weight"].role
     assert rec.calibration(attn) == "quantized"
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 import pytest
 
 from hetquant.formats import HetquantError
-from hetquant.formats.base import EXPERT_FORMATS
+from hetquant.formats.expert_layer import EXPERT_FORMATS
 from hetquant.formats.fp4_cpu import Fp4CpuExperts
 from hetquant.runtime.kernels import fp4_gemv, int4_moe
 from hetquant.runtime.kernels.int4_gemv import int4_gemv
