@@ -124,8 +124,8 @@ LAYER_ROLES: tuple[Role, ...] = (
       lambda c: (c.head_dim, _h(c)), fuse="fused_wqa_wkv"),
     R("kv_norm", "attn.kv_norm.weight", "layer", "norms", "norm", "replicate", None,
       lambda c: (c.head_dim,)),
-    # one sink per head; replicated (the loader splits 2-D weights; vLLM narrows it per rank)
-    R("sinks", "attn.attn_sink", "layer", "attention", "bias", "replicate", None,
+    # one sink per head, split with the heads (as q_b's rows): a TP rank keeps its heads' sinks
+    R("sinks", "attn.attn_sink", "layer", "attention", "bias", "column", None,
       lambda c: (c.num_attention_heads,), kept=True),
     *_compressor("csa", "attn.compressor", 2, "head_dim"),
     *_compressor("csa", "attn.indexer.compressor", 2, "index_head_dim"),

@@ -50,10 +50,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-
 from hetquant.formats import HetquantError
 
+from ..forward.moe import swiglu
 from ..kernels.fp4_gemv import fp4_gemv
 from ..kernels.int4_gemv import int4_gemv
 from ..kernels.int4_moe import int4_moe
@@ -220,6 +219,7 @@ class _Subpool:
         its first expert, ``kw`` the ``int4_gemv`` options plus ``fused`` (module docstring)."""
         t = self.tensors[layer]
         kw = dict(kw)
+        limit = kw.pop("limit", None)  # the SwiGLU clip (DeepSeek-V4's swiglu_limit)
         fp4 = t["gate_up_scale"].dtype == torch.float8_e8m0fnu  # formats/fp4_cpu.py
         gemv = fp4_gemv if fp4 else int4_gemv
         if kw.pop("fused") and not fp4:
@@ -233,7 +233,7 @@ class _Subpool:
             tok, w = r.tokens[a:b], r.weights[a:b]
             xs = x32.index_select(0, tok)  # [n, H]
             gu = gemv(t["gate_up_packed"][i], t["gate_up_scale"][i], xs, **kw)  # [n, 2I/S]
-            act = F.silu(gu[:, 0::2]) * gu[:, 1::2]  # [n, I/S]
+            act = swiglu(gu[:, 0::2], gu[:, 1::2], limit)  # [n, I/S]
             y = gemv(t["down_packed"][i], t["down_scale"][i], act, **kw)  # [n, H]
             out.index_add_(0, tok, y * w[:, None])
         return out
