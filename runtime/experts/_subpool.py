@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
 from hetquant.formats import HetquantError
 
 from ..forward.moe import swiglu

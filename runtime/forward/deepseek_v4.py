@@ -61,8 +61,8 @@ def _rope(raw: dict[str, Any], which: str, dim: int) -> RopeSpec:
     else:
         theta = f.number("rope_theta" if which == "main" else "compress_rope_theta",
                          10000.0 if which == "main" else 160000.0, positive=True)  # fmt: skip
-        scaling = f.mapping("rope_scaling") if raw.get("rope_scaling") else f.mapping(
-            "rope_parameters"
+        scaling = (
+            f.mapping("rope_scaling") if raw.get("rope_scaling") else f.mapping("rope_parameters")
         )
         if which == "main":
             return RopeSpec(dim, theta)  # configuration_deepseek_v4.py:306-310: always plain

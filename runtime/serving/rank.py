@@ -97,8 +97,9 @@ class RankWeights:
     ) -> torch.Tensor:  # fmt: skip
         if self.pool is not None and layer in self.pool.layers:
             y = (  # the pool is on the host: activations travel there and back
-                self.pool.forward(layer, x.cpu(), topk_ids.cpu(), topk_weights.cpu(), limit)
-                .to(x.device)
+                self.pool.forward(layer, x.cpu(), topk_ids.cpu(), topk_weights.cpu(), limit).to(
+                    x.device
+                )
                 if self.comm.rank == 0
                 else torch.zeros_like(x)
             )
