@@ -102,6 +102,7 @@ class DeepseekV4Reference(DecoderReference):
     """DeepSeek-V4 causal prefill over one token sequence (module docstring)."""
 
     cfg: DeepseekV4Config
+    composable = False  # hyper-connections, per-sequence compressors: LayerRunner runs our layer
 
     def __init__(
         self, cfg: DeepseekV4Config, weights: Weights, *, dtype: torch.dtype = torch.float32

@@ -40,7 +40,7 @@ config has ``rms_norm_eps = 1e-6``). The multi-token-prediction layers (layers
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -142,6 +142,9 @@ class DecoderReference:
 
     rope: RopeSpec
     router: RouterSpec | None
+    # calib/forward.py's LayerRunner composes this family's layer from ``attention``, the norms
+    # and a batched MoE (True), or runs ``decoder_layer`` one sequence at a time (False)
+    composable: ClassVar[bool] = True
 
     def __init__(self, cfg: ModelConfig, weights: Weights, *, dtype: torch.dtype) -> None:
         raw = cfg.decoder_raw
