@@ -104,6 +104,9 @@ class Capture:
         self._inputs.setdefault(name, []).append(x)
 
     def routing(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """Record a MoE call; a family run one sequence at a time makes one per sequence."""
+        if self.moe_input is not None and self.topk_ids is not None:
+            x, topk_ids = torch.cat([self.moe_input, x]), torch.cat([self.topk_ids, topk_ids])
         self.moe_input, self.topk_ids = x, topk_ids
 
     def input(self, module: str) -> torch.Tensor:
@@ -193,7 +196,7 @@ class LayerRunner:
         self.cfg, self.device, self.dtype, self.fam = cfg, torch.device(device), dtype, cfg.family
         self.reference = reference_for(cfg)  # the family's forward (its attention)
         probe = self.reference(cfg, LayerWeights({}, family=self.fam), dtype=dtype)
-        self.composable = probe.composable
+        self.composable, self.limit = probe.composable, probe.limit
         self.eps, self.router = probe.eps, probe.router
         cos, sin = cos_sin(probe.rope, torch.arange(seq_len), work_dtype(dtype))  # [T, dr/2]
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
@@ -239,7 +242,13 @@ class LayerRunner:
         return y
 
     def embed(self, embed_weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Hidden states [N, T, D] of ``tokens`` [N, T] (looked up where the table lives)."""
+        """Hidden states [N, T, D] (a family that is not composable: its ``embed_hidden``,
+        [N, ``hidden_shape(T)``]) of ``tokens`` [N, T] (looked up where the table lives)."""
+        if not self.composable:
+            table = LayerWeights({self.fam.tensor("embed"): embed_weight}, family=self.fam)
+            model = self.reference(self.cfg, table, dtype=self.dtype)
+            ids = tokens.to(embed_weight.device)
+            return torch.stack([model.embed_hidden(t) for t in ids]).to(self.device)
         return embed_weight[tokens.to(embed_weight.device)].to(self.device, self.dtype)
 
     def head(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
@@ -304,8 +313,8 @@ class StreamedForward:
         top = {n: self.tensor_fn(n).to(self.device) for n in self.names
                if not n.startswith(prefixes)}  # fmt: skip
         model = runner.reference(cfg, LayerWeights(top, family=f), dtype=self.dtype)
+        h = runner.embed(top[f.tensor("embed")], t)  # [N, T, ...]
         t = t.to(self.device)
-        h = torch.stack([model.embed_hidden(tn) for tn in t])  # [N, T, ...]
         for layer in range(cfg.num_hidden_layers):
             names = [n for n in self.names if n.startswith(f.prefix(layer))]
             state = {n: self.tensor_fn(n).to(self.device) for n in names}

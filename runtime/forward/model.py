@@ -145,6 +145,7 @@ class DecoderReference:
     # calib/forward.py's LayerRunner composes this family's layer from ``attention``, the norms
     # and a batched MoE (True), or runs ``decoder_layer`` one sequence at a time (False)
     composable: ClassVar[bool] = True
+    limit: float | None = None  # the SwiGLU clip of its MLPs (moe.swiglu; DeepSeek-V4's)
 
     def __init__(self, cfg: ModelConfig, weights: Weights, *, dtype: torch.dtype) -> None:
         raw = cfg.decoder_raw
