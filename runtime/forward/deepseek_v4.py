@@ -54,24 +54,25 @@ def _rope(raw: dict[str, Any], which: str, dim: int) -> RopeSpec:
     """The ``main`` or ``compress`` rope of a V4 config (module docstring)."""
     f = ConfigFields(raw, "config.json")
     nested = raw.get("rope_parameters")
-    if isinstance(nested, dict) and isinstance(nested.get(which), dict):
-        params = f.mapping("rope_parameters").mapping(which)
-        theta = params.number("rope_theta", positive=True)
-        scaling = params
+    is_nested = isinstance(nested, dict) and isinstance(nested.get(which), dict)
+    if is_nested:
+        scaling = f.mapping("rope_parameters").mapping(which)
+        theta = scaling.number("rope_theta", positive=True)
     else:
         theta = f.number("rope_theta" if which == "main" else "compress_rope_theta",
                          10000.0 if which == "main" else 160000.0, positive=True)  # fmt: skip
-        scaling = (
-            f.mapping("rope_scaling") if raw.get("rope_scaling") else f.mapping("rope_parameters")
-        )
         if which == "main":
             return RopeSpec(dim, theta)  # configuration_deepseek_v4.py:306-310: always plain
+        scaling = f.mapping("rope_scaling" if raw.get("rope_scaling") else "rope_parameters")
     kind = scaling.text("rope_type", scaling.text("type", "default"))
     if kind == "default":
         return RopeSpec(dim, theta)
-    if scaling.number("attention_factor", 1.0) != 1.0:
-        raise HetquantError(f"config.json: the {which} rope's attention_factor is not 1; the "
-                            "DeepSeek-V4 forward reads YaRN without a magnitude factor")  # fmt: skip
+    # transformers sets attention_factor 1 when it nests a flat config (so a saved config has
+    # it); a nested one without it would get YaRN's magnitude factor, which is not read here
+    factor = scaling.number("attention_factor", None if is_nested else 1.0)
+    if factor != 1.0:
+        raise HetquantError(f"config.json: the {which} rope's attention_factor is {factor}, not "
+                            "1; the DeepSeek-V4 forward reads YaRN without a magnitude factor")  # fmt: skip
     yarn = {k: scaling.raw[k] for k in ("factor", "original_max_position_embeddings",
                                         "beta_fast", "beta_slow") if k in scaling.raw}  # fmt: skip
     yarn |= {"type": kind, "mscale": 0.0, "mscale_all_dim": 0.0}  # m(·) = 1: no magnitude factor

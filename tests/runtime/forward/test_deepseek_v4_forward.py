@@ -198,7 +198,9 @@ def test_deepseek_config_ropes_are_transformers(tiny_v4: dict[str, Path]) -> Non
     ("edit", "match"),
     [({"scoring_func": "softmax"}, "scoring_func"),
      ({"hidden_act": "gelu"}, "hidden_act"),
-     ({"rope_parameters": {"compress": {**_YARN, "attention_factor": 1.2}}}, "attention_factor")],
+     ({"rope_parameters": {"compress": {**_YARN, "attention_factor": 1.2}}}, "attention_factor"),
+     ({"rope_parameters": {"compress": {k: v for k, v in _YARN.items()
+                                        if k != "attention_factor"}}}, "attention_factor is None")],
 )  # fmt: skip
 def test_refusals_name_the_field(
     edit: dict, match: str, tiny_v4: dict[str, Path], tmp_path: Path
