@@ -42,11 +42,13 @@ directory when that file is absent or says otherwise.
 Usage::
 
     python benchmarks/make_synthetic.py DIR [--experts 16] [--vocab 1024] [--seed 0]
-        [--dense-layers 1|0] [--jobs N]
+        [--dense-layers 1|0] [--jobs N] [--moe-layers N]
 
 ``--dense-layers 0`` leaves layer 0 out (one MoE layer: 0.97 GB with 16 experts, the "1 GB
 real-shape shard" of issue #16's two-core target); ``--jobs N`` generates tensors in N processes
-(the bytes do not change).
+(the bytes do not change); ``--moe-layers N`` writes N MoE layers after the dense one (more than
+two layers in all: one shard per layer, as DeepSeek's own checkpoint is cut; the source of
+``bench_convert_limit.py``).
 """
 
 from __future__ import annotations
@@ -302,9 +304,32 @@ def _header(specs: list[Spec]) -> bytes:
     return struct.pack("<Q", len(body)) + body
 
 
+def with_layers(config: dict, dense_layers: int, moe_layers: int) -> dict:
+    """``config`` with ``dense_layers`` (0 or 1) dense layers, then ``moe_layers`` MoE layers."""
+    return {
+        **config,
+        "num_hidden_layers": dense_layers + moe_layers,
+        "first_k_dense_replace": dense_layers,
+    }
+
+
 def moe_only(config: dict) -> dict:
     """``config`` without its dense layer: one MoE layer (``--dense-layers 0``)."""
-    return {**config, "num_hidden_layers": 1, "first_k_dense_replace": 0}
+    return with_layers(config, 0, 1)
+
+
+def shard_names(specs: list[Spec], layers: int) -> dict[str, list[Spec]]:
+    """Shard file → its tensors: one shard (``SHARD``) for up to two layers, else one per layer
+    as DeepSeek's own checkpoint is cut (``model-00001-of-000061.safetensors``), the embedding
+    in the first, the final norm and lm_head in the last."""
+    if layers <= 2:
+        return {SHARD: specs}
+    out: dict[str, list[Spec]] = {}
+    for s in specs:
+        parts = s.name.split(".")
+        layer = int(parts[2]) if parts[:2] == ["model", "layers"] else (0 if "embed" in s.name else layers - 1)  # fmt: skip
+        out.setdefault(f"model-{layer + 1:05d}-of-{layers:06d}.safetensors", []).append(s)
+    return dict(sorted(out.items()))
 
 
 def _write_specs(path: Path, offsets: list[tuple[Spec, int]], seed: int) -> None:
@@ -339,31 +364,42 @@ def _write_data(path: Path, specs: list[Spec], start: int, seed: int, jobs: int)
         pool.starmap(_write_specs, [(path, part, seed) for part in parts])
 
 
-def write_checkpoint(
-    out: Path, experts: int = 16, vocab: int = 1024, seed: int = 0, quiet: bool = False,
-    dense_layers: int = 1, jobs: int = 1,
-) -> dict:  # fmt: skip
-    """Write the checkpoint into ``out`` (replacing a previous one); returns its SYNTHETIC.json.
-
-    ``dense_layers`` 0 leaves the dense layer out (one MoE layer); ``jobs`` processes generate
-    tensors in parallel (same bytes)."""
-    config = make_config(experts, vocab)
-    if dense_layers == 0:
-        config = moe_only(config)
-    specs = sorted(tensor_specs(config), key=lambda s: (_DTYPE_RANK[s.dtype], s.name))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).unlink(missing_ok=True)
-    t0 = time.perf_counter()
-    tmp = out / f".{SHARD}.tmp"
+def _write_shard(out: Path, name: str, specs: list[Spec], seed: int, jobs: int) -> None:
+    tmp = out / f".{name}.tmp"
     header = _header(specs)
     with open(tmp, "wb") as f:
         f.write(header)
     _write_data(tmp, specs, len(header), seed, jobs)
-    os.replace(tmp, out / SHARD)
+    os.replace(tmp, out / name)
+
+
+def write_checkpoint(
+    out: Path, experts: int = 16, vocab: int = 1024, seed: int = 0, quiet: bool = False,
+    dense_layers: int = 1, jobs: int = 1, moe_layers: int = 1,
+) -> dict:  # fmt: skip
+    """Write the checkpoint into ``out`` (replacing a previous one); returns its SYNTHETIC.json.
+
+    ``dense_layers`` 0 leaves the dense layer out; ``moe_layers`` MoE layers follow it (more
+    than two layers in all: one shard per layer, ``shard_names``); ``jobs`` processes generate
+    tensors in parallel (same bytes)."""
+    config = make_config(experts, vocab)
+    if (dense_layers, moe_layers) != (1, 1):
+        config = with_layers(config, dense_layers, moe_layers)
+    specs = sorted(tensor_specs(config), key=lambda s: (_DTYPE_RANK[s.dtype], s.name))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    shards = shard_names(specs, config["num_hidden_layers"])
+    for old in out.glob("*.safetensors"):  # a previous checkpoint's shards of other names
+        if old.name not in shards:
+            old.unlink()
+    for name, part in shards.items():
+        _write_shard(out, name, part, seed, jobs)
     data = sum(s.nbytes for s in specs)
+    where = {s.name: name for name, part in shards.items() for s in part}
     index = {
         "metadata": {"total_size": data},
-        "weight_map": {s.name: SHARD for s in sorted(specs, key=lambda s: s.name)},
+        "weight_map": {s.name: where[s.name] for s in sorted(specs, key=lambda s: s.name)},
     }
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -373,21 +409,26 @@ def write_checkpoint(
         "vocab": vocab,
         "seed": seed,
         "dense_layers": dense_layers,
+        "moe_layers": moe_layers,
+        "shards": list(shards),
         "tensors": len(specs),
         "data_bytes": data,
-        "shard_bytes": (out / SHARD).stat().st_size,
+        "shard_bytes": sum((out / name).stat().st_size for name in shards),
         "seconds": round(time.perf_counter() - t0, 2),
     }
     (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     if not quiet:
         print(
-            f"wrote {out}: {len(specs)} tensors, {marker['shard_bytes'] / 1e9:.3f} GB in one shard "
+            f"wrote {out}: {len(specs)} tensors, {marker['shard_bytes'] / 1e9:.3f} GB in "
+            f"{len(shards)} shard(s) "
             f"({marker['seconds']} s)"
         )
     return marker
 
 
-def is_current(out: Path, experts: int, vocab: int, seed: int, dense_layers: int = 1) -> bool:
+def is_current(
+    out: Path, experts: int, vocab: int, seed: int, dense_layers: int = 1, moe_layers: int = 1
+) -> bool:
     """True when ``out`` holds a complete checkpoint made with these parameters."""
     try:
         m = json.loads((out / MARKER).read_text())
@@ -395,7 +436,8 @@ def is_current(out: Path, experts: int, vocab: int, seed: int, dense_layers: int
         return False
     want = {"experts": experts, "vocab": vocab, "seed": seed}
     same = all(m.get(k) == v for k, v in want.items()) and m.get("dense_layers", 1) == dense_layers
-    return same and (out / SHARD).is_file()
+    same = same and m.get("moe_layers", 1) == moe_layers
+    return same and all((out / name).is_file() for name in m.get("shards", [SHARD]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -408,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
         "--dense-layers", type=int, choices=(0, 1), default=1, help="0: one MoE layer only"
     )
     ap.add_argument("--jobs", type=int, default=1, help="processes generating tensors (same bytes)")
+    ap.add_argument("--moe-layers", type=int, default=1, help="MoE layers after the dense one")
     ap.add_argument(
         "--check",
         action="store_true",
@@ -415,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     if args.dir.exists() and any(args.dir.iterdir()) and not (args.dir / INDEX).exists():
-        if not (args.dir / f".{SHARD}.tmp").exists():
+        if not any(args.dir.glob(".*.safetensors.tmp")):
             sys.exit(f"error: {args.dir} is not empty and holds no checkpoint; choose another DIR")
         shutil.rmtree(args.dir)
     write_checkpoint(
@@ -425,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         args.seed,
         dense_layers=args.dense_layers,
         jobs=args.jobs,
+        moe_layers=args.moe_layers,
     )
     if args.check:
         from hetquant.convert import SourceCheckpoint

@@ -1,7 +1,8 @@
 """``hetquant verify``: an artifact checked against its manifest, byte for byte and shape for shape.
 
 Checks, each reported as a line: the manifest is complete and of a known schema; every listed file
-exists with its size and sha256; nothing unlisted lies beside them but the user's documents
+exists with its size and digest (the algorithm the manifest names: BLAKE3 on all cores since
+schema 3, sha256 before; ``formats/file_digests.py``); nothing unlisted lies beside them but the user's documents
 (``USER_DOCS``: a LICENSE, NOTES.txt, a README… — kept by ``convert --overwrite``, not part of the
 artifact; ``publish`` uploads the licence files among them); every safetensors header is
 valid; the index maps exactly the root shards' tensors; and every file's header is byte-identical
@@ -25,6 +26,7 @@ from hetquant.formats.families import (
     load_config,
     load_json,
 )
+from hetquant.formats.file_digests import manifest_digest
 from hetquant.formats.filenames import PARTIAL_DIR
 from hetquant.formats.manifest_schema import read_manifest
 from hetquant.formats.safe_paths import inside
@@ -121,7 +123,7 @@ def artifact_files(root: Path, manifest: dict[str, Any]) -> dict[str, int]:
 
 
 def listed_files(root: Path, manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The manifest's ``files`` (name → size and sha256) and its parts' files, every name checked
+    """The manifest's ``files`` (name → size and digest) and its parts' files, every name checked
     to stay inside ``root`` (``formats/safe_paths.py``; HetquantError for one that leaves it)."""
     listed: dict[str, dict[str, Any]] = manifest.get("files", {})
     parts = [p for p in (manifest.get("parts") or {}).values() if isinstance(p, dict)]
@@ -192,7 +194,8 @@ def verify_artifact(root: Path) -> list[str]:
         problems.append(f"{MANIFEST_NAME}: not marked complete")
     listed = listed_files(root, manifest)  # a name outside the artifact: refused (exit 2)
     present = {name: root / name for name in listed if (root / name).is_file()}
-    digests = digest_files(present)  # several files at once
+    alg = manifest_digest(manifest, MANIFEST_NAME)  # known: read_manifest checked it
+    digests = digest_files(present, algorithm=alg)  # several files at once, each on all cores
     for name, want in listed.items():
         if name not in digests:
             there = (root / name).exists()  # a FIFO, a device, a directory: never opened
@@ -201,8 +204,8 @@ def verify_artifact(root: Path) -> list[str]:
         got = digests[name]
         if got["size"] != want["size"]:
             problems.append(f"{name}: size {got['size']} != {want['size']} in the manifest")
-        elif got["sha256"] != want["sha256"]:
-            problems.append(f"{name}: sha256 differs from the manifest (corrupt or modified)")
+        elif got[alg.name] != want[alg.name]:
+            problems.append(f"{name}: {alg.name} differs from the manifest (corrupt or modified)")
     unlisted = sorted(n for n in _unlisted(root, manifest) if not _is_doc(n))
     problems += [f"{n}: not listed in the manifest" for n in unlisted]
     problems += _check_structure(root, manifest)

@@ -451,6 +451,42 @@ int hq_awq_quantize(const void* w, int bf16, int64_t R, int64_t K, int64_t g, in
   }
 }
 
+// NVFP4 Ascend tile order (formats/nvfp4_ascend.py ``_tile``): the packed K-major codes kn
+// [K, NB] (NB = N/2 bytes, K % 64 == 0, NB % 128 == 0) rewritten as out [K, NB] in the order
+// K3 > K1 > K2 > N2 > N3 > N1 > K0 > N0 of k = 64 K3 + 16 K2 + 8 K1 + K0 and byte column
+// 128 N3 + 16 N2 + 4 N1 + N0: a pure byte permutation that moves 4-byte (N0) words. Returns
+// 0, -2 on bad arguments.
+int hq_nvfp4_tile(const uint8_t* kn, int64_t K, int64_t NB, uint8_t* out) {
+  if (K < 0 || NB < 0 || K % 64 || NB % 128) return -2;
+  const int64_t n3s = NB / 128;
+  for (int64_t k3 = 0; k3 < K / 64; ++k3)
+    for (int k1 = 0; k1 < 2; ++k1)
+      for (int k2 = 0; k2 < 4; ++k2) {
+        const uint8_t* rows = kn + (64 * k3 + 16 * k2 + 8 * k1) * NB;  // k0 = 0 of this group
+        for (int n2 = 0; n2 < 8; ++n2)
+          for (int64_t n3 = 0; n3 < n3s; ++n3)
+            for (int n1 = 0; n1 < 4; ++n1) {
+              const uint8_t* col = rows + 128 * n3 + 16 * n2 + 4 * n1;
+              for (int k0 = 0; k0 < 8; ++k0, out += 4) memcpy(out, col + k0 * NB, 4);
+            }
+      }
+  return 0;
+}
+
+// Per column of the byte rows w [R, C] (row stride ``stride`` bytes): the largest low 7 bits,
+// out [C]. For E4M3 codes that is the largest magnitude's code (magnitudes order like them).
+void hq_u8_colmax7(const uint8_t* __restrict w, int64_t R, int64_t C, int64_t stride,
+                   uint8_t* __restrict out) {
+  memset(out, 0, (size_t)C);
+  for (int64_t r = 0; r < R; ++r) {
+    const uint8_t* __restrict row = w + r * stride;
+    for (int64_t c = 0; c < C; ++c) {  // vectorised: no aliasing between row and out
+      const uint8_t m = row[c] & 0x7F;
+      out[c] = m > out[c] ? m : out[c];
+    }
+  }
+}
+
 // Element-wise conversions, exported for the tests.
 void hq_e4m3_encode(const float* x, uint8_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = e4m3_from_f32(x[i]);

@@ -52,6 +52,8 @@ __all__ = [
     "float_kind",
     "host_array",
     "nvfp4",
+    "nvfp4_tile",
+    "u8_colmax7",
 ]
 
 # The C++ source: the quantizers, then the row kernels of ``_rows_native`` (one library).
@@ -69,6 +71,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.hq_absmax.restype = f32
     lib.hq_awq_quantize.argtypes = [vp, ci, i64, i64, i64, vp, vp, vp, ci]
     lib.hq_awq_quantize.restype = ci
+    lib.hq_nvfp4_tile.argtypes = [vp, i64, i64, vp]
+    lib.hq_nvfp4_tile.restype = ci
+    lib.hq_u8_colmax7.argtypes = [vp, i64, i64, i64, vp]
+    lib.hq_u8_colmax7.restype = None
     lib.hq_quant_best_isa.argtypes = []
     lib.hq_quant_best_isa.restype = ci
     for fn in (lib.hq_e4m3_encode, lib.hq_f16_encode):
@@ -161,6 +167,29 @@ def nvfp4(
         w.data_ptr(), w.dtype == torch.bfloat16, n, k, s2, q.data_ptr(), sc.data_ptr(), kmajor, isa
     )
     return None if rc else (q, sc.view(torch.float8_e4m3fn))
+
+
+def nvfp4_tile(kn: torch.Tensor) -> torch.Tensor | None:
+    """``nvfp4_ascend._tile`` of packed K-major codes ``kn`` uint8 [K, N/2] (K % 64 == 0,
+    N % 256 == 0): the same bytes in tile order, [K, N/2]. None where the kernel does not
+    apply (no library, another dtype or layout)."""
+    lib = QUANT_LIBRARY.get().lib
+    if lib is None or kn.dtype != torch.uint8 or kn.ndim != 2 or not kn.is_contiguous():
+        return None
+    out = torch.empty_like(kn)
+    rc = lib.hq_nvfp4_tile(kn.data_ptr(), kn.shape[0], kn.shape[1], out.data_ptr())
+    return None if rc else out
+
+
+def u8_colmax7(rows: torch.Tensor) -> torch.Tensor | None:
+    """Per column of byte rows ``rows`` [R, C] (any 1-byte dtype, rows may be strided, columns
+    contiguous): ``max(rows & 0x7F)`` as uint8 [C]; None where the kernel does not apply."""
+    lib = QUANT_LIBRARY.get().lib
+    if lib is None or rows.element_size() != 1 or rows.ndim != 2 or rows.stride(1) != 1:
+        return None
+    out = torch.empty(rows.shape[1], dtype=torch.uint8)
+    lib.hq_u8_colmax7(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), out.data_ptr())
+    return out
 
 
 def awq_rtn_array(w: np.ndarray, group: int, isa: int = 0) -> dict[str, np.ndarray] | None:

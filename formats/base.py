@@ -423,6 +423,16 @@ class ExpertLayerFormat(ABC):
     # declared capability: ``quantize_rows(rows)`` quantizes any block of one linear's rows (the
     # engine then streams an expert's rows instead of loading its weights whole)
     streams_rows: ClassVar[bool] = False
+    # declared capability: the family of CPU expert-pool kernels that computes this layout
+    # (``runtime/kernels/registry.py`` maps it to a GEMV and, where one exists, a fused MoE call;
+    # None: the pool cannot serve it)
+    cpu_kernel: ClassVar[str | None] = None
+    # declared capability: how ``subpool_slice`` splits ``down`` along the intermediate size
+    # (split="inter"): "inputs" — a subpool owns down's input columns of its slice and the
+    # subpools' partial sums are added; "rows" — a subpool owns a slice of down's output rows
+    # (all inputs), and the pool runs two phases: every subpool's activations first, then each
+    # subpool's rows of down on all of them (runtime/experts/expert_pool.py)
+    subpool_down: ClassVar[str] = "inputs"
 
     @abstractmethod
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:

@@ -14,4 +14,4 @@ SINGLE_NAME = "model.safetensors"  # an HF checkpoint in one file, without an in
 PARTIAL_DIR = (
     ".hetquant-partial"  # a convert's work directory inside OUTPUT (convert/engine/convert.py)
 )
-READABLE_SCHEMAS = (1, 2)  # manifest schema versions verify and the readers (vLLM plugin) accept
+READABLE_SCHEMAS = (1, 2, 3)  # manifest schema versions verify and the readers (vLLM plugin) accept

@@ -15,8 +15,9 @@ name                dtype    shape               content
 ``down_scale``      F8_E8M0  [E, H, I/32]        groups along I
 ==================  =======  ==================  =============================================
 
-Dequantization is :mod:`.fp4_e2m1`'s, exact in float32. The pool tells this layout from the INT4
-ones by its scale dtype (``from_stored``: F8_E8M0, not F32 / BF16).
+Dequantization is :mod:`.fp4_e2m1`'s, exact in float32. A layer's layout is told from the INT4
+ones by its scale dtype (``from_stored``: F8_E8M0, not F32 / BF16); the pool then runs the
+kernels its ``cpu_kernel`` names (``runtime/kernels/registry.py``).
 
 Why an integer kernel is exact here: ``2·E2M1[c] ∈ {0, ±1, ±2, ±3, ±4, ±6, ±8, ±12}``
 (:data:`.fp4_e2m1.E2M1_X2`, a 16-entry table of int8) and a group's scale is a power of two, so
@@ -25,8 +26,11 @@ with int8 activations ``q`` (one scale ``sx`` per token) a row's output is
 most 32 · 12 · 127 < 2^16, then a power-of-two scaling; only the sum over groups rounds.
 :func:`fp4_gemv_int8` is that computation in torch (the reference a native kernel must equal).
 
-Subpools: subpool ``s`` of ``S`` owns the intermediate slice ``[s·I/S, (s+1)·I/S)``, a multiple of
-32 (whole scale groups of ``down``), as :mod:`.int4_cpu_group` with g = 32.
+Subpools: subpool ``s`` of ``S`` owns the gate / up rows of the intermediate slice
+``[s·I/S, (s+1)·I/S)`` (a multiple of 32, as :mod:`.int4_cpu_group` with g = 32) and the rows
+``[⌊s·H/S⌋, ⌊(s+1)·H/S⌋)`` of ``down`` with all their inputs (``subpool_down = "rows"``): the pool
+gathers every subpool's activations before the down projection, so each output is computed as
+one pool computes it (int8 activations are rounded per token over the whole intermediate).
 
 Made by :func:`expert_from_fp4` (``formats/expert_repack.py``): the source's ``weight`` bytes
 viewed as U8 and its ``scale`` bytes, no value recomputed — so the hybrid recipe keeps
@@ -57,6 +61,7 @@ __all__ = [
 
 LAYER_KEYS = ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale")
 _SOURCE = Fp4E2m1()
+_NPART = 8  # fp4_gemv_int8: partial sums of the group terms (the native kernel's order)
 
 
 def _linear(what: str, t: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,9 +127,13 @@ def dequantize_expert(
 
 def fp4_gemv_int8(packed: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y = x · Wᵀ`` [T, N] for codes [N, K/2], scales [N, K/32] and activations [T, K] quantized
-    to int8 per token (``sx = amax / 127``, round half to even): the integer computation of the
-    module docstring — per 32-group an exact int32 sum of ``E2M1_X2[c] · q``, scaled by
-    ``2^(e − 128)`` in float64, summed over groups, times ``sx`` (float32 result)."""
+    to int8 per token (``sx = amax / 127`` in float32, ``q = round(x / sx)`` half to even): the
+    integer computation of the module docstring — per 32-group ``g`` an exact int32 sum
+    ``A_g = Σ E2M1_X2[c] · q``, times ``2^(e_g − 128)`` (exact in float64), summed in the order
+    every native path of ``runtime/kernels/fp4_gemv.py`` keeps: group ``g`` is added to partial
+    ``p[g mod 8]`` in increasing ``g``, then ``((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7))``,
+    times ``sx`` in float64, rounded once to float32 (a zero as +0). Only the float64 additions
+    round; pinning their order is what makes the native kernel equal this bit for bit."""
     n, k = packed.shape[0], 2 * packed.shape[1]
     if x.ndim != 2 or x.shape[1] != k or tuple(scale.shape) != (n, k // GROUP):
         raise HetquantError(
@@ -135,12 +144,21 @@ def fp4_gemv_int8(packed: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) ->
     sx = xf.abs().amax(dim=1, keepdim=True) / 127  # (T, 1)
     q = torch.round(xf / torch.where(sx > 0, sx, torch.ones_like(sx))).to(torch.int32)  # (T, K)
     w = torch.tensor(E2M1_X2, dtype=torch.int32)[unpack_e2m1(packed).long()]  # (N, K) int
+    groups = k // GROUP
     per_group = torch.einsum(
-        "tgk,ngk->tng", q.view(-1, k // GROUP, GROUP), w.view(n, k // GROUP, GROUP)
+        "tgk,ngk->tng", q.view(-1, groups, GROUP), w.view(n, groups, GROUP)
     )  # (T, N, K/32), exact int32
     pow2 = ue8m0_to_f32(scale).double() / 2  # 2^(e − 128): the ×2 of the integer table undone
-    y = (per_group.double() * pow2[None]).sum(dim=-1)  # (T, N)
-    return (y * sx.double()).to(torch.float32)
+    terms = per_group.double() * pow2[None]  # (T, N, K/32), each exact
+    terms = torch.nn.functional.pad(terms, (0, -groups % _NPART))  # +0.0: adds nothing
+    p = torch.zeros(*terms.shape[:2], _NPART, dtype=torch.float64)
+    for c in range(terms.shape[2] // _NPART):  # p[g mod 8] += term g, g increasing
+        p += terms[..., _NPART * c : _NPART * (c + 1)]
+    v = ((p[..., 0] + p[..., 4]) + (p[..., 2] + p[..., 6])) + (
+        (p[..., 1] + p[..., 5]) + (p[..., 3] + p[..., 7])
+    )  # (T, N)
+    y = (v * sx.double()).to(torch.float32)
+    return y + 0.0  # -0.0 → +0.0, as the native kernel stores a zero
 
 
 def stack_experts(experts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -155,6 +173,10 @@ class Fp4CpuExperts(ExpertLayerFormat):
     """The stacked layout above, as a registered expert-layer format."""
 
     name: ClassVar[str] = "fp4_cpu_experts"
+    cpu_kernel: ClassVar[str | None] = "fp4_e2m1"  # runtime/kernels/fp4_gemv.py
+    # the GEMV rounds each call's activations to int8 per token: a subpool owning a slice of
+    # down's inputs would round its slice on its own; owning whole rows it computes one pool's
+    subpool_down: ClassVar[str] = "rows"
 
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
         e, h, i = num_experts, hidden, inter
@@ -207,11 +229,13 @@ class Fp4CpuExperts(ExpertLayerFormat):
         if not 0 <= subpool < num_subpools:
             raise HetquantError(f"subpool_slice: subpool {subpool} not in 0..{num_subpools - 1}")
         a, b = subpool * inter // num_subpools, (subpool + 1) * inter // num_subpools
+        hidden = layer["down_packed"].shape[1]
+        c, d = subpool * hidden // num_subpools, (subpool + 1) * hidden // num_subpools
         return {
             "gate_up_packed": layer["gate_up_packed"][:, 2 * a : 2 * b],
             "gate_up_scale": layer["gate_up_scale"][:, 2 * a : 2 * b],
-            "down_packed": layer["down_packed"][:, :, a // 2 : b // 2],
-            "down_scale": layer["down_scale"][:, :, a // GROUP : b // GROUP],
+            "down_packed": layer["down_packed"][:, c:d],  # rows: ``subpool_down``
+            "down_scale": layer["down_scale"][:, c:d],
         }
 
 

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from . import _quant_native
 from ._lazy import torch
 from ._rows_native import fp8_dequant_rows, fp8_dequant_rows_array
 from .arrays import native
@@ -150,7 +151,10 @@ def absmax_dequantized(weight: torch.Tensor, scale_inv: torch.Tensor, block: int
     """
     best = 0.0
     for r in range(0, weight.shape[0], block):
-        mag = (weight[r : r + block].view(torch.uint8) & _E4M3_MAGNITUDE).amax(dim=0)  # (in,)
+        rows = weight[r : r + block].view(torch.uint8)
+        mag = _quant_native.u8_colmax7(rows)  # (in,)
+        if mag is None:
+            mag = (rows & _E4M3_MAGNITUDE).amax(dim=0)
         if mag.numel() and int(mag.amax()) == _E4M3_MAGNITUDE:
             raise HetquantError("NaN code(s) in the FP8 weight; the checkpoint is corrupt")
         col = dequantize_rows(mag.view(torch.float8_e4m3fn)[None], scale_inv, r, block)  # (1, in)

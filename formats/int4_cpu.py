@@ -394,6 +394,7 @@ class Int4CpuExperts(ExpertLayerFormat):
 
     name: ClassVar[str] = "int4_cpu_experts"
     streams_rows: ClassVar[bool] = True  # quantize_rows
+    cpu_kernel: ClassVar[str | None] = "int4"  # runtime/kernels/int4_gemv.py, int4_moe.py
     clip_search: bool = False
 
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:

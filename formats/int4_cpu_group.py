@@ -296,6 +296,7 @@ class Int4CpuGroupExperts(ExpertLayerFormat):
 
     name: ClassVar[str] = "int4_cpu_group_experts"
     streams_rows: ClassVar[bool] = True  # quantize_rows
+    cpu_kernel: ClassVar[str | None] = "int4"  # runtime/kernels/int4_gemv.py, int4_moe.py
     group_size: int = 32
 
     def __post_init__(self) -> None:

@@ -9,6 +9,10 @@ breaks it with one :class:`HetquantError` naming the field (``recipe.options``,
 free-form and kept as they are. Two shapes: an artifact's (``convert``: ``recipe``, the source's
 dtypes, the precision table) and an export's (``hetquant export``: an ``export`` entry instead).
 This module only reads; ``convert/engine/manifest.py`` writes manifests.
+
+Schema 3 names the algorithm of the file digests (``file_digest``, ``formats/file_digests.py``)
+and keys every file's digest by it (``{"size", "blake3"}``); schemas 1 and 2 are sha256
+(``{"size", "sha256"}``). A manifest naming an algorithm this hetquant does not know is refused.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from .errors import HetquantError
+from .file_digests import manifest_digest
 from .filenames import MANIFEST_NAME, READABLE_SCHEMAS
 from .json_io import load_json
 
@@ -55,9 +61,8 @@ _TYPE_WORD = {
     _BOOL: "true or false",
     _STR_OR_NULL: "a string or null",
 }
-_FILES = _Map(_Obj({"size": _INT, "sha256": _STR}, {}))
 _PARTS = _Map(_Obj({"files": _List(_STR)}, {}))
-_COMMON = {"schema_version": _INT, "source": _ANY, "parts": _PARTS, "files": _FILES}
+_COMMON = {"schema_version": _INT, "source": _ANY, "parts": _PARTS}
 _OPTIONAL = {"complete": _BOOL, "hetquant_version": _STR, "plan_digest": _STR}
 _GROUP = _Obj(
     {"name": _STR, "format": _STR, "params": _INT, "bytes": _INT, "bits_per_weight": _NUM}, {}
@@ -68,7 +73,7 @@ _PRECISION = {
     "bytes": _INT,
     "effective_bits_per_weight": _NUM,
 }
-ARTIFACT = _Obj(
+_ARTIFACT = _Obj(
     {
         **_COMMON,
         "recipe": _Obj({"name": _STR, "options": _Map(_ANY)}, {}),
@@ -96,7 +101,7 @@ _LAYER = _Obj(
     {"params": _Map(_ANY), "num_experts": _INT, "hidden": _INT, "inter": _INT},
     closed=True,
 )
-EXPORT = _Obj(
+_EXPORT = _Obj(
     {
         **_COMMON,
         "source": _Obj({"path": _STR, "fingerprint": _STR}, {}),
@@ -131,13 +136,24 @@ def check_manifest(doc: Any, origin: str) -> None:
             f"{origin}: unknown manifest schema {version!r}; this hetquant reads schemas "
             f"{list(READABLE_SCHEMAS)} — use the hetquant version that wrote the artifact"
         )
-    problem = _check(doc, EXPORT if "export" in doc else ARTIFACT, "")
+    problem = _check(doc, _Obj({"file_digest": _STR}, {}), "") if version >= 3 else None
+    if problem is None:
+        digest = manifest_digest(doc, origin).name  # an unknown algorithm: refused here
+        problem = _check(doc, _schema("export" in doc, digest), "")
     if problem is not None:
         field, what = problem
         raise HetquantError(
             f"{origin}: field {field} {what}; the manifest is damaged or was edited — "
             "re-download the artifact or re-run the conversion"
         )
+
+
+@cache
+def _schema(export: bool, digest: str) -> _Obj:
+    """An export's or an artifact's schema, its ``files`` entries holding a ``digest`` each."""
+    base = _EXPORT if export else _ARTIFACT
+    files = _Map(_Obj({"size": _INT, digest: _STR}, {}))
+    return _Obj({**base.required, "files": files}, base.optional, base.closed)
 
 
 def _check(value: Any, spec: Any, field: str) -> tuple[str, str] | None:

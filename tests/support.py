@@ -64,6 +64,13 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def blake3_hex(path: Path) -> str:
+    """The BLAKE3 of a file in one call: what a schema-3 manifest records for it."""
+    import blake3
+
+    return blake3.blake3(path.read_bytes()).hexdigest()
+
+
 def tree_hashes(root: Path) -> dict[str, str]:
     """Relative path → sha256 of every file under ``root`` (hidden ones included)."""
     return {str(p.relative_to(root)): sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}

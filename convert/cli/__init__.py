@@ -81,8 +81,8 @@ def verify(artifact: Path) -> None:
     "to",
     required=True,
     type=click.Choice(sorted(EXPORTERS)),
-    help="Target layout: kt-kernel AMXINT4 .kt files (per-channel experts) or RAWINT4 "
-    "compressed-tensors files (group-wise experts).",
+    help="Target layout: kt-kernel AMXINT4 .kt files (per-channel experts), RAWINT4 "
+    "compressed-tensors files (group-wise experts) or MXFP4 files (DeepSeek-V4's FP4 experts).",
 )
 @click.option(
     "--numa",

@@ -1,12 +1,15 @@
-"""The manifest's sha256 of every container, computed while the jobs still run.
+"""The manifest's digest of every container, computed while the jobs still run.
 
-sha256 is sequential, so a file is hashed front to back. As jobs finish, the byte ranges they
-wrote are marked (:meth:`FileHashes.written`); a thread advances the file's hash over the
-contiguous prefix that is complete, reading it back from the page cache, and starts the
-write-back of what it hashed (``sync_file_range``, Linux), so that the final ``fsync`` of each
-file — done by the same thread once the file is whole — has little left to wait for. The parent
-of the workers does this, so at the end only what the threads could not follow is left to hash
-(one stream per file: ~1.15 GB/s on the 16-core host, benchmarks/README.md).
+The digest (BLAKE3 since manifest schema 3; ``formats/file_digests.py``) is computed front to
+back, incrementally. As jobs finish, the byte ranges they wrote are marked
+(:meth:`FileHashes.written`); a thread advances the file's hash over the contiguous prefix that
+is complete, reading it back from the page cache while it is hot. The write-back of every
+piece starts as soon as its job reports it (``fs/writeback.py``: one thread, in that order), so
+that the final ``fsync`` of each file — done by the hashing thread once the file is whole — has
+little left to wait for. The parent of the workers does this. BLAKE3 is a tree hash: one update is spread over a thread pool the file's hasher owns
+(every core; the pool goes with the hasher), so what the threads could not follow during the jobs
+— the tail, after :meth:`FileHashes.finish` — is hashed in large reads on all cores, not as one
+~1 GB/s sha256 stream per file (benchmarks/notes/convert-scaling.md, "The hash tail").
 
 For that, files must fill front to back, several at a time: :func:`fill_order` runs the jobs in
 waves of ``width`` files (one hashing thread each), each wave's jobs by their position in their
@@ -17,9 +20,6 @@ leave zeros) are hashed at :meth:`FileHashes.finish`, which returns exactly what
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import hashlib
 import itertools
 import os
 import threading
@@ -28,19 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST, DigestAlgorithm, Hasher
+
 from ..fs.os_errors import naming
+from ..fs.writeback import WritebackQueue
 from ..planning.containers import Container
 from ..planning.plan import Job, Plan
-from .manifest import HASH_READ, hash_threads
+from .manifest import cores, hash_threads
 
 __all__ = ["FileHashes", "fill_order", "hash_threads"]
 
 _SLICE = 256 << 20  # bytes hashed between looks at a stop request
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
-if _SYNC_FILE_RANGE is not None:
-    _SYNC_FILE_RANGE.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 def _ranges(job: Job, where: dict[str, tuple[Container, int]]) -> list[tuple[str, int, int]]:
@@ -89,7 +87,7 @@ class _File:
     ready: int  # the complete prefix: [0, ready) is written
     hashed: int = 0
     pending: dict[int, int] = field(default_factory=dict)  # written ranges past ready
-    sha: Any = field(default_factory=hashlib.sha256)
+    hasher: Hasher | None = None  # made by the first drain (a BLAKE3 one owns a thread pool)
     running: bool = False
     fd: int | None = None
     digest: dict[str, Any] | None = None
@@ -101,11 +99,19 @@ def _work_left(f: _File) -> bool:
 
 
 class FileHashes:
-    """Hashes of ``plan``'s containers in ``work`` (see the module docstring)."""
+    """Hashes of ``plan``'s containers in ``work`` (see the module docstring): ``threads`` files
+    at once, each file's hash on up to ``per_file`` threads (default: every core)."""
 
-    def __init__(self, plan: Plan, work: Path, threads: int) -> None:
+    def __init__(
+        self, plan: Plan, work: Path, threads: int,
+        algorithm: DigestAlgorithm = DIGESTS[FILE_DIGEST], per_file: int | None = None,
+    ) -> None:  # fmt: skip
+        self._alg = algorithm
+        self._per_file = per_file or cores()
+        self._bulk = False  # after the jobs: large reads, each spread over the hasher's pool
         self._where = _where(plan)
         self._files = {f.name: _File(work / f.name, f.size, len(f.header)) for f in plan.files}
+        self._writeback = WritebackQueue({name: f.path for name, f in self._files.items()})
         self._lock = threading.Lock()
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
@@ -118,6 +124,7 @@ class FileHashes:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="hetquant-hash")
+            self._writeback.start()
             queued, self._queued = self._queued, []
             for f in queued:
                 self._futures.append(self._pool.submit(self._drain, f))
@@ -126,6 +133,7 @@ class FileHashes:
         """``job``'s bytes are in their files: hash what is now a complete prefix."""
         with self._lock:
             for name, start, end in _ranges(job, self._where):
+                self._writeback.add(name, start, end)
                 f = self._files[name]
                 f.pending[start] = end
                 while f.ready in f.pending:
@@ -138,9 +146,10 @@ class FileHashes:
             return sum(f.hashed for f in self._files.values())
 
     def finish(self) -> dict[str, dict[str, Any]]:
-        """Hash every file to its end, fsync it; ``{name: {"size", "sha256"}}``."""
+        """Hash every file to its end, fsync it; ``{name: {"size", algorithm: hex}}``."""
         self.start()
         with self._lock:
+            self._bulk = True
             for f in self._files.values():
                 f.pending.clear()
                 f.ready = f.size
@@ -160,6 +169,7 @@ class FileHashes:
         self._stopping = True  # a running drain stops after its current read
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        self._writeback.close()
         for f in self._files.values():
             if f.fd is not None:
                 os.close(f.fd)
@@ -180,17 +190,23 @@ class FileHashes:
             if f.fd is None:
                 with naming(f.path):
                     f.fd = os.open(f.path, os.O_RDONLY)
-            buf = bytearray(HASH_READ)
+            if f.hasher is None:
+                f.hasher = self._alg.new(self._per_file)
+            buf = bytearray(0)
             while True:
                 with self._lock:
                     start, end = f.hashed, min(f.ready, f.hashed + _SLICE)
+                    read = self._alg.bulk_read if self._bulk else self._alg.stream_read
                     if self._stopping or not _work_left(f):
                         f.running = False
                         return
+                if len(buf) != read:
+                    buf = bytearray(read)
                 self._hash(f, buf, start, end)
                 if end == f.size:
                     os.fsync(f.fd)
-                    f.digest = {"size": f.size, "sha256": f.sha.hexdigest()}
+                    f.digest = {"size": f.size, self._alg.name: f.hasher.hexdigest()}
+                    f.hasher = None  # its thread pool ends here
                 with self._lock:
                     f.hashed = end
         except BaseException:
@@ -201,12 +217,10 @@ class FileHashes:
     @staticmethod
     def _hash(f: _File, buf: bytearray, start: int, end: int) -> None:
         view, pos = memoryview(buf), start
-        assert f.fd is not None
+        assert f.fd is not None and f.hasher is not None
         while pos < end:
-            n = os.preadv(f.fd, [view[: min(HASH_READ, end - pos)]], pos)
+            n = os.preadv(f.fd, [view[: min(len(buf), end - pos)]], pos)
             if n <= 0:
                 raise OSError(f"{f.path}: unexpected end of file at byte {pos} of {f.size}")
-            f.sha.update(view[:n])
+            f.hasher.update(view[:n])
             pos += n
-        if _SYNC_FILE_RANGE is not None and end > start:  # start the write-back now
-            _SYNC_FILE_RANGE(f.fd, start, end - start, _SYNC_FILE_RANGE_WRITE)

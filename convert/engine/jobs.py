@@ -98,9 +98,14 @@ class JobRunner:
             return
         repack = LINEAR_REPACKS.get((src.fmt_name, fmt.name))
         if repack and repack.holds(src.fmt, fmt) is None and not self._calibrated(job.source):
-            stored = repack.repack(self.source.stored(job.source), fmt)
-            self._write_repacked(job, stored)
-            return
+            stored = self.source.stored(job.source)
+            others = [self.source.stored(n) for n in job.amax_group if n != job.source]
+            why = repack.fits(stored, fmt, others) if repack.fits else None  # on the data
+            if why is None:
+                self._write_repacked(job, repack.repack(stored, fmt, others))  # shared values
+                return
+            if not self.plan.recipe.options.get("requantize"):
+                raise HetquantError(f"{job.source}: {why}")
         shape = src.shape
         plan = fmt.streaming(shape)  # type: ignore[arg-type]
         if plan is None:

@@ -1,7 +1,8 @@
 """The artifact manifest ``hetquant.json``: written last, its ``complete: true`` makes an artifact.
 
 It records the schema and hetquant versions, the resolved recipe, the source fingerprint (hash of
-index + config, revision), the parts and their files, every file's size and sha256, the source
+index + config, revision), the parts and their files, every file's size and digest (schema 3:
+BLAKE3, named in ``file_digest``; schemas 1-2: sha256 — ``formats/file_digests.py``), the source
 dtype of every role (so the plan can be replayed from the manifest alone), the precision table and
 (schema 2) ``module_formats``: for every root-part module stored in a weight format, its
 ``{"format", "params", "shape"}`` — what the loader trusts instead of recognising formats; modules
@@ -10,7 +11,6 @@ it does not list are plain tensors. Schema-1 manifests (no ``module_formats``) s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hetquant.formats.base import identify
+from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST, DigestAlgorithm
 from hetquant.formats.filenames import MANIFEST_NAME, READABLE_SCHEMAS
 from hetquant.formats.safe_paths import open_binary
 
@@ -33,6 +34,7 @@ __all__ = [
     "READABLE_SCHEMAS",
     "SCHEMA_VERSION",
     "build_manifest",
+    "cores",
     "digest_files",
     "file_digest",
     "format_label",
@@ -42,11 +44,11 @@ __all__ = [
     "write_json_atomic",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: file digests are BLAKE3, named in ``file_digest``
 # Hashing reads into one buffer that stays in the core's L2 cache while sha256 reads it back:
 # beside 16 processes streaming memory one stream did 0.63 GB/s with 8 MB reads, 0.91 with 256 KB
 # (benchmarks/probes/sha_speed.py, 16-core host; the convert's own tail did not move measurably).
-HASH_READ = 256 << 10
+HASH_READ = DIGESTS["sha256"].stream_read
 
 
 def hetquant_version() -> str:
@@ -56,37 +58,57 @@ def hetquant_version() -> str:
         return "0+unknown"
 
 
-def file_digest(path: Path) -> dict[str, Any]:
-    """Size and sha256 of a regular file, read in blocks of ``HASH_READ`` into one buffer."""
-    h, buf = hashlib.sha256(), bytearray(HASH_READ)
+def file_digest(
+    path: Path, algorithm: DigestAlgorithm = DIGESTS[FILE_DIGEST], threads: int = 1
+) -> dict[str, Any]:
+    """Size and digest of a regular file, ``{"size": n, algorithm.name: hex}``, read into one
+    buffer (``algorithm.bulk_read`` bytes when ``threads > 1`` share each read, else its
+    ``stream_read``)."""
+    h = algorithm.new(threads)
+    buf = bytearray(algorithm.bulk_read if threads > 1 else algorithm.stream_read)
     view = memoryview(buf)
     with open_binary(path, buffering=0) as f:  # a FIFO or device is refused, never read
         while n := f.readinto(buf):
             h.update(view[:n])
         size = os.fstat(f.fileno()).st_size
-    return {"size": size, "sha256": h.hexdigest()}
+    return {"size": size, algorithm.name: h.hexdigest()}
 
 
-def hash_threads(cores: int | None = None) -> int:
-    """Hashing threads (and files filled at once): the CPU cores this process may use, at least
-    two, at most eight. Not fewer with fewer workers: then cores are idle, and each file's hash
-    is one stream (~1 GB/s on the 16-core host) that only more files at once can multiply."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(2, min(8, cores or 1))
+def cores() -> int:
+    """The CPU cores this process may use."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return n or 1
+
+
+def hash_threads(n: int | None = None) -> int:
+    """Hashing threads (and files filled at once): the CPU cores this process may use (``n``),
+    at least two, at most eight. Not fewer with fewer workers: then cores are idle, and more
+    files at once multiply the streams of a hash that is one stream per file (sha256)."""
+    return max(2, min(8, n or cores()))
 
 
 def digest_files(
-    paths: Mapping[str, Path], threads: int | None = None
+    paths: Mapping[str, Path],
+    threads: int | None = None,
+    algorithm: DigestAlgorithm = DIGESTS[FILE_DIGEST],
 ) -> dict[str, dict[str, Any]]:
     """``file_digest`` of every path, ``{name: digest}`` in the order given, several files at
-    once (``hash_threads()`` by default; hashlib and reads release the GIL), the largest first so
-    that the last stream to end is a short one. The first OSError is raised."""
+    once (``hash_threads()`` by default; hashers and reads release the GIL), the largest first
+    so that the last stream to end is a short one; each file's hash may itself use every core
+    (BLAKE3: ``threads`` per file; the files beside it share them). The first OSError is
+    raised."""
     if not paths:
         return {}
-    order = sorted(paths, key=lambda n: -paths[n].stat().st_size)
+    size = {n: p.stat().st_size for n, p in paths.items()}
+    order = sorted(paths, key=lambda n: -size[n])
+    many = cores()  # threads on one file's hash: only for one that fills more than a read
     with ThreadPoolExecutor(threads or hash_threads(), thread_name_prefix="hetquant-digest") as ex:
-        futures = {n: ex.submit(file_digest, paths[n]) for n in order}
+        futures = {
+            n: ex.submit(
+                file_digest, paths[n], algorithm, many if size[n] > algorithm.bulk_read else 1
+            )
+            for n in order
+        }
         return {n: futures[n].result() for n in paths}
 
 
@@ -208,6 +230,7 @@ def build_manifest(
 ) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION,
+        "file_digest": FILE_DIGEST,
         "hetquant_version": hetquant_version(),
         "complete": True,
         "recipe": {"name": plan.recipe.name, "options": plan.recipe.options},

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hetquant.formats import HetquantError
+from hetquant.formats.file_digests import DIGESTS
 from hetquant.formats.filenames import MANIFEST_NAME, PARTIAL_DIR
 from hetquant.formats.manifest_schema import read_manifest
 
@@ -241,7 +242,7 @@ def check_target(out: Path, work: Path, names: Mapping[str, Path | None]) -> Non
 
 
 def check_move(out: Path, work: Path, new: Mapping[str, Mapping[str, Any]]) -> None:
-    """Refuse, changing nothing, a move of ``new`` (name → size and sha256) into ``out``; files
+    """Refuse, changing nothing, a move of ``new`` (name → size and digest) into ``out``; files
     an interrupted earlier move already took out of ``work`` are in place, not checked."""
     left = {n: d for n, d in new.items() if os.path.lexists(work / n)}
     _check(out, work, left | {MANIFEST_NAME: None}, owned_files(out))
@@ -262,14 +263,16 @@ def _check(out: Path, work: Path, new: Mapping[str, Want], owned: set[str]) -> N
 
 def _differs(path: Path, want: Want) -> bool:
     """Whether a file of the user's at ``path`` would be lost by writing ``want`` there: a
-    manifest's size and sha256, a file of the same bytes, or None (not known: any file)."""
+    manifest's size and digest (of any known algorithm: a work directory's manifest may be an
+    older hetquant's), a file of the same bytes, or None (not known: any file)."""
     if not os.path.lexists(path):
         return False
     if isinstance(want, Path):
         want = file_digest(want)
     if want is None or not path.is_file() or path.stat().st_size != want.get("size"):
         return True
-    return file_digest(path)["sha256"] != want.get("sha256")
+    alg = next((DIGESTS[k] for k in want if k in DIGESTS), None)
+    return alg is None or file_digest(path, alg)[alg.name] != want[alg.name]
 
 
 def _existing_parent(out: Path, name: str) -> Path:

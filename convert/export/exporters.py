@@ -11,6 +11,7 @@ engine's layout is one more class here.
 |---|---|---|
 | ``kt-amxint4`` | ``int4_cpu_experts`` (per-row F32 scales) | kt-kernel's AMXINT4 ``.kt`` tree: ``_layer_{L}/_numa_{N}/INT4_{proj}_{E}_{B}Byte_{quant,scale}_.kt`` (``formats/kt_amxint4.py``), loaded with ``--kt-method AMXINT4 --kt-threadpool-count N`` |
 | ``kt-rawint4`` | ``int4_cpu_group_experts`` (BF16 group scales) | compressed-tensors pack-quantized per expert linear (``{prefix}.{E}.{proj}_proj.weight_packed / weight_scale / weight_shape``, ``formats/ct_pack_quantized.py``), one ``layer_{L:03d}.safetensors`` per layer: what kt-kernel's ``RAWINT4`` reads (reference/cpu_experts.md §7.2) |
+| ``kt-mxfp4`` | ``fp4_cpu_experts`` (DeepSeek-V4's FP4 experts) | DeepSeek-V4's own per-expert tensors (``{prefix}.{E}.w{1,3,2}.weight`` I8 [N, K/2], prefix ``layers.{L}.ffn.experts`` or ``mtp.0.ffn.experts`` as in the checkpoint, ``.scale`` F8_E8M0 [N, K/32], ``formats/fp4_e2m1.py``), one ``layer_{L:03d}.safetensors`` per layer: what kt-kernel 0.7.2's ``MXFP4`` reads (``kt_kernel/utils/loader.py:1198-1309`` ``MXFP4SafeTensorLoader``: names ``{base}.ffn.experts.{i}.{w1,w3,w2}.{weight,scale}``, ``base`` ``model.layers.{L}`` with ``model.`` stripped, ``utils/amx.py:777``; codes viewed as U8, scales shifted to BF16 itself) — a pure repack: gate / up rows de-interleaved, bytes unchanged |
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Output:
 
 
 def _views(layer: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One expert's int4_cpu* slices → gate, up, down (packed [rows, k/2], scale) pairs."""
+    """One expert's int4_cpu* / fp4_cpu slices → gate, up, down (packed [rows, k/2], scale)."""
     gu, gus = layer["gate_up_packed"], layer["gate_up_scale"]
     return {
         "gate": (gu[0::2], gus[0::2]),
@@ -95,6 +96,7 @@ class Exporter:
 _OTHER = {
     "int4_cpu_experts": "use --to kt-amxint4",
     "int4_cpu_group_experts": "use --to kt-rawint4",
+    "fp4_cpu_experts": "use --to kt-mxfp4",
 }
 
 
@@ -183,7 +185,46 @@ class KtRawInt4(Exporter):
         return out
 
 
-EXPORTERS: dict[str, Exporter] = {x.name: x for x in (KtAmxInt4(), KtRawInt4())}
+class KtMxfp4(Exporter):
+    """DeepSeek-V4's FP4 expert tensors, as kt-kernel's MXFP4 method reads them (module table)."""
+
+    name = "kt-mxfp4"
+    source_fmt = "fp4_cpu_experts"
+    container = "safetensors"
+    _PROJ: ClassVar[dict[str, str]] = {"gate": "w1", "up": "w3", "down": "w2"}  # DeepSeek's
+
+    def check(self, layer: ExpertLayer, numa: int) -> None:
+        super().check(layer, numa)
+        if numa != 1:
+            raise HetquantError(
+                f"--numa {numa}: kt-kernel 0.7.2 hands MXFP4 experts to its kernel as one "
+                "pointer list (kt_kernel/utils/amx.py:842, one NUMA slice) and splits them "
+                "itself; the files have no NUMA slices, export with --numa 1"
+            )
+
+    def outputs(self, layer: ExpertLayer, numa: int, e: int) -> list[Output]:
+        file = f"layer_{layer.layer:03d}.safetensors"
+        fp4, (h, i) = get_format("fp4_e2m1"), (layer.hidden, layer.inter)
+        out = []
+        for proj, w in self._PROJ.items():
+            for key, meta in fp4.stored((h, i) if proj == "down" else (i, h)).items():
+                name = f"{layer.prefix}.{e}.{w}.{key}"  # layers.L.ffn.experts, mtp.0.…
+                out.append(Output(file, name, f"{proj}/{key}", meta))
+        return out
+
+    def convert(
+        self, layer: ExpertLayer, numa: int, expert: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        out = {}
+        for proj, (packed, scale) in _views(expert).items():
+            out[f"{proj}/weight"] = packed.contiguous().view(
+                torch.int8
+            )  # DeepSeek's I8: same bytes
+            out[f"{proj}/scale"] = scale.contiguous()
+        return out
+
+
+EXPORTERS: dict[str, Exporter] = {x.name: x for x in (KtAmxInt4(), KtRawInt4(), KtMxfp4())}
 
 
 def get_exporter(name: str) -> Exporter:

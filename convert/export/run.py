@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hetquant.formats.file_digests import FILE_DIGEST
 from hetquant.formats.filenames import MANIFEST_NAME
 from hetquant.formats.int4_cpu import LAYER_KEYS
 from hetquant.formats.safetensors_io import MappedFile, read_header
@@ -142,6 +143,7 @@ class _Run:
         names = [f.name for f in self.plan.files]
         manifest = {
             "schema_version": SCHEMA_VERSION,
+            "file_digest": FILE_DIGEST,
             "hetquant_version": hetquant_version(),
             "complete": True,
             "export": self.plan.record(),

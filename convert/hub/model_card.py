@@ -224,7 +224,8 @@ def render_card(inp: CardInputs) -> str:
     out += [
         "## Verify",
         "",
-        "`hetquant.json` lists every file with its size and sha256; after downloading, check them:",
+        f"`hetquant.json` lists every file with its size and {m.get('file_digest', 'sha256')} digest; "
+        "after downloading, check them:",
         "",
         "```bash",
         f"hf download {inp.repo_id} --local-dir {name}",

@@ -188,6 +188,8 @@ class RuleRecipe(Recipe):
             return
         if (source_fmt, target.fmt) in EXPERT_REPACKS:  # codes and scales kept: no rounding
             return
+        if (source_fmt, target.fmt) in LINEAR_REPACKS:  # kept where they fit: _check_repack
+            return
         src, dst = density(source_fmt), density(target.fmt, target.params)
         if src is None or dst is None or src >= LOW_BITS or dst >= LOW_BITS:
             return

@@ -25,14 +25,19 @@ once, in anonymous memory), or ``split="experts"`` on a cold page cache: whole e
 contiguous byte ranges, so each pinned subpool's touch reads its own experts into page cache on
 its node (pages already cached stay where they are).
 
-Compute. A subpool's share of ``forward`` (``_Subpool.partial``) is one native call of
+Compute. The kernels of a layer come from its format (``ExpertLayerFormat.cpu_kernel``, looked
+up in ``runtime/kernels/registry.py``: ``int4`` for ``int4_cpu`` / ``int4_cpu_group``,
+``fp4_e2m1`` for ``fp4_cpu_experts``). A subpool's share of ``forward`` (``_Subpool.partial``)
+is one call of the family's fused MoE kernel where it has one and takes the call —
 :func:`~hetquant.runtime.kernels.int4_moe.int4_moe` for all its experts (``fused=True``, the
 default, per-channel experts): every token's activation digits once, the subpool's kernel
 threads splitting each expert's weight rows between them, no Python between experts. Otherwise
-— grouped scales, backend ``"torch"``, more than ``MAX_NATIVE_TOKENS`` tokens on one expert,
-non-finite activations, or ``fused=False`` (the reference for tests and A/B benchmarks) — a loop
-over its experts: two ``int4_gemv`` calls and torch glue each, with the same bits for the same
-kernel path.
+— FP4 (no fused kernel), grouped scales, backend ``"torch"``, more than ``MAX_NATIVE_TOKENS``
+tokens on one expert, non-finite activations, or ``fused=False`` (the reference for tests and
+A/B benchmarks) — a loop over its experts: two calls of the family's GEMV and torch glue each,
+with the same bits for the same kernel path (``acts``, then ``down_rows``; a layer whose
+format splits ``down`` by rows runs the two as separate phases across the subpools:
+``expert_pool.CpuExpertPool._run_rows``).
 
 Threads. Subpool threads run their per-expert torch glue on one OpenMP thread (their own
 OpenMP setting; the caller's is untouched): otherwise each subpool thread gets its own OpenMP
@@ -54,9 +59,9 @@ import torch
 from hetquant.formats import HetquantError
 
 from ..forward.moe import swiglu
-from ..kernels.fp4_gemv import fp4_gemv
-from ..kernels.int4_gemv import int4_gemv
-from ..kernels.int4_moe import int4_moe
+from ..kernels import fp4_gemv as _fp4_gemv  # noqa: F401  (registers the FP4 kernels)
+from ..kernels import int4_moe as _int4_moe  # noqa: F401  (registers the INT4 kernels)
+from ..kernels.registry import ExpertKernels, expert_kernels
 from ._expert_files import ExpertLayerInfo
 
 __all__ = [
@@ -174,6 +179,7 @@ class _Subpool:
         self.index = index
         self.cpus = cpus
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.kernels: dict[int, ExpertKernels] = {}  # per layer, from its format (registry)
         self.executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=f"hetquant-subpool{index}",
@@ -200,6 +206,7 @@ class _Subpool:
     ) -> None:
         """Runs in this subpool's thread: take its views, then touch or copy them."""
         for layer, info in infos.items():
+            self.kernels[layer] = expert_kernels(info.fmt)
             full = layer_views(info)
             if split == "inter":
                 views = info.fmt.subpool_slice(full, self.index, n)
@@ -218,25 +225,49 @@ class _Subpool:
     ) -> torch.Tensor:
         """Runs in this subpool's thread: its share of the expert sum, float32 [T, H]; ``e0`` is
         its first expert, ``kw`` the ``int4_gemv`` options plus ``fused`` (module docstring)."""
-        t = self.tensors[layer]
+        t, k = self.tensors[layer], self.kernels[layer]
         kw = dict(kw)
-        limit = kw.pop("limit", None)  # the SwiGLU clip (DeepSeek-V4's swiglu_limit)
-        fp4 = t["gate_up_scale"].dtype == torch.float8_e8m0fnu  # formats/fp4_cpu.py
-        gemv = fp4_gemv if fp4 else int4_gemv
-        if kw.pop("fused") and not fp4:
-            out = int4_moe(t, x32, r.experts - e0, r.offsets, r.tokens, r.weights, **kw)
+        if kw.pop("fused") and k.moe is not None:  # never with a SwiGLU clip (_run)
+            kw.pop("limit", None)
+            out = k.moe(t, x32, r.experts - e0, r.offsets, r.tokens, r.weights, **kw)
             if out is not None:
                 return out
-        out = torch.zeros_like(x32)
+        return self.down_rows(layer, e0, self.acts(layer, e0, x32, r, kw), r, kw, x32.shape)
+
+    def acts(
+        self, layer: int, e0: int, x32: torch.Tensor, r: Routing, kw: dict[str, Any]
+    ) -> list[torch.Tensor]:
+        """Runs in this subpool's thread: each routed expert's activations ``silu(gate) · up``
+        on this subpool's gate / up rows, [n_g, I/S], in ``r``'s expert order."""
+        t, gemv = self.tensors[layer], self.kernels[layer].gemv
+        limit = kw.get("limit")  # the SwiGLU clip (DeepSeek-V4's swiglu_limit)
+        kw = {k: v for k, v in kw.items() if k not in ("fused", "limit")}
+        out, bounds = [], r.offsets.tolist()
+        for g, e in enumerate(r.experts.tolist()):
+            xs = x32.index_select(0, r.tokens[bounds[g] : bounds[g + 1]])  # [n, H]
+            gu = gemv(t["gate_up_packed"][e - e0], t["gate_up_scale"][e - e0], xs, **kw)
+            out.append(swiglu(gu[:, 0::2], gu[:, 1::2], limit))  # [n, I/S]
+        return out
+
+    def down_rows(
+        self,
+        layer: int,
+        e0: int,
+        acts: list[torch.Tensor],
+        r: Routing,
+        kw: dict[str, Any],
+        shape: torch.Size,
+    ) -> torch.Tensor:
+        """Runs in this subpool's thread: ``Σ_g weights · down(acts[g])`` on this subpool's down
+        rows, [T, rows] (``shape``: [T, H] when it holds all of them)."""
+        t, gemv = self.tensors[layer], self.kernels[layer].gemv
+        kw = {k: v for k, v in kw.items() if k not in ("fused", "limit")}
+        out = torch.zeros(shape[0], t["down_packed"].shape[1])
         bounds = r.offsets.tolist()
         for g, e in enumerate(r.experts.tolist()):
-            i, a, b = e - e0, bounds[g], bounds[g + 1]
-            tok, w = r.tokens[a:b], r.weights[a:b]
-            xs = x32.index_select(0, tok)  # [n, H]
-            gu = gemv(t["gate_up_packed"][i], t["gate_up_scale"][i], xs, **kw)  # [n, 2I/S]
-            act = swiglu(gu[:, 0::2], gu[:, 1::2], limit)  # [n, I/S]
-            y = gemv(t["down_packed"][i], t["down_scale"][i], act, **kw)  # [n, H]
-            out.index_add_(0, tok, y * w[:, None])
+            a, b = bounds[g], bounds[g + 1]
+            y = gemv(t["down_packed"][e - e0], t["down_scale"][e - e0], acts[g], **kw)
+            out.index_add_(0, r.tokens[a:b], y * r.weights[a:b, None])
         return out
 
 

@@ -46,7 +46,13 @@ Numerics. Activations are computed in float32 whatever ``x``'s dtype (float32, b
 float16) and the result is cast back to it. The GEMVs are those of
 :mod:`hetquant.runtime.kernels.int4_gemv` (native kernel up to ``MAX_NATIVE_TOKENS`` tokens per expert,
 else the torch path; ``backend=`` forces one; ``precision="fast"`` rounds activations to 14-bit
-instead of 22-bit fixed point). Routing weights are cast to ``x``'s dtype first, as
+instead of 22-bit fixed point); a DeepSeek-V4 layer (``fp4_cpu_experts``) runs
+:mod:`hetquant.runtime.kernels.fp4_gemv` (int8 activations per token and call). Its format
+splits ``down`` by rows (``subpool_down = "rows"``), so ``split="inter"`` runs in two phases
+(``_run_rows``): every subpool's activations of each expert, joined along I, then each
+subpool's rows of the routed sum on all of them, joined along H — one pool's arithmetic, so
+the same bits for any number of subpools. The kernels come from the layer's format
+(``_subpool.py``). Routing weights are cast to ``x``'s dtype first, as
 ``runtime.moe.routed_experts`` (and DeepSeek's reference) does. The loader's
 ``open_artifact(dir).cpu_expert_pool(subpools, **options)`` (DESIGN.md) calls
 ``CpuExpertPool.open``.
@@ -58,6 +64,7 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -288,7 +295,10 @@ class CpuExpertPool:
         self, layer: int, x32: torch.Tensor, routing: Routing, limit: float | None = None
     ) -> torch.Tensor:
         kw = {"backend": self._backend, "threads": self._threads, "precision": self._precision}
-        kw["fused"], kw["limit"] = self._fused and limit is None, limit  # int4_moe: no clip
+        kw["fused"], kw["limit"] = self._fused and limit is None, limit  # fused MoE: no clip
+        rows = self._infos[layer].fmt.subpool_down == "rows"
+        if rows and self._split == "inter" and self.num_subpools > 1:
+            return self._run_rows(layer, x32, routing, kw)
         futures = []
         for sp in self._subpools:
             owned = self.subpool_experts(sp.index, layer)
@@ -300,6 +310,19 @@ class CpuExpertPool:
             part = f.result()
             out = part if out is None else out.add_(part)
         return out if out is not None else torch.zeros_like(x32)
+
+    def _run_rows(
+        self, layer: int, x32: torch.Tensor, r: Routing, kw: dict[str, Any]
+    ) -> torch.Tensor:
+        """A layer whose subpools own rows of down (``subpool_down == "rows"``): every
+        subpool's slice of each expert's activations, joined along I in subpool order, then
+        each subpool's rows of the routed sum, joined along H: one pool's arithmetic, split."""
+        sps = self._subpools
+        parts = [f.result() for f in [sp.submit(sp.acts, layer, 0, x32, r, kw) for sp in sps]]
+        acts = [torch.cat(per_expert, dim=1) for per_expert in zip(*parts, strict=True)]
+        args = (layer, 0, acts, r, kw, x32.shape)
+        ys = [f.result() for f in [sp.submit(sp.down_rows, *args) for sp in sps]]
+        return torch.cat(ys, dim=1)
 
     # -------------------------------------------------------------------- closing
     def close(self) -> None:

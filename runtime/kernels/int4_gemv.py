@@ -102,7 +102,10 @@ to a temporary name and renamed, so concurrent first uses are safe. If there is 
 the build fails, ``"auto"`` falls back to torch with one warning, ``"native"`` raises
 ``HetquantError``. ``HETQUANT_INT4_BACKEND=torch`` disables the native kernel;
 ``HETQUANT_INT4_ISA=<path>`` caps the instruction path to one of this machine's (tests use it;
-:func:`isa_names`). :func:`native_info` reports what was built and how long it took.
+:func:`isa_names`). :func:`native_info` reports what was built and how long it took. The same
+shared object holds the FP4 kernel of ``fp4_gemv.py`` (its ``fp4_gemv_*.cpp`` parts, compiled
+after these and using their path detection, worker pool and transposes); both settings apply
+to it too.
 
 Why not torch's own ``aten._weight_int4pack_mm_for_cpu``: it does map our scheme (codes ``c``,
 ``(c − 8)·scale + zero`` with ``zero = 0``, groups of 32…256), but needs a repack to its 64-row
@@ -169,6 +172,9 @@ _CPP_PARTS = (
     "int4_gemv_neon.cpp",
     "int4_gemv.cpp",
     "int4_moe.cpp",
+    "fp4_gemv_base.cpp",  # the FP4 kernel (fp4_gemv.py) shares this library's paths and pool
+    "fp4_gemv_simd.cpp",
+    "fp4_gemv.cpp",
 )
 _CPP_SOURCE = "\n".join(
     (Path(__file__).parent / part).read_text(encoding="utf-8") for part in _CPP_PARTS
@@ -187,6 +193,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [vp, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, i64, i64, vp, i64, i64]
     fn.argtypes += [vp, vp, vp, vp, vp, ci, ci, ci]
+    fn = lib.hq_fp4_gemv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [vp, i64, vp, i64, i64, i64, vp, i64, i64, vp, i64, ci, ci]
     lib.hq_int4_best_isa.restype = ctypes.c_int
     lib.hq_int4_best_isa.argtypes = []
     lib.hq_int4_token_block.restype = None

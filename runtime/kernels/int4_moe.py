@@ -30,7 +30,16 @@ import torch
 
 from hetquant.formats import HetquantError
 
-from .int4_gemv import BACKENDS, MAX_K, MAX_NATIVE_TOKENS, PRECISIONS, _get_native, _isa_cap
+from .int4_gemv import (
+    BACKENDS,
+    MAX_K,
+    MAX_NATIVE_TOKENS,
+    PRECISIONS,
+    _get_native,
+    _isa_cap,
+    int4_gemv,
+)
+from .registry import ExpertKernels, register_expert_kernels
 
 __all__ = ["int4_moe"]
 
@@ -110,3 +119,6 @@ def int4_moe(
             f"int4_moe: native kernel failed (code {rc}) for layer {list(gup.shape)}"
         )
     return out
+
+
+register_expert_kernels("int4", ExpertKernels(gemv=int4_gemv, moe=int4_moe))  # int4_cpu(_group)

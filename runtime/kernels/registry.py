@@ -1,8 +1,15 @@
-"""The kernel registry: (format, backend) → prepare function, and the backends themselves.
+"""The kernel registries: (format, backend) → prepare function, and the backends themselves; and
+the CPU expert pool's kernels per expert-layer format.
 
 Backends (``backends/``) register into it; ``ops.QuantLinear`` looks kernels up in it. Kept apart
 from ``ops`` so that neither imports the other's module at import time: ``backends`` → ``registry``
 ← ``ops`` → ``backends``.
+
+Expert pool: an expert-layer format declares the kernel family that computes it
+(``ExpertLayerFormat.cpu_kernel``: ``"int4"``, ``"fp4_e2m1"``); the kernel modules register
+their functions under that name (``int4_moe.py``: the INT4 GEMV and fused MoE call;
+``fp4_gemv.py``: the FP4 GEMV) and the pool asks :func:`expert_kernels` for a layer's format —
+no dtype of a stored tensor decides which kernel runs.
 """
 
 from __future__ import annotations
@@ -14,17 +21,21 @@ from typing import Any
 import torch
 
 from hetquant.formats import HetquantError, WeightFormat
-from hetquant.formats.base import stored_metas
+from hetquant.formats.base import ExpertLayerFormat, stored_metas
 
 __all__ = [
     "BACKENDS",
+    "EXPERT_KERNELS",
     "FLOAT_DTYPES",
     "KERNELS",
     "Backend",
+    "ExpertKernels",
     "Kernel",
     "PrepareFn",
     "checked_shape",
+    "expert_kernels",
     "register_backend",
+    "register_expert_kernels",
     "register_kernel",
 ]
 
@@ -79,6 +90,41 @@ def register_backend(name: str) -> Callable:
         return factory
 
     return deco
+
+
+@dataclass(frozen=True)
+class ExpertKernels:
+    """The CPU expert pool's kernels of one family: ``gemv(packed, scale, x, *, backend,
+    threads, **options) -> [T, N]`` for one expert's matrix, and optionally ``moe(layer, x,
+    experts, offsets, tokens, weights, **options) -> [T, H] | None``, the routed-expert sum of a
+    subpool in one call (None: declined, the pool loops over experts with ``gemv``)."""
+
+    gemv: Callable[..., torch.Tensor]
+    moe: Callable[..., torch.Tensor | None] | None = None
+
+
+EXPERT_KERNELS: dict[str, ExpertKernels] = {}
+"""kernel family (``ExpertLayerFormat.cpu_kernel``) → its kernels."""
+
+
+def register_expert_kernels(family: str, kernels: ExpertKernels) -> ExpertKernels:
+    """Register the pool's kernels for expert-layer formats that declare ``family``."""
+    if family in EXPERT_KERNELS:
+        raise RuntimeError(f"expert kernels {family!r} registered twice")
+    EXPERT_KERNELS[family] = kernels
+    return kernels
+
+
+def expert_kernels(fmt: ExpertLayerFormat) -> ExpertKernels:
+    """The kernels that compute ``fmt``'s layers in the CPU expert pool."""
+    family = fmt.cpu_kernel
+    if family is None or family not in EXPERT_KERNELS:
+        raise HetquantError(
+            f"expert-layer format {fmt.name!r} declares CPU kernel {family!r}, which no kernel "
+            f"module registers (registered: {sorted(EXPERT_KERNELS)}); the CPU expert pool "
+            "cannot serve it"
+        )
+    return EXPERT_KERNELS[family]
 
 
 def checked_shape(fmt: WeightFormat, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:

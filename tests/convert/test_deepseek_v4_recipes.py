@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, safe_open, save_file
 from support import REPO, read_json, run_cli
 
+from hetquant.formats import get_format
 from hetquant.formats.fp4_cpu import fp4_gemv_int8
 from hetquant.runtime import ParallelLayout, open_artifact
 
@@ -79,7 +80,7 @@ def test_every_recipe_converts_and_verifies(
         assert set(groups[kept]["format"].split("+")) <= {"BF16", "F32", "bf16"}, groups[kept]
 
 
-@pytest.mark.parametrize("recipe", ["ascend-w4a16", "ascend-w4a8", "awq-w4a16", "ct-w4a16", "fp4"])
+@pytest.mark.parametrize("recipe", ["ascend-w4a16", "ascend-w4a8", "awq-w4a16", "ct-w4a16"])
 def test_fp4_experts_not_requantized_unasked(
     recipe: str, v4: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -87,6 +88,43 @@ def test_fp4_experts_not_requantized_unasked(
     assert res.exit_code == 2 and not (tmp_path / "o").exists()
     line = res.stderr.strip().splitlines()[-1]
     assert "fp4_e2m1, a low-bit format" in line and "--requantize" in line
+
+
+def test_fp4_recipe_repacks_the_experts_exactly(v4: dict[str, Path], tmp_path: Path) -> None:
+    """``fp4`` without --requantize: every FP4 expert linear in NVFP4 with its codes as shipped,
+    dequantizing to the source's values bit for bit; gate and up share one global scale
+    (formats/linear_repack.py; the Ascend tiled layout: tests/formats/test_linear_repack.py, the
+    tiny model's experts being too narrow to tile)."""
+    out = tmp_path / "fp4"
+    _convert(v4["deepseek"], out, "fp4", "--fp4-layout", "nvfp4")
+    art, src = _tensors(out), _tensors(v4["deepseek"])
+    nv, fp4 = get_format("nvfp4"), get_format("fp4_e2m1")
+    experts = sorted({k.rpartition(".")[0] for k in src if ".ffn.experts." in k})
+    assert experts and all(k.startswith(("layers.", "mtp.")) for k in experts)
+    for name in experts:
+        stored = {k: art[f"{name}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")}
+        want = fp4.dequantize({"weight": src[f"{name}.weight"], "scale": src[f"{name}.scale"]})
+        assert torch.equal(stored["weight"], src[f"{name}.weight"].view(torch.uint8)), name
+        assert torch.equal(nv.dequantize(stored).view(torch.int32), want.view(torch.int32)), name
+        if name.endswith(".w1"):
+            up = art[f"{name[:-1]}3.weight_scale_2"]
+            assert torch.equal(stored["weight_scale_2"], up), name
+
+
+def test_fp4_recipe_refuses_a_scale_spread_past_e4m3(v4: dict[str, Path], tmp_path: Path) -> None:
+    """One expert's gate with a scale of 2^20 (its merged module then spans more powers of two
+    than E4M3's 18): refused in one line naming it, unless --requantize."""
+    scale = torch.full((64, 4), 127, dtype=torch.uint8)
+    scale[3, 1] = 147
+    bad = tmp_path / "bad"
+    _corrupt(v4["deepseek"], bad, {f"{EXPERT}.scale": scale.view(torch.float8_e8m0fnu)})
+    res = run_cli("convert", bad, tmp_path / "o", "--recipe", "fp4", "--fp4-layout", "nvfp4")
+    line = res.stderr.strip()
+    assert res.exit_code == 2 and len(line.splitlines()) == 1, line
+    assert line.startswith(f"error: {EXPERT}.weight: its UE8M0 scale exponents span 2^"), line
+    assert ".. 2^20 (" in line, line  # the merged module's (gate's and up's) joint span
+    assert "over its merged module" in line and "--requantize" in line
+    _convert(bad, tmp_path / "rq", "fp4", "--fp4-layout", "nvfp4", "--requantize")
 
 
 def test_hybrid_keeps_fp4_experts_byte_for_byte(v4: dict[str, Path], tmp_path: Path) -> None:
@@ -113,14 +151,21 @@ def test_hybrid_keeps_fp4_experts_byte_for_byte(v4: dict[str, Path], tmp_path: P
     gu = fp4_gemv_int8(layer[key][5], layer[f"{stem}.gate_up_scale"][5], x)
     act = torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]
     want = fp4_gemv_int8(down, layer[f"{stem}.down_scale"][5], act)
-    for subpools, split in ((1, "inter"), (2, "experts")):  # bit for bit
+    # one expert: bit for bit on every split; split="inter" gathers the subpools' activations
+    # before the down projection, whose rows the subpools share (formats/fp4_cpu.py,
+    # ``subpool_down``), so a routed sum too is one pool's bits (split="experts" adds the
+    # subpools' sums of their own experts: another order of the float32 additions)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(6)])  # 6 tokens, top-3
+    w, xs = torch.rand(6, 3, generator=g), torch.randn(6, 128, generator=g)
+    routed = []
+    for subpools, split in ((1, "inter"), (2, "inter"), (2, "experts"), (4, "experts")):
         with open_artifact(out).cpu_expert_pool(subpools=subpools, split=split) as pool:
-            assert torch.equal(pool.expert(1, 5, x), want)
-    # split="inter": each half of the intermediate quantizes its activations to int8 on its own
-    # (per token, per call), so the sum differs within that rounding (runtime/kernels/fp4_gemv.py)
-    with open_artifact(out).cpu_expert_pool(subpools=2, split="inter") as pool:
-        got = pool.expert(1, 5, x)
-    assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
+            assert torch.equal(pool.expert(1, 5, x), want), (subpools, split)
+            routed.append(pool.forward(1, xs, ids, w))
+    assert torch.equal(routed[1], routed[0])  # split along I: one pool's bits
+    for y in routed[2:]:
+        assert float((y - routed[0]).abs().max()) <= 1e-6 * float(routed[0].abs().max())
 
 
 def _corrupt(src: Path, dst: Path, replace: dict[str, torch.Tensor]) -> None:

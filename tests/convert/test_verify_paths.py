@@ -4,12 +4,12 @@ hashed, listed, staged or sent; a download in the Hugging Face cache layout veri
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import tempfile
 from pathlib import Path
 
+import blake3
 import pytest
 from support import MANIFEST, hf_cache_snapshot, no_hang, read_json, write_json
 
@@ -26,13 +26,13 @@ def _name(art: Path, how: str) -> str:
 
 
 def _list(art: Path, name: str, *, part: bool = False) -> None:
-    """List ``name`` in the manifest with its true size and sha256 (or in a part's files)."""
+    """List ``name`` in the manifest with its true size and digest (or in a part's files)."""
     doc = read_json(art / MANIFEST)
     if part:
         doc["parts"].setdefault("root", {"files": []})["files"].append(name)
     else:
-        digest = hashlib.sha256(SECRET).hexdigest()
-        doc["files"][name] = {"size": len(SECRET), "sha256": digest}
+        digest = blake3.blake3(SECRET).hexdigest()
+        doc["files"][name] = {"size": len(SECRET), "blake3": digest}
     write_json(art / MANIFEST, doc)
 
 

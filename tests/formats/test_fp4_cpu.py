@@ -56,8 +56,10 @@ def test_subpools_fall_on_whole_groups() -> None:
         LAYOUT.check_subpools(64, 4)
     layer = stack_experts([expert_from_fp4(*_expert(s)) for s in range(3)])
     halves = [LAYOUT.subpool_slice(layer, s, 2) for s in range(2)]
-    assert torch.equal(torch.cat([h["down_scale"] for h in halves], dim=2).view(torch.uint8),
+    # down by rows (``subpool_down = "rows"``): each half holds whole rows, all their groups
+    assert torch.equal(torch.cat([h["down_scale"] for h in halves], dim=1).view(torch.uint8),
                        layer["down_scale"].view(torch.uint8))  # fmt: skip
+    assert torch.equal(torch.cat([h["down_packed"] for h in halves], dim=1), layer["down_packed"])
     assert torch.equal(
         torch.cat([h["gate_up_packed"] for h in halves], dim=1), layer["gate_up_packed"]
     )

@@ -1,5 +1,7 @@
 """``formats/manifest_schema.py``: one manifest reader; a missing or wrong-typed field is one
-HetquantError naming it (issue 25 §2). The commands' side: tests/convert/test_untrusted_artifacts.py."""
+HetquantError naming it (issue 25 §2); schema 3 names its file digest algorithm, and one this
+hetquant does not know is refused (issue 30). The commands' side:
+tests/convert/test_untrusted_artifacts.py."""
 
 from __future__ import annotations
 
@@ -42,9 +44,38 @@ EXPORT: dict[str, Any] = {
 }
 
 
+def _schema3(doc: dict, digest: str = "blake3") -> dict:
+    """``doc`` as schema 3 writes it: ``file_digest`` named, every file's digest keyed by it."""
+    files = {n: {"size": f["size"], digest: "ab" * 32} for n, f in doc["files"].items()}
+    return {**doc, "schema_version": 3, "file_digest": digest, "files": files}
+
+
+ARTIFACT3, EXPORT3 = _schema3(ARTIFACT), _schema3(EXPORT)
+
+
 def test_valid_manifests_pass() -> None:
-    check_manifest(ARTIFACT, "m.json")
-    check_manifest(EXPORT, "m.json")
+    for doc in (ARTIFACT, EXPORT, ARTIFACT3, EXPORT3, _schema3(ARTIFACT, "sha256")):
+        check_manifest(doc, "m.json")
+
+
+@pytest.mark.parametrize("digest", ["md5", "BLAKE3", "sha-256", 3, None, ["blake3"]])
+def test_an_unknown_file_digest_is_refused_in_one_line(digest: Any) -> None:
+    with pytest.raises(HetquantError) as e:
+        check_manifest({**ARTIFACT3, "file_digest": digest}, "m.json")
+    msg = str(e.value)
+    assert msg.startswith("m.json: ") and "\n" not in msg
+    assert "file_digest" in msg and ("blake3, sha256" in msg or "must be a string" in msg)
+
+
+def test_a_schema_3_manifest_names_its_file_digest() -> None:
+    with pytest.raises(HetquantError, match=r"m\.json: field file_digest is missing"):
+        check_manifest({k: v for k, v in ARTIFACT3.items() if k != "file_digest"}, "m.json")
+    # every file keyed by the algorithm named: a sha256 entry under blake3 is a missing digest
+    with pytest.raises(HetquantError, match=r"files\['a\.safetensors'\]\.blake3 is missing"):
+        check_manifest({**_schema3(ARTIFACT, "sha256"), "file_digest": "blake3"}, "m.json")
+    # schemas 1 and 2 are sha256, whatever else they say
+    with pytest.raises(HetquantError, match=r"files\['a\.safetensors'\]\.sha256 is missing"):
+        check_manifest({**ARTIFACT3, "schema_version": 2}, "m.json")
 
 
 def _edit(doc: dict, path: tuple, value: Any) -> dict:
@@ -79,7 +110,7 @@ def test_a_bad_field_is_named(doc: dict, path: tuple, value: Any, named: str) ->
     assert named in str(e.value) and "re-download" in str(e.value)
 
 
-@pytest.mark.parametrize("version", [None, 3, "2", True, 2.0])
+@pytest.mark.parametrize("version", [None, 4, "2", True, 2.0])
 def test_unknown_schema_versions(version: Any) -> None:
     with pytest.raises(
         HetquantError, match=r"m\.json: (unknown manifest schema|field schema_version)"

@@ -353,3 +353,43 @@ def test_build_is_cached_and_compile_errors_reported(monkeypatch, tmp_path) -> N
     assert broken.lib is None and "failed" in broken.error
     unbound = NativeLibrary("probe", src, lambda lib: lib.hq_missing).build()
     assert unbound.lib is None and "cannot load" in unbound.error
+
+
+@pytest.mark.parametrize(("k", "n"), [(64, 256), (128, 512), (192, 2048), (7168, 256)])
+def test_nvfp4_tile_is_the_torch_permutation(native: None, k: int, n: int) -> None:
+    """The C++ tile gather (nvfp4_ascend._tile) moves every byte where the 8-D permute does."""
+    from hetquant.formats.nvfp4_ascend import _tile, _tile_torch, _untile
+
+    kn = torch.randint(0, 256, (k, n // 2), generator=torch.Generator().manual_seed(k + n), dtype=torch.uint8)  # fmt: skip
+    tiled = Q.nvfp4_tile(kn)
+    assert tiled is not None and torch.equal(tiled, _tile_torch(kn))
+    assert torch.equal(_tile(kn), tiled) and torch.equal(_untile(tiled), kn)
+    assert Q.nvfp4_tile(kn.T) is None and Q.nvfp4_tile(kn.to(torch.int16)) is None  # torch path
+
+
+@pytest.mark.parametrize("rows", [0, 1, 127, 128])
+def test_u8_colmax7_is_the_torch_reduction(native: None, rows: int) -> None:
+    """Column max of the low 7 bits (fp8_block.absmax_dequantized), strided rows included."""
+    g = torch.Generator().manual_seed(rows)
+    full = torch.randint(0, 256, (rows, 300), generator=g, dtype=torch.uint8)
+    for view in (full, full[:, :257]):  # the second: rows strided past their columns
+        got = Q.u8_colmax7(view.view(torch.float8_e4m3fn))
+        want = (view & 0x7F).amax(dim=0) if rows else torch.zeros(view.shape[1], dtype=torch.uint8)
+        assert got is not None and torch.equal(got, want)
+    assert Q.u8_colmax7(full.T) is None  # columns not contiguous: the torch path
+
+
+def test_scale_2_of_a_float_is_the_torch_value() -> None:
+    """nvfp4._scale_2_of (numpy scalars, per streamed row block) == _scale_2_from_amax bit for
+    bit: zero, the float32 subnormal range, values that round when cast to float32, huge ones."""
+    import random
+
+    from hetquant.formats.nvfp4 import _scale_2_from_amax, _scale_2_of
+
+    rng = random.Random(30)
+    values = [0.0, 1e-45, 2.0**-149, 448.0, 2688.0, 3.0e38, 1 + 2.0**-30, 7.123456789]
+    values += [rng.uniform(0, 10) ** rng.uniform(-12, 12) for _ in range(5000)]
+    for v in values:
+        got, want = _scale_2_of(v), _scale_2_from_amax(torch.as_tensor(v))
+        assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape == ()
+        assert got.view(torch.int32).item() == want.view(torch.int32).item(), v

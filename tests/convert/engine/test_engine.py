@@ -14,6 +14,7 @@ from support import (
     INDEX,
     MANIFEST,
     PARTIAL,
+    blake3_hex,
     journal_jobs,
     read_json,
     ref_dequant_bits,
@@ -108,11 +109,12 @@ def test_artifact_files_index_config_and_aux(tiny_ro: Path, tiny_artifact: Path)
     assert on_disk == {s.name for s in shards} | {INDEX, "config.json", MANIFEST, *AUX}
     manifest = read_json(tiny_artifact / MANIFEST)
     assert manifest["complete"] is True
+    assert (manifest["schema_version"], manifest["file_digest"]) == (3, "blake3")
     assert manifest["recipe"] == {"name": "bf16", "options": {}}
     assert set(manifest["files"]) == on_disk - {MANIFEST}
     for name, want in manifest["files"].items():
         path = tiny_artifact / name
-        assert want == {"size": path.stat().st_size, "sha256": sha256(path)}, name
+        assert want == {"size": path.stat().st_size, "blake3": blake3_hex(path)}, name
     assert manifest["source"]["path"] == str(tiny_ro)
 
 

@@ -4,15 +4,20 @@ waves of files filled front to back."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 
 from hetquant.convert import SourceCheckpoint, file_digest, get_recipe, make_plan, plan_for
 from hetquant.convert.engine.hashing import FileHashes, fill_order
 from hetquant.convert.engine.writer import PieceWriter
+from hetquant.formats.file_digests import DIGESTS, DigestAlgorithm
+
+ONE_SHOT = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
 
 TINY = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
 
@@ -38,12 +43,14 @@ def _create(plan, work: Path) -> None:
         f.create(work / f.name)
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_digests_equal_the_finished_files_in_any_completion_order(plan, tmp_path: Path, threads: int) -> None:  # fmt: skip
+@pytest.mark.parametrize(("threads", "alg", "per_file"), [(1, "blake3", 1), (3, "blake3", 4), (3, "sha256", None)])  # fmt: skip
+def test_digests_equal_the_finished_files_in_any_completion_order(plan, tmp_path: Path, threads: int, alg: str, per_file: int | None) -> None:  # fmt: skip
+    """Streamed while written, in any order, then the tail: the digest of the finished file
+    hashed from scratch in one call (and what ``file_digest`` gives)."""
     _create(plan, tmp_path)
     jobs = list(plan.jobs)
     random.Random(threads).shuffle(jobs)
-    hashes = FileHashes(plan, tmp_path, threads)
+    hashes = FileHashes(plan, tmp_path, threads, DIGESTS[alg], per_file)
     resumed, run = jobs[:5], jobs[5:]
     _fill(plan, tmp_path, resumed, 0)
     for job in resumed:  # a resume marks what the journal holds before anything runs
@@ -53,7 +60,10 @@ def test_digests_equal_the_finished_files_in_any_completion_order(plan, tmp_path
         _fill(plan, tmp_path, [job], 0)
         hashes.written(job)
     digests = hashes.finish()
-    assert digests == {f.name: file_digest(tmp_path / f.name) for f in plan.files}
+    assert digests == {f.name: file_digest(tmp_path / f.name, DIGESTS[alg]) for f in plan.files}
+    for f in plan.files:
+        data = (tmp_path / f.name).read_bytes()
+        assert digests[f.name] == {"size": len(data), alg: ONE_SHOT[alg](data).hexdigest()}
 
 
 def test_bytes_no_job_wrote_are_hashed_at_the_end(plan, tmp_path: Path) -> None:
@@ -101,3 +111,22 @@ def test_a_file_of_only_a_header_is_hashed(tmp_path: Path) -> None:
     empty = make_plan([], get_recipe("bf16"), 1 << 30)  # one shard without tensors
     _create(empty, tmp_path)
     assert FileHashes(empty, tmp_path, 2).finish() == {f.name: file_digest(tmp_path / f.name) for f in empty.files}  # fmt: skip
+
+
+@pytest.mark.parametrize("alg", sorted(DIGESTS))
+def test_stream_then_bulk_reads_of_odd_sizes_give_the_one_shot_digest(plan, tmp_path: Path, alg: str) -> None:  # fmt: skip
+    """Reads that straddle every piece boundary: small ones while jobs run, larger ones (on a
+    pool of threads) after ``finish``: the digest is the file's, hashed from scratch."""
+    odd = DigestAlgorithm(alg, DIGESTS[alg].new, 997, 7919)
+    _create(plan, tmp_path)
+    hashes = FileHashes(plan, tmp_path, 2, odd, per_file=3)
+    hashes.start()
+    half = len(plan.jobs) // 2
+    for job in plan.jobs[:half]:
+        _fill(plan, tmp_path, [job], 2)
+        hashes.written(job)
+    _fill(plan, tmp_path, plan.jobs[half:], 2)  # written, not yet marked: hashed by finish
+    digests = hashes.finish()
+    for f in plan.files:
+        data = (tmp_path / f.name).read_bytes()
+        assert digests[f.name] == {"size": len(data), alg: ONE_SHOT[alg](data).hexdigest()}

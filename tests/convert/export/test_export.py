@@ -126,7 +126,7 @@ def test_amxint4_verify_resume_and_rerun(hybrid, tmp_path, cli, monkeypatch) -> 
     data[7] ^= 1
     victim.write_bytes(bytes(data))
     res = cli("verify", out)
-    assert res.exit_code == 1 and "sha256" in res.stdout
+    assert res.exit_code == 1 and "blake3 differs" in res.stdout
     victim.unlink()
     res = cli("verify", out)
     assert res.exit_code == 1 and "missing" in res.stdout

@@ -14,8 +14,8 @@ from support import (
     MANIFEST,
     PARTIAL,
     TINY,
+    blake3_hex,
     read_json,
-    sha256,
     st_header,
     tree_hashes,
     wait_for_jobs,
@@ -157,7 +157,7 @@ def test_raw_experts_two_workers_killed_resume_manifest_verify(
     for raw, st in zip(sorted(raw_files), sorted(st_files), strict=True):
         start, _ = st_header(hybrid / st)
         assert (out / raw).read_bytes() == (hybrid / st).read_bytes()[start:], raw
-        assert manifest["files"][raw] == {"size": (out / raw).stat().st_size, "sha256": sha256(out / raw)}  # fmt: skip
+        assert manifest["files"][raw] == {"size": (out / raw).stat().st_size, "blake3": blake3_hex(out / raw)}  # fmt: skip
     # ... and the root part is the hybrid's, byte for byte
     mine, theirs = tree_hashes(out), tree_hashes(hybrid)
     root = {k for k in theirs if not k.startswith("cpu_experts/") and k != MANIFEST}
@@ -171,7 +171,7 @@ def test_raw_experts_two_workers_killed_resume_manifest_verify(
     data[len(data) // 2] ^= 1
     blob.write_bytes(bytes(data))
     res = cli("verify", out)
-    assert res.exit_code == 1 and f"FAIL {raw_files[0]}: sha256 differs" in res.stdout
+    assert res.exit_code == 1 and f"FAIL {raw_files[0]}: blake3 differs" in res.stdout
     blob.write_bytes(bytes(data[:-1]))
     res = cli("verify", out)
     assert res.exit_code == 1
