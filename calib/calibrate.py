@@ -132,7 +132,7 @@ def calibrate(
     kept = {n: targets[n] for n in quantized}
     if opts.gptq:
         _check_gptq(kept, search)
-    ctx = _Context(cfg, opts, dev, opts.compute_dtype(dev), tokens.shape[1])
+    ctx = _Context(cfg, opts, dev, opts.compute_dtype(dev), tokens.shape[1], tokens)
     if load is None and weights_fn is not None:
         load = "dequantized"  # the caller's tensors
     loader = LayerLoader(source, lambda layer: layer_names(names, layer, fam), dev, fn, load)

@@ -11,8 +11,9 @@ device and deterministically:
 - attention runs per sequence (the runtime's attention takes one sequence); norms, router and
   MLP / experts run on all N·T tokens at once;
 - ``route`` runs on the CPU (its group mask is allocated there), and the routed-expert sum adds
-  each expert's contribution with an index-put instead of ``index_add_`` — identical on the CPU
-  (tokens are unique per expert), and free of CUDA's atomic-add nondeterminism.
+  each expert's contribution with an index-put per top-k slot instead of ``index_add_`` —
+  identical on the CPU (tokens are unique per expert and slot; a hash-routed token may take one
+  expert in two slots), and free of CUDA's atomic-add nondeterminism.
 
 ``LayerWeights`` is the weights provider (``runtime.model.Weights``); with a ``Capture`` it
 records the input of every non-expert linear and, for the MoE, the router's expert choice, from
@@ -103,6 +104,9 @@ class Capture:
         self._inputs.setdefault(name, []).append(x)
 
     def routing(self, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """Record a MoE call; a family run one sequence at a time makes one per sequence."""
+        if self.moe_input is not None and self.topk_ids is not None:
+            x, topk_ids = torch.cat([self.moe_input, x]), torch.cat([self.topk_ids, topk_ids])
         self.moe_input, self.topk_ids = x, topk_ids
 
     def input(self, module: str) -> torch.Tensor:
@@ -146,6 +150,10 @@ class LayerWeights:
         except KeyError:
             raise HetquantError(f"weights: no tensor {name!r}") from None
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of ``tokens`` (the family's embedding must be in ``state``)."""
+        return self.get(self.family.tensor("embed"))[tokens]
+
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self.capture is not None:
             self.capture.linear(name, x)
@@ -160,8 +168,9 @@ class LayerWeights:
         return w
 
     def experts(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        limit: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """``runtime.moe.routed_experts`` with a deterministic accumulation (module docstring)."""
         if self.capture is not None:
             self.capture.routing(x, topk_ids)
@@ -169,8 +178,11 @@ class LayerWeights:
         for e in torch.unique(topk_ids).tolist():
             tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)  # [n], [n]
             modules = self.family.mlp_modules("routed", layer, e)
-            y = gated_mlp(self._expert_linear, modules, x[tok])  # [n, D]
-            out[tok] += y * topk_weights[tok, slot, None].to(x.dtype)
+            y = gated_mlp(self._expert_linear, modules, x[tok], limit)  # [n, D]
+            y = y * topk_weights[tok, slot, None].to(x.dtype)
+            for j in torch.unique(slot).tolist():  # a token's slots in order (hash routing may
+                on = slot == j  # give one token the same expert twice: index-put per slot)
+                out[tok[on]] += y[on]
         return out
 
     def _expert_linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -184,14 +196,23 @@ class LayerRunner:
         self.cfg, self.device, self.dtype, self.fam = cfg, torch.device(device), dtype, cfg.family
         self.reference = reference_for(cfg)  # the family's forward (its attention)
         probe = self.reference(cfg, LayerWeights({}, family=self.fam), dtype=dtype)
+        self.composable, self.limit = probe.composable, probe.limit
         self.eps, self.router = probe.eps, probe.router
         cos, sin = cos_sin(probe.rope, torch.arange(seq_len), work_dtype(dtype))  # [T, dr/2]
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         self.mask = torch.full((seq_len, seq_len), float("-inf")).triu(1).to(self.device)
 
-    def run(self, layer: int, h: torch.Tensor, weights: LayerWeights) -> torch.Tensor:
-        """Layer ``layer`` on ``h`` [N, T, D] → [N, T, D] with ``weights``."""
+    def run(
+        self, layer: int, h: torch.Tensor, weights: LayerWeights, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Layer ``layer`` on ``h`` [N, T, D] (or [N, ``hidden_shape(T)``]) → the same shape,
+        with ``weights``; ``tokens`` [N, T]: the token ids (a family that is not composable may
+        read them: DeepSeek-V4's hash routing)."""
         model = self.reference(self.cfg, weights, dtype=self.dtype)
+        if not self.composable:  # the family's own layer, one sequence at a time
+            ids = tokens if tokens is not None else torch.empty(h.shape[0], 0, dtype=torch.long)
+            return torch.stack([model.decoder_layer(layer, hn, *model.context(tn.to(hn.device), hn))
+                                for hn, tn in zip(h, ids, strict=True)])  # fmt: skip
         f = self.fam
         ln = weights.get(f.tensor("attn_norm", layer))
         rows = []
@@ -221,7 +242,13 @@ class LayerRunner:
         return y
 
     def embed(self, embed_weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Hidden states [N, T, D] of ``tokens`` [N, T] (looked up where the table lives)."""
+        """Hidden states [N, T, D] (a family that is not composable: its ``embed_hidden``,
+        [N, ``hidden_shape(T)``]) of ``tokens`` [N, T] (looked up where the table lives)."""
+        if not self.composable:
+            table = LayerWeights({self.fam.tensor("embed"): embed_weight}, family=self.fam)
+            model = self.reference(self.cfg, table, dtype=self.dtype)
+            ids = tokens.to(embed_weight.device)
+            return torch.stack([model.embed_hidden(t) for t in ids]).to(self.device)
         return embed_weight[tokens.to(embed_weight.device)].to(self.device, self.dtype)
 
     def head(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
@@ -266,6 +293,8 @@ class StreamedForward:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         t = check_tokens(tokens, self.cfg.vocab_size)
         runner, f = LayerRunner(self.cfg, t.shape[1], self.device, self.dtype), self.cfg.family
+        if not runner.composable:
+            return self._per_sequence(runner, t)
         h = runner.embed(self.tensor_fn(f.tensor("embed")), t)  # [N, T, D]
         for layer in range(self.cfg.num_hidden_layers):
             names = layer_names(self.names, layer, f)
@@ -275,3 +304,20 @@ class StreamedForward:
         return runner.head(
             h, self.tensor_fn(f.tensor("final_norm")), self.tensor_fn(f.tensor("lm_head"))
         ).cpu()
+
+    def _per_sequence(self, runner: LayerRunner, t: torch.Tensor) -> torch.Tensor:
+        """The forward of a family whose layers ``LayerRunner`` does not compose: the family's
+        own embedding, layers and head, one sequence at a time, one layer's tensors at a time."""
+        f, cfg = self.cfg.family, self.cfg
+        prefixes = tuple(f.prefix(layer) for layer in range(cfg.total_layers))
+        top = {n: self.tensor_fn(n).to(self.device) for n in self.names
+               if not n.startswith(prefixes)}  # fmt: skip
+        model = runner.reference(cfg, LayerWeights(top, family=f), dtype=self.dtype)
+        h = runner.embed(top[f.tensor("embed")], t)  # [N, T, ...]
+        t = t.to(self.device)
+        for layer in range(cfg.num_hidden_layers):
+            names = [n for n in self.names if n.startswith(f.prefix(layer))]
+            state = {n: self.tensor_fn(n).to(self.device) for n in names}
+            h = runner.run(layer, h, LayerWeights(state, family=f), t)
+            del state
+        return torch.stack([model.head(hn) for hn in h]).cpu()

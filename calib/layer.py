@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hetquant.formats.families import Balance
+from hetquant.runtime.forward.moe import swiglu
 from hetquant.runtime.forward.precision import work_dtype
 
 from . import awq, gptq, smooth
@@ -61,6 +61,7 @@ class _Context:
     device: torch.device
     dtype: torch.dtype
     seq_len: int
+    tokens: torch.Tensor | None = None  # [N, T]: for a family whose layers read them (V4)
     runner: LayerRunner = field(init=False)
     factors: torch.Tensor = field(init=False)
 
@@ -94,7 +95,8 @@ class _LayerCalibration:
     # orchestration -------------------------------------------------------------------------
     def run(self, h: torch.Tensor) -> tuple[torch.Tensor, dict[str, Transform], dict[str, Any]]:
         cap = Capture()
-        out_f = self.ctx.runner.run(self.layer, h, LayerWeights(self.state, cap, family=self.fam))
+        weights = LayerWeights(self.state, cap, family=self.fam)
+        out_f = self.ctx.runner.run(self.layer, h, weights, self.ctx.tokens)
         stats: dict[str, Any] = {"layer": self.layer}
         moe = self.ctx.cfg.is_moe_layer(self.layer)
         if moe:
@@ -102,7 +104,7 @@ class _LayerCalibration:
         if self.opts.method == "awq":
             self._attention(cap)
             self._mlps(cap)
-        out_q = self.ctx.runner.run(self.layer, h, _QuantizedWeights(self))
+        out_q = self.ctx.runner.run(self.layer, h, _QuantizedWeights(self), self.ctx.tokens)
         delta = (out_q - out_f).to(torch.float32)
         stats["mse"] = float(delta.pow(2).mean())
         stats["rel_err"] = float(delta.norm() / (out_f - h).to(torch.float32).norm())
@@ -189,7 +191,7 @@ class _LayerCalibration:
         gate, up, down = mods
         if x_down is None:  # a routed expert: its down input from the float weights
             w = LayerWeights(self.state, family=self.fam)
-            x_down = F.silu(w.linear(gate, x)) * w.linear(up, x)
+            x_down = swiglu(w.linear(gate, x), w.linear(up, x), self.ctx.runner.limit)
         if self._searches([down]):
             self._balance(f"down:{prefix.removeprefix(self.p)}", up, [down], x_down)
         for m in (gate, up):
@@ -270,7 +272,7 @@ class _LayerCalibration:
         col_mul = self.tf[f"{gate}.weight"].col_mul if f"{gate}.weight" in self.tf else None
         acc = work_dtype(x.dtype)
         xs = x.to(acc) if col_mul is None else x.to(acc) / col_mul.to(acc)
-        return F.silu(xs @ g.to(acc).T) * (xs @ u.to(acc).T)
+        return swiglu(xs @ g.to(acc).T, xs @ u.to(acc).T, self.ctx.runner.limit)
 
     def _gptq(self, modules: Sequence[str], x: torch.Tensor, *, scaled: bool = False) -> None:
         """GPTQ codes of the searched ``modules`` that read one input ``x`` with the same column

@@ -177,8 +177,10 @@ def apply_transform(
 def is_quantized_linear(role: TensorRole) -> bool:
     """Whether a tensor of ``role`` is a decoder-layer linear that AWQ quantizes: every linear of
     the main layers (attention and MLP / expert projections; not the router, not the MTP
-    layers) — the awq-w4a16 recipe's quantized set."""
-    return role.layer is not None and role.role.kind == "linear" and not role.mtp
+    layers; not a role every recipe keeps at source precision, as DeepSeek-V4's compressors and
+    indexer) — the awq-w4a16 recipe's quantized set."""
+    r = role.role
+    return role.layer is not None and r.kind == "linear" and not role.mtp and not r.kept
 
 
 @dataclass

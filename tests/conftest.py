@@ -13,4 +13,5 @@ from support import (  # noqa: F401  (fixtures, registered by being imported her
     tiny_ro,
     tiny_ro_hashes,
     tiny_src,
+    tiny_v4,
 )

@@ -466,6 +466,19 @@ def tiny_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {d: gen.write_checkpoint(base / d, d) for d in ("bf16", "fp8")}
 
 
+TINY_V4 = REPO / "examples" / "tiny-deepseek-v4" / "make_tiny.py"
+
+
+@pytest.fixture(scope="session")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny DeepSeek-V4 (transformers' classes), generated once per session: {"deepseek":
+    dir (DeepSeek's FP8 + FP4 layout, MTP layer), "transformers": dir (its BF16 save)}. Read-only."""
+    import runpy
+
+    base, gen = tmp_path_factory.mktemp("tiny-v4"), runpy.run_path(str(TINY_V4))
+    return {k: gen["write_checkpoint"](base / k, k) for k in ("deepseek", "transformers")}
+
+
 def _convert_once(
     src: Path, tmp_path_factory: pytest.TempPathFactory, name: str, *opts: str
 ) -> Path:

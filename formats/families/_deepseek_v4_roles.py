@@ -116,8 +116,8 @@ LAYER_ROLES: tuple[Role, ...] = (
       shape(F.head_dim, H), fuse="fused_wqa_wkv"),
     R("kv_norm", "attn.kv_norm.weight", "layer", "norms", "norm", "replicate", None,
       shape(F.head_dim)),
-    # one sink per head; replicated (the loader splits 2-D weights; vLLM narrows it per rank)
-    R("sinks", "attn.attn_sink", "layer", "attention", "bias", "replicate", None,
+    # one sink per head, split with the heads (as q_b's rows): a TP rank keeps its heads' sinks
+    R("sinks", "attn.attn_sink", "layer", "attention", "bias", "column", None,
       shape(HEADS), kept=True),
     *_compressor("csa", "attn.compressor", 2, "head_dim"),
     *_compressor("csa", "attn.indexer.compressor", 2, "index_head_dim"),

@@ -218,17 +218,11 @@ def _is_hf_layout(raw: Mapping[str, Any]) -> bool:
 _NO_AWQ = AwqMappings(balances=(), clips=(), mlp_input=None)
 _REFUSED_TYPES = (("deepseek_v41", "DeepSeek-V4.1 nests its text model in text_config and adds a "
                    "vision tower, a layout hetquant does not read yet; convert DeepSeek-V4"),)  # fmt: skip
-_NO_FORWARD = (
-    "DeepSeek-V4's attention (sliding window, compressed sparse / heavily compressed with the "
-    "lightning indexer) and hyper-connections are not implemented in hetquant's reference "
-    "forward, so run and eval refuse it; convert, inspect and verify work"
-)
-
 FAMILY = register_family(
     ModelFamily(
         "deepseek_v4", DeepseekV4Config, NATIVE_GLOBALS + LAYER_ROLES + MTP_ROLES, _NO_AWQ,
         model_types=("deepseek_v4",), architectures=("DeepseekV4ForCausalLM",),
-        layer_prefix="layers.{layer}.", mtp_prefix="mtp.{mtp}.", forward_refusal=_NO_FORWARD,
+        layer_prefix="layers.{layer}.", mtp_prefix="mtp.{mtp}.",
         refused_types=_REFUSED_TYPES, accepts=lambda raw: not _is_hf_layout(raw),
     )
 )  # fmt: skip
@@ -236,6 +230,6 @@ FAMILY_HF = register_family(
     ModelFamily(
         "deepseek_v4_hf", DeepseekV4HfConfig, HF_GLOBALS + hf_roles(LAYER_ROLES), _NO_AWQ,
         model_types=("deepseek_v4",), architectures=("DeepseekV4ForCausalLM",),
-        forward_refusal=_NO_FORWARD, accepts=_is_hf_layout,
+        accepts=_is_hf_layout,
     )
 )  # fmt: skip

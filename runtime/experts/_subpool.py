@@ -55,10 +55,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
 
+from ..forward.moe import swiglu
 from ..kernels import fp4_gemv as _fp4_gemv  # noqa: F401  (registers the FP4 kernels)
 from ..kernels import int4_moe as _int4_moe  # noqa: F401  (registers the INT4 kernels)
 from ..kernels.registry import ExpertKernels, expert_kernels
@@ -227,7 +227,8 @@ class _Subpool:
         its first expert, ``kw`` the ``int4_gemv`` options plus ``fused`` (module docstring)."""
         t, k = self.tensors[layer], self.kernels[layer]
         kw = dict(kw)
-        if kw.pop("fused") and k.moe is not None:
+        if kw.pop("fused") and k.moe is not None:  # never with a SwiGLU clip (_run)
+            kw.pop("limit", None)
             out = k.moe(t, x32, r.experts - e0, r.offsets, r.tokens, r.weights, **kw)
             if out is not None:
                 return out
@@ -239,12 +240,13 @@ class _Subpool:
         """Runs in this subpool's thread: each routed expert's activations ``silu(gate) · up``
         on this subpool's gate / up rows, [n_g, I/S], in ``r``'s expert order."""
         t, gemv = self.tensors[layer], self.kernels[layer].gemv
-        kw = {k: v for k, v in kw.items() if k != "fused"}
+        limit = kw.get("limit")  # the SwiGLU clip (DeepSeek-V4's swiglu_limit)
+        kw = {k: v for k, v in kw.items() if k not in ("fused", "limit")}
         out, bounds = [], r.offsets.tolist()
         for g, e in enumerate(r.experts.tolist()):
             xs = x32.index_select(0, r.tokens[bounds[g] : bounds[g + 1]])  # [n, H]
             gu = gemv(t["gate_up_packed"][e - e0], t["gate_up_scale"][e - e0], xs, **kw)
-            out.append(F.silu(gu[:, 0::2]) * gu[:, 1::2])  # [n, I/S]
+            out.append(swiglu(gu[:, 0::2], gu[:, 1::2], limit))  # [n, I/S]
         return out
 
     def down_rows(
@@ -259,7 +261,7 @@ class _Subpool:
         """Runs in this subpool's thread: ``Σ_g weights · down(acts[g])`` on this subpool's down
         rows, [T, rows] (``shape``: [T, H] when it holds all of them)."""
         t, gemv = self.tensors[layer], self.kernels[layer].gemv
-        kw = {k: v for k, v in kw.items() if k != "fused"}
+        kw = {k: v for k, v in kw.items() if k not in ("fused", "limit")}
         out = torch.zeros(shape[0], t["down_packed"].shape[1])
         bounds = r.offsets.tolist()
         for g, e in enumerate(r.experts.tolist()):

@@ -235,9 +235,11 @@ class CpuExpertPool:
 
     # -------------------------------------------------------------------- compute
     def forward(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """``Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t])``: x [T, H] → [T, H]."""
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        limit: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t])``: x [T, H] → [T, H];
+        ``limit``: the SwiGLU clip (``runtime/forward/moe.py`` ``swiglu``; DeepSeek-V4)."""
         info = self._check_x(layer, x, "forward")
         if x.ndim != 2:
             raise HetquantError(f"forward: x must be [T, H], got {list(x.shape)}")
@@ -263,7 +265,7 @@ class CpuExpertPool:
         w_all = topk_weights.to(x.dtype).to(torch.float32).reshape(-1)[order]
         offsets = torch.zeros(ids.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])
-        out = self._run(layer, x32, Routing(ids, offsets, order // k, w_all))
+        out = self._run(layer, x32, Routing(ids, offsets, order // k, w_all), limit)
         return out.to(x.dtype)
 
     def expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -289,9 +291,11 @@ class CpuExpertPool:
             )
         return info
 
-    def _run(self, layer: int, x32: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def _run(
+        self, layer: int, x32: torch.Tensor, routing: Routing, limit: float | None = None
+    ) -> torch.Tensor:
         kw = {"backend": self._backend, "threads": self._threads, "precision": self._precision}
-        kw["fused"] = self._fused
+        kw["fused"], kw["limit"] = self._fused and limit is None, limit  # fused MoE: no clip
         rows = self._infos[layer].fmt.subpool_down == "rows"
         if rows and self._split == "inter" and self.num_subpools > 1:
             return self._run_rows(layer, x32, routing, kw)

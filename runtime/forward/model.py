@@ -8,8 +8,9 @@ The forward never touches a weight tensor itself. It asks a *weights provider* (
   its own kernel here;
 - ``get(name)`` — a full tensor by HF name, for norms and the router;
 - ``embed(tokens)`` — embedding rows of ``tokens`` (a vocab-parallel rank gathers them);
-- ``experts(layer, x, topk_ids, topk_weights)`` — the routed-expert sum of one MoE layer, so a
-  CPU expert pool (or an EP rank) can take it over.
+- ``experts(layer, x, topk_ids, topk_weights, limit=None)`` — the routed-expert sum of one MoE
+  layer (``limit``: the SwiGLU clip, ``moe.swiglu``), so a CPU expert pool (or an EP rank) can
+  take it over.
 
 Every name comes from the config's family role table, by role (``ModelFamily.tensor`` /
 ``module``); ``DenseWeights(state, family)`` is the plain provider: float tensors under their
@@ -39,7 +40,7 @@ config has ``rms_norm_eps = 1e-6``). The multi-token-prediction layers (layers
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -72,8 +73,9 @@ class Weights(Protocol):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
 
     def experts(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor: ...
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        limit: float | None = None,
+    ) -> torch.Tensor: ...  # fmt: skip
 
 
 class DenseWeights:
@@ -101,12 +103,13 @@ class DenseWeights:
         return F.linear(x, w.to(x.dtype))  # [..., out]
 
     def experts(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        limit: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         def modules(e: int) -> tuple[str, ...]:
             return self.family.mlp_modules("routed", layer, e)
 
-        return routed_experts(self.linear, modules, x, topk_ids, topk_weights)
+        return routed_experts(self.linear, modules, x, topk_ids, topk_weights, limit)
 
 
 def check_runnable(cfg: ModelConfig) -> None:
@@ -132,11 +135,17 @@ class DecoderReference:
     block (router → ``weights.experts`` + shared experts where the layer holds them). A family's
     subclass sets ``rope`` (``RopeSpec``), ``router`` (``RouterSpec`` or None) and ``eps`` in its
     ``__init__`` and defines ``attention``. ``runtime/forward/references.py`` picks the subclass by
-    family. Logits are float32.
+    family. Logits are float32. A family whose residual is not one [T, D] stream (DeepSeek-V4's
+    hyper-connections) overrides the stage hooks ``hidden_shape``, ``embed_hidden``, ``context``
+    (what its ``decoder_layer`` takes besides the layer and hidden states) and ``head``.
     """
 
     rope: RopeSpec
     router: RouterSpec | None
+    # calib/forward.py's LayerRunner composes this family's layer from ``attention``, the norms
+    # and a batched MoE (True), or runs ``decoder_layer`` one sequence at a time (False)
+    composable: ClassVar[bool] = True
+    limit: float | None = None  # the SwiGLU clip of its MLPs (moe.swiglu; DeepSeek-V4's)
 
     def __init__(self, cfg: ModelConfig, weights: Weights, *, dtype: torch.dtype) -> None:
         raw = cfg.decoder_raw
@@ -159,14 +168,31 @@ class DecoderReference:
         vocab = self.cfg.vocab_size
         if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
             raise HetquantError(f"forward: token ids must lie in [0, {vocab})")
-        h = self.weights.embed(tokens).to(self.dtype)  # [T, D]
-        cos, sin, mask = self.positions(h)
+        h = self.embed_hidden(tokens)  # [T, D]
+        ctx = self.context(tokens, h)
         for layer in range(self.cfg.num_hidden_layers):  # MTP layers excluded
-            h = self.decoder_layer(layer, h, cos, sin, mask)
-        h = rms_norm(h, self.weights.get(self.fam.tensor("final_norm")), self.eps)  # [T, D]
-        return self.weights.linear(self.fam.module("lm_head"), h).to(torch.float32)  # [T, V]
+            h = self.decoder_layer(layer, h, *ctx)
+        return self.head(h)
 
     __call__ = forward
+
+    # stage hooks (``runtime/serving/rank.py`` ``run_stage`` runs a pipeline stage with them) --
+    def hidden_shape(self, t: int) -> tuple[int, ...]:
+        """Shape of the hidden states of ``t`` tokens between layers: [T, D]."""
+        return (t, self.cfg.hidden_size)
+
+    def embed_hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for token ids ``tokens`` [T]: embeddings [T, D]."""
+        return self.weights.embed(tokens).to(self.dtype)
+
+    def context(self, tokens: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What ``decoder_layer`` takes after (layer, h): ``positions(h)``."""
+        return self.positions(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [T, V] of the last hidden states ``h`` [T, D]: final norm, lm_head."""
+        h = rms_norm(h, self.weights.get(self.fam.tensor("final_norm")), self.eps)  # [T, D]
+        return self.weights.linear(self.fam.module("lm_head"), h).to(torch.float32)  # [T, V]
 
     def positions(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """RoPE ``cos``, ``sin`` [T, dr/2] and the causal mask [T, T] (0 on and below the

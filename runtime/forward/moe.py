@@ -18,7 +18,9 @@ is excluded. ``RouterSpec`` is parsed from config.json by the DeepSeek-V3 family
 (``formats/families/deepseek_v3.py``, which names the config keys); Qwen3-MoE's router is the
 softmax, one-group, unbiased, unscaled case (``qwen3_moe.py`` ``Qwen3MoeConfig.router``).
 
-An expert (routed or shared) is ``down(silu(gate(x)) · up(x))``; the layer output is
+An expert (routed or shared) is ``down(silu(gate(x)) · up(x))`` — with a SwiGLU ``limit``
+(DeepSeek-V4's ``swiglu_limit``) ``down(silu(min(gate(x), limit)) · clamp(up(x), ±limit))``,
+as transformers 5.24 ``modeling_deepseek_v4.py:1030-1034, 1067-1074`` clips it; the layer output is
 ``Σ_k w_k · expert_{ids_k}(x) + shared(x)``. Module names come from the family's role table
 (``ModelFamily.mlp_modules``).
 """
@@ -35,7 +37,7 @@ from hetquant.formats.families.deepseek_v3 import RouterSpec
 
 from .precision import work_dtype
 
-__all__ = ["LinearFn", "RouterSpec", "gated_mlp", "route", "routed_experts"]
+__all__ = ["LinearFn", "RouterSpec", "gated_mlp", "route", "routed_experts", "swiglu"]
 
 LinearFn = Callable[[str, torch.Tensor], torch.Tensor]
 """``linear(module_prefix, x)``: ``x @ W[module_prefix]ᵀ`` (see ``runtime.model.Weights``)."""
@@ -75,12 +77,21 @@ def route(
     return topk_ids, topk_weights * spec.scaling
 
 
-def gated_mlp(linear: LinearFn, modules: Sequence[str], x: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate(x)) · up(x))`` with ``modules`` = (gate, up, down) ([T, H] → [T, H])."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """``silu(gate) · up``; with ``limit``, gate clipped above at ``limit`` and up to ``±limit``."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def gated_mlp(
+    linear: LinearFn, modules: Sequence[str], x: torch.Tensor, limit: float | None = None
+) -> torch.Tensor:
+    """``down(swiglu(gate(x), up(x), limit))`` with ``modules`` = (gate, up, down) ([T, H] → [T, H])."""
     gate_m, up_m, down_m = modules
     gate = linear(gate_m, x)  # [T, I]
     up = linear(up_m, x)  # [T, I]
-    return linear(down_m, F.silu(gate) * up)  # [T, H]
+    return linear(down_m, swiglu(gate, up, limit))  # [T, H]
 
 
 def routed_experts(
@@ -89,16 +100,17 @@ def routed_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """``Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t])`` for each token, [T, H].
 
-    ``modules(e)``: expert ``e``'s (gate, up, down) module names. Each hit expert runs once on the
-    tokens routed to it (ascending expert id). Weights are cast to ``x``'s dtype before scaling,
-    as DeepSeek's reference does.
+    ``modules(e)``: expert ``e``'s (gate, up, down) module names; ``limit``: the SwiGLU clip.
+    Each hit expert runs once on the tokens routed to it (ascending expert id). Weights are cast
+    to ``x``'s dtype before scaling, as DeepSeek's reference does.
     """
     out = torch.zeros_like(x)  # [T, H]
     for e in torch.unique(topk_ids).tolist():
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)  # [n], [n]
-        y = gated_mlp(linear, modules(e), x[tok])  # [n, H]
+        y = gated_mlp(linear, modules(e), x[tok], limit)  # [n, H]
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].to(x.dtype))
     return out

@@ -11,6 +11,7 @@ from hetquant.formats import HetquantError
 from hetquant.formats.families import ModelConfig
 from hetquant.formats.families.vlm import VlmFamily
 
+from .deepseek_v4 import DeepseekV4Reference
 from .model import DecoderReference, DeepseekV3Reference, check_runnable
 from .qwen3_moe import Qwen3MoeReference
 
@@ -18,6 +19,8 @@ __all__ = ["REFERENCES", "reference_for"]
 
 REFERENCES: dict[str, type[DecoderReference]] = {
     "deepseek_v3": DeepseekV3Reference,
+    "deepseek_v4": DeepseekV4Reference,
+    "deepseek_v4_hf": DeepseekV4Reference,  # transformers' on-disk layout of the same model
     "qwen3_moe": Qwen3MoeReference,
 }
 

@@ -201,12 +201,18 @@ def _finish_modules(
         by_module.setdefault(r.module, []).append(r)
     for mid, rs in by_module.items():
         info = modules[mid]
-        local = {r.name[len(info.prefix) + 1 :]: out.pop(r.name) for r in rs}
+        cut = len(info.prefix) + 1 if info.prefix else 0  # a dotless name: no prefix
+        local = {r.name[cut:]: out.pop(r.name) for r in rs}
         if rs[0].bounds is not None and info.fmt is not None:
             local = info.fmt.shard_fixup(local, *rs[0].bounds)
         if repack is not None:
             local = repack(info.prefix, info.fmt, local)
-        out.update({f"{info.prefix}.{k}": t for k, t in local.items()})
+        out.update({_join(info.prefix, k): t for k, t in local.items()})
+
+
+def _join(prefix: str, key: str) -> str:
+    """A stored name from its module prefix and local key (DeepSeek-V4's ``hc_head_fn``: none)."""
+    return f"{prefix}.{key}" if prefix else key
 
 
 def open_artifact(
@@ -257,7 +263,7 @@ def _open(root: Path, pin: ManifestPin) -> Artifact:
             modules[prefix] = ModuleInfo(prefix, fmt, shape, {k: entries[k] for k in keys})
         extras = sorted(entries.keys() - keys)  # plain tensors of their own
         for key in extras:
-            mid = prefix if not keys and len(extras) == 1 else f"{prefix}.{key}"
+            mid = prefix if not keys and len(extras) == 1 else _join(prefix, key)
             modules[mid] = ModuleInfo(prefix, None, entries[key][1].shape, {key: entries[key]})
     order = sorted(modules, key=lambda m: min((f, e.start) for f, e in modules[m].entries.values()))
     pool = _select_layers(root, None, check=False) if manifest["parts"].get("cpu_experts") else {}

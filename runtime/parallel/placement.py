@@ -180,7 +180,8 @@ class ModelPlacement:
             else:
                 rng = split_range(pl, info.shape[dim], layout.tp_size, layout.tp_rank)
                 pieces = shard_pieces(info, dim, *rng)
-                bounds = (rng, (0, info.shape[1])) if dim == OUT else ((0, info.shape[0]), rng)
+                cols = info.shape[1] if len(info.shape) > 1 else 1  # a 1-D tensor (V4's sinks)
+                bounds = (rng, (0, cols)) if dim == OUT else ((0, info.shape[0]), rng)
             for key, piece in pieces.items():
                 file, entry = info.entries[key]
                 span = piece.span(entry)

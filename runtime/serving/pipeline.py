@@ -95,7 +95,7 @@ def stage_step(
     model: Any, layers: range, seq: torch.Tensor, place: StagePlace, link: torch.device
 ) -> torch.Tensor | None:
     """Run this stage on token ids ``seq`` [T] (first stage) or the previous stage's hidden
-    states [T, D] (received on ``link``); send its hidden states on (on ``link``). Returns the
+    states (``model.hidden_shape(T)``, received on ``link``); send its hidden states on (on ``link``). Returns the
     logits [T, V] on the last stage's group rank 0, else None."""
     import torch.distributed as dist
 
@@ -103,9 +103,9 @@ def stage_step(
 
     x: torch.Tensor = seq
     if not place.first:
-        x = torch.empty(seq.shape[0], model.cfg.hidden_size, dtype=model.dtype, device=link)
+        x = torch.empty(model.hidden_shape(seq.shape[0]), dtype=model.dtype, device=link)
         dist.recv(x, src=place.peer(place.stage - 1))
-    y = run_stage(model, layers, x, first=place.first, last=place.last)
+    y = run_stage(model, layers, x, first=place.first, last=place.last, tokens=seq)
     if not place.last:
         dist.send(y.contiguous().to(link), dst=place.peer(place.stage + 1))
         return None

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from hetquant.formats import HetquantError
 
-from ..forward.model import DecoderReference, rms_norm
+from ..forward.model import DecoderReference
+from ..forward.moe import swiglu
 from ..kernels.ops import QuantLinear
 from ..parallel.layout import ParallelLayout
 from ..parallel.pieces import IN, OUT
@@ -91,11 +92,14 @@ class RankWeights:
         return self.comm.all_reduce(out)
 
     def experts(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        limit: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         if self.pool is not None and layer in self.pool.layers:
             y = (  # the pool is on the host: activations travel there and back
-                self.pool.forward(layer, x.cpu(), topk_ids.cpu(), topk_weights.cpu()).to(x.device)
+                self.pool.forward(layer, x.cpu(), topk_ids.cpu(), topk_weights.cpu(), limit).to(
+                    x.device
+                )
                 if self.comm.rank == 0
                 else torch.zeros_like(x)
             )
@@ -108,7 +112,7 @@ class RankWeights:
                 continue
             xe = x[rows]  # [n, D]
             gate, up, down = self.fam.mlp_modules("routed", layer, e)
-            act = F.silu(self._linear(gate)(xe)) * self._linear(up)(xe)  # [n, I_r]
+            act = swiglu(self._linear(gate)(xe), self._linear(up)(xe), limit)  # [n, I_r]
             weight = (topk_weights * hit).sum(-1)[rows]  # [n]
             y[rows] += self._linear(down)(act) * weight[:, None].to(x.dtype)
         return self.comm.all_reduce(y)
@@ -158,18 +162,24 @@ class RankWeights:
 
 
 def run_stage(
-    model: DecoderReference, layers: range, h_or_tokens: torch.Tensor, *, first: bool, last: bool
+    model: DecoderReference,
+    layers: range,
+    h_or_tokens: torch.Tensor,
+    *,
+    first: bool,
+    last: bool,
+    tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This stage's part of the forward: token ids [T] (first stage) or hidden [T, D] in; hidden
-    [T, D] out, or float32 logits [T, V] on the last stage."""
-    w, eps, fam = model.weights, model.eps, model.fam
+    """This stage's part of the forward: token ids [T] (first stage) or hidden states
+    (``model.hidden_shape(T)``) in; hidden states out, or float32 logits [T, V] on the last
+    stage. ``tokens``: the sequence's token ids (default: ``h_or_tokens`` on the first stage),
+    for a family whose layers read them (DeepSeek-V4's hash-routed MoE)."""
+    w = model.weights
     h_or_tokens = h_or_tokens.to(w.device)
-    h = w.embed(h_or_tokens).to(model.dtype) if first else h_or_tokens  # [T, D]
-    cos, sin, mask = model.positions(h)
+    ids = (h_or_tokens if first else torch.empty(0, dtype=torch.long)) if tokens is None else tokens
     with torch.inference_mode():
+        h = model.embed_hidden(h_or_tokens) if first else h_or_tokens
+        ctx = model.context(ids.to(w.device), h)
         for layer in layers:
-            h = model.decoder_layer(layer, h, cos, sin, mask)
-        if not last:
-            return h
-        h = rms_norm(h, w.get(fam.tensor("final_norm")), eps)  # [T, D]
-        return w.linear(fam.module("lm_head"), h).to(torch.float32)  # [T, V]
+            h = model.decoder_layer(layer, h, *ctx)
+        return model.head(h) if last else h

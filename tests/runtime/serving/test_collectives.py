@@ -240,15 +240,18 @@ def test_comm_under_gloo_goes_through_the_host(monkeypatch: pytest.MonkeyPatch) 
 def _stage_model(monkeypatch: pytest.MonkeyPatch) -> Any:
     from hetquant.runtime.serving import rank as rank_module
 
-    def run_stage(model: Any, layers: range, x: torch.Tensor, *, first: bool, last: bool) -> Any:
+    def run_stage(
+        model: Any, layers: range, x: torch.Tensor, *, first: bool, last: bool, tokens: Any
+    ) -> Any:
         x = x.to(model.weights.device)  # as the real run_stage
         return torch.ones(x.shape[0], 32 if last else 8, device=x.device)  # logits / hidden
 
     monkeypatch.setattr(rank_module, "run_stage", run_stage)
     cfg = types.SimpleNamespace(hidden_size=8)
     return types.SimpleNamespace(
-        cfg=cfg, dtype=torch.float32, weights=types.SimpleNamespace(device=DEV)
-    )
+        cfg=cfg, dtype=torch.float32, weights=types.SimpleNamespace(device=DEV),
+        hidden_shape=lambda t: (t, cfg.hidden_size),
+    )  # fmt: skip
 
 
 def test_stages_hand_tensors_over_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
