@@ -39,8 +39,10 @@ from typing import Any
 
 from ..errors import HetquantError
 from .fields import ConfigFields
-from .shapes import Dim, K, shape
+from .shapes import K, shape
 from .vlm import VisionPart, VlmSpec, register_vlm
+from .vlm import vision_linear as _linear
+from .vlm import vision_norm as _norm
 
 __all__ = ["FAMILY", "SPEC", "vision_raw"]
 
@@ -77,16 +79,6 @@ def vision_raw(raw: dict[str, Any], origin: str) -> dict[str, Any]:
 
 def _vision_counts(f: ConfigFields) -> tuple[int, int]:
     return f.integer("num_hidden_layers"), 0
-
-
-def _linear(prefix: str, out: Dim, inp: Dim, quantizable: bool = False) -> tuple[VisionPart, ...]:
-    return (VisionPart(f"{prefix}.weight", "linear", shape(out, inp), quantizable),
-            VisionPart(f"{prefix}.bias", "bias", shape(out)))  # fmt: skip
-
-
-def _norm(prefix: str, dim: Dim) -> tuple[VisionPart, ...]:
-    return (VisionPart(f"{prefix}.weight", "norm", shape(dim)),
-            VisionPart(f"{prefix}.bias", "norm", shape(dim)))  # fmt: skip
 
 
 _h = K("hidden_size")

@@ -54,7 +54,7 @@ from ..errors import HetquantError
 from .base import ModelConfig, ModelFamily, get_family, register_family
 from .fields import ConfigFields
 from .roles import GLOBAL, GLOBAL_LAST, Located, Role, TensorRole
-from .shapes import Shape
+from .shapes import Dim, Shape, shape
 
 __all__ = [
     "SOURCE_PRECISION",
@@ -65,6 +65,8 @@ __all__ = [
     "VlmSpec",
     "check_vision_kept",
     "register_vlm",
+    "vision_linear",
+    "vision_norm",
 ]
 
 VISION = "vision"  # the scope and precision group of vision-tower tensors
@@ -106,6 +108,21 @@ class VisionPart:
     def regex(self) -> re.Pattern[str]:
         module = self.pattern.rpartition(".")[0]
         return re.compile(r"(\d+)".join(map(re.escape, re.split(r"\{[bd]\}", module))))
+
+
+def vision_linear(
+    prefix: str, out: Dim, inp: Dim, quantizable: bool = False
+) -> tuple[VisionPart, ...]:
+    """A vision linear's weight [out, inp] and bias [out] (``quantizable``: engines read it
+    quantized, :class:`VisionPart`)."""
+    return (VisionPart(f"{prefix}.weight", "linear", shape(out, inp), quantizable),
+            VisionPart(f"{prefix}.bias", "bias", shape(out)))  # fmt: skip
+
+
+def vision_norm(prefix: str, dim: Dim) -> tuple[VisionPart, ...]:
+    """A vision LayerNorm's weight and bias [dim]."""
+    return (VisionPart(f"{prefix}.weight", "norm", shape(dim)),
+            VisionPart(f"{prefix}.bias", "norm", shape(dim)))  # fmt: skip
 
 
 @dataclass(frozen=True)
