@@ -4,6 +4,7 @@ and the legal values (``runtime/vllm/served.py``; the loader's layout check). No
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from support import MANIFEST, TINY
 
 from hetquant.formats import HetquantError
+from hetquant.formats.filenames import READABLE_SCHEMAS
 from hetquant.runtime import ParallelLayout
 from hetquant.runtime.vllm.served import KERNELS_ENV, kernel_choice, open_served
 
@@ -29,7 +31,8 @@ def test_another_manifest_schema_is_refused(tiny_artifact: Path, tmp_path: Path)
     (art / MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(
         HetquantError,
-        match=r"--quantization hetquant: .*unknown manifest schema 99; this hetquant reads schemas \[1, 2\]",
+        match=r"--quantization hetquant: .*unknown manifest schema 99; this hetquant reads schemas "
+        + re.escape(str(list(READABLE_SCHEMAS))),
     ):
         open_served(art)
 
