@@ -164,14 +164,7 @@ class KtRawInt4(Exporter):
         self._ct(layer)  # refuses a group size compressed-tensors does not write
 
     def outputs(self, layer: ExpertLayer, numa: int, e: int) -> list[Output]:
-        file = f"layer_{layer.layer:03d}.safetensors"
-        ct, (h, i) = self._ct(layer), (layer.hidden, layer.inter)
-        out = []
-        for proj in PROJS:
-            for key, meta in ct.stored((h, i) if proj == "down" else (i, h)).items():
-                name = f"{layer.prefix}.{e}.{proj}_proj.{key}"
-                out.append(Output(file, name, f"{proj}/{key}", meta))
-        return out
+        return _per_projection(layer, e, self._ct(layer), {p: f"{p}_proj" for p in PROJS})
 
     def convert(
         self, layer: ExpertLayer, numa: int, expert: Mapping[str, torch.Tensor]
@@ -203,14 +196,9 @@ class KtMxfp4(Exporter):
             )
 
     def outputs(self, layer: ExpertLayer, numa: int, e: int) -> list[Output]:
-        file = f"layer_{layer.layer:03d}.safetensors"
-        fp4, (h, i) = get_format("fp4_e2m1"), (layer.hidden, layer.inter)
-        out = []
-        for proj, w in self._PROJ.items():
-            for key, meta in fp4.stored((h, i) if proj == "down" else (i, h)).items():
-                name = f"{layer.prefix}.{e}.{w}.{key}"  # layers.L.ffn.experts, mtp.0.…
-                out.append(Output(file, name, f"{proj}/{key}", meta))
-        return out
+        return _per_projection(
+            layer, e, get_format("fp4_e2m1"), self._PROJ
+        )  # layers.L.ffn.experts, mtp.0.…
 
     def convert(
         self, layer: ExpertLayer, numa: int, expert: Mapping[str, torch.Tensor]
@@ -234,3 +222,15 @@ def get_exporter(name: str) -> Exporter:
         raise HetquantError(
             f"unknown export target {name!r}; known: {', '.join(sorted(EXPORTERS))}"
         ) from None
+
+
+def _per_projection(layer: ExpertLayer, e: int, fmt: Any, names: Mapping[str, str]) -> list[Output]:
+    """Expert ``e``'s tensors in one per-layer safetensors file, one linear of ``fmt`` per
+    projection (gate/up [I, H], down [H, I]) named ``{prefix}.{e}.{names[proj]}.{key}``."""
+    file = f"layer_{layer.layer:03d}.safetensors"
+    h, i = layer.hidden, layer.inter
+    return [
+        Output(file, f"{layer.prefix}.{e}.{names[proj]}.{key}", f"{proj}/{key}", meta)
+        for proj in PROJS
+        for key, meta in fmt.stored((h, i) if proj == "down" else (i, h)).items()
+    ]
