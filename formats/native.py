@@ -87,6 +87,7 @@ class NativeLibrary:
         disable_env: an environment variable that disables the library when set to ``torch``.
         compiler: a fixed compiler command instead of :func:`find_compiler`.
         label: how the warning names the library.
+        fallback: what the warning says runs instead (default: torch).
         logger: where the warning goes (default ``hetquant.native``).
     """
 
@@ -102,11 +103,13 @@ class NativeLibrary:
         compiler: str | None = None,
         label: str | None = None,
         logger: logging.Logger | None = None,
+        fallback: str = "torch",
     ) -> None:
         self.name, self.source, self.bind = name, source, bind
         self.flags, self.libs = tuple(flags), tuple(libs)
         self.disable_env, self.compiler = disable_env, compiler
         self.label, self.log = label or name, logger or log
+        self.fallback = fallback
         self._built: NativeBuild | None = None
         self._lock = threading.Lock()
         _DEFINED.add(self)
@@ -119,8 +122,8 @@ class NativeLibrary:
                 if self._built is None:
                     nat = self.build()
                     if nat.lib is None:
-                        msg = "%s: native kernel unavailable (%s); using torch"
-                        self.log.warning(msg, self.label, nat.error)
+                        msg = "%s: native kernel unavailable (%s); using %s"
+                        self.log.warning(msg, self.label, nat.error, self.fallback)
                     self._built = nat
                 built = self._built
         return built

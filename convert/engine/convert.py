@@ -38,8 +38,9 @@ from ..recipes import Recipe
 from .calibration import calibration_record
 from .execute import run_jobs, sigbus_exits
 from .finalize import artifact_names, build, carried_files, json_size, metadata_docs
-from .hashing import FileHashes, fill_order, hash_threads
+from .hashing import fill_order, hash_threads
 from .transaction import Transaction, check_target
+from .tree_hashing import container_hashes
 
 __all__ = ["ConvertResult", "convert"]
 
@@ -153,7 +154,7 @@ class _Run:
     ) -> dict[str, dict[str, Any]]:  # fmt: skip
         """Run the jobs not ``done``, journaling each; the containers' digests (``hashing``)."""
         width = hash_threads()
-        hashes = FileHashes(self.plan, self.work, width)
+        hashes = container_hashes(self.plan, self.work, width)
         todo = [j for j in self.plan.jobs if j.id not in done]
         by_id = {j.id: j for j in todo}
         if done:  # a fresh run stays quiet: a bad-input error must be the only line on stderr

@@ -1,6 +1,6 @@
-"""Containers hashed while the jobs run (convert/engine/hashing.py): the digests equal a hash of the
-finished file whatever order jobs finish in, with resumed jobs, bytes no job writes, and the
-waves of files filled front to back."""
+"""Containers hashed while the jobs run (convert/engine/hashing.py front to back, tree_hashing.py
+out of order): the digests equal a hash of the finished file whatever order jobs finish in, with
+resumed jobs, bytes no job writes, and the waves of files filled front to back."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from hetquant.convert import SourceCheckpoint, file_digest, get_recipe, make_plan, plan_for
 from hetquant.convert.engine.hashing import FileHashes, fill_order
+from hetquant.convert.engine.tree_hashing import TreeHashes, container_hashes
 from hetquant.convert.engine.writer import PieceWriter
 from hetquant.formats.file_digests import DIGESTS, DigestAlgorithm
 
@@ -38,19 +39,29 @@ def _fill(plan, work: Path, jobs, seed: int) -> None:
     w.close()
 
 
+def _tree(plan, work: Path, threads: int = 2) -> TreeHashes:
+    return TreeHashes(plan, work, threads)
+
+
+HASHERS = {"prefix": lambda plan, work: FileHashes(plan, work, 2), "tree": _tree}
+
+
 def _create(plan, work: Path) -> None:
     for f in plan.files:
         f.create(work / f.name)
 
 
-@pytest.mark.parametrize(("threads", "alg", "per_file"), [(1, "blake3", 1), (3, "blake3", 4), (3, "sha256", None)])  # fmt: skip
+@pytest.mark.parametrize(("threads", "alg", "per_file"), [(1, "blake3", 1), (3, "blake3", 4), (3, "sha256", None), (1, "tree", None), (4, "tree", None)])  # fmt: skip
 def test_digests_equal_the_finished_files_in_any_completion_order(plan, tmp_path: Path, threads: int, alg: str, per_file: int | None) -> None:  # fmt: skip
     """Streamed while written, in any order, then the tail: the digest of the finished file
     hashed from scratch in one call (and what ``file_digest`` gives)."""
     _create(plan, tmp_path)
     jobs = list(plan.jobs)
     random.Random(threads).shuffle(jobs)
-    hashes = FileHashes(plan, tmp_path, threads, DIGESTS[alg], per_file)
+    if alg == "tree":
+        hashes, alg = TreeHashes(plan, tmp_path, threads), "blake3"
+    else:
+        hashes = FileHashes(plan, tmp_path, threads, DIGESTS[alg], per_file)
     resumed, run = jobs[:5], jobs[5:]
     _fill(plan, tmp_path, resumed, 0)
     for job in resumed:  # a resume marks what the journal holds before anything runs
@@ -66,10 +77,11 @@ def test_digests_equal_the_finished_files_in_any_completion_order(plan, tmp_path
         assert digests[f.name] == {"size": len(data), alg: ONE_SHOT[alg](data).hexdigest()}
 
 
-def test_bytes_no_job_wrote_are_hashed_at_the_end(plan, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", sorted(HASHERS))
+def test_bytes_no_job_wrote_are_hashed_at_the_end(plan, tmp_path: Path, kind: str) -> None:
     _create(plan, tmp_path)
     skipped = plan.jobs[len(plan.jobs) // 2]
-    hashes = FileHashes(plan, tmp_path, 2)
+    hashes = HASHERS[kind](plan, tmp_path)
     hashes.start()
     for job in plan.jobs:
         if job is not skipped:
@@ -78,10 +90,11 @@ def test_bytes_no_job_wrote_are_hashed_at_the_end(plan, tmp_path: Path) -> None:
     assert hashes.finish() == {f.name: file_digest(tmp_path / f.name) for f in plan.files}
 
 
-def test_a_missing_file_is_an_os_error_from_finish(plan, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", sorted(HASHERS))
+def test_a_missing_file_is_an_os_error_from_finish(plan, tmp_path: Path, kind: str) -> None:
     _create(plan, tmp_path)
     (tmp_path / plan.files[0].name).unlink()
-    hashes = FileHashes(plan, tmp_path, 2)
+    hashes = HASHERS[kind](plan, tmp_path)
     with pytest.raises(FileNotFoundError):
         hashes.finish()
 
@@ -107,10 +120,32 @@ def test_fill_order_waves_then_position_in_file(plan) -> None:
         assert rel == sorted(rel)
 
 
-def test_a_file_of_only_a_header_is_hashed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", sorted(HASHERS))
+def test_a_file_of_only_a_header_is_hashed(tmp_path: Path, kind: str) -> None:
     empty = make_plan([], get_recipe("bf16"), 1 << 30)  # one shard without tensors
     _create(empty, tmp_path)
-    assert FileHashes(empty, tmp_path, 2).finish() == {f.name: file_digest(tmp_path / f.name) for f in empty.files}  # fmt: skip
+    assert HASHERS[kind](empty, tmp_path).finish() == {f.name: file_digest(tmp_path / f.name) for f in empty.files}  # fmt: skip
+
+
+def test_the_tree_hashes_pieces_before_the_jobs_end(plan, tmp_path: Path) -> None:
+    """Out of order: with the jobs reported last-file-first and back to front, nearly every
+    byte is hashed before ``finish`` (what the prefix hasher could not do: no prefix is complete)."""
+    _create(plan, tmp_path)
+    hashes = TreeHashes(plan, tmp_path, 2)
+    hashes.start()
+    for job in reversed(plan.jobs):
+        _fill(plan, tmp_path, [job], 3)
+        hashes.written(job)
+    hashes._wait()
+    total = sum(f.size for f in plan.files)
+    assert hashes.hashed_bytes() >= 0.9 * total
+    assert hashes.finish() == {f.name: file_digest(tmp_path / f.name) for f in plan.files}
+
+
+def test_a_conversion_hashes_with_the_tree_where_it_is_built(plan, tmp_path: Path, monkeypatch) -> None:  # fmt: skip
+    assert isinstance(container_hashes(plan, tmp_path, 2), TreeHashes)
+    monkeypatch.setenv("HETQUANT_TREE_HASH", "0")
+    assert isinstance(container_hashes(plan, tmp_path, 2), FileHashes)
 
 
 @pytest.mark.parametrize("alg", sorted(DIGESTS))

@@ -1,0 +1,172 @@
+"""The containers' BLAKE3 digests from pieces hashed as their jobs report them, in any order.
+
+:class:`FileHashes` (``hashing.py``) follows each file's complete prefix: a file whose first
+bytes come last (a stacked-expert file: expert e's rows of every stacked tensor) is hashed only
+after its last job, so part of every conversion's hashing was left for after the jobs (issue 30:
+12-34 % of the wall on tmpfs at 32 workers, benchmarks/notes/convert-scaling.md). BLAKE3 is a
+tree hash: every aligned power-of-two run of 1 KiB chunks is a node whose chaining value depends
+on its bytes and place only (``formats/blake3_tree.py``). So here each range a job wrote is hashed
+as soon as the job reports it, on a pool of threads of this process (the C++ releases the GIL),
+reading it back from a read-only map of the file while its pages are hot; :meth:`finish` only
+hashes the chunks that straddle two pieces, merges the nodes to each file's digest, and fsyncs.
+The digest is the standard BLAKE3 of the file, the same string ``FileHashes`` gives
+(tests/convert/engine/test_hashing.py runs both).
+
+Write-back starts per piece as in ``FileHashes`` (``fs/writeback.py``); a file is fsynced by a
+pool thread as soon as all its bytes are written, else by :meth:`finish`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetquant.formats import blake3_tree
+from hetquant.formats.blake3_tree import TreeDigest
+from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST
+
+from ..fs.os_errors import naming
+from ..fs.writeback import WritebackQueue
+from ..planning.plan import Job, Plan
+from .hashing import FileHashes, _ranges, _where
+
+__all__ = ["TreeHashes", "container_hashes"]
+
+
+def container_hashes(plan: Plan, work: Path, threads: int) -> TreeHashes | FileHashes:
+    """The hasher of a conversion: :class:`TreeHashes` where the manifest's digest is BLAKE3 and
+    the subtree kernel is built, else :class:`FileHashes` (front to back, the ``blake3`` package)."""
+    if FILE_DIGEST == TreeHashes.name and blake3_tree.available():
+        return TreeHashes(plan, work, threads)
+    return FileHashes(plan, work, threads, DIGESTS[FILE_DIGEST])
+
+
+@dataclass
+class _File:
+    path: Path
+    size: int
+    header: int
+    written: int = 0  # bytes reported written (pieces do not overlap)
+    fd: int | None = None
+    map: mmap.mmap | None = None
+    tree: TreeDigest | None = None
+    synced: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class TreeHashes:
+    """BLAKE3 digests of ``plan``'s containers in ``work`` (module docstring), hashed on
+    ``threads`` threads; the interface of :class:`~.hashing.FileHashes`."""
+
+    name = "blake3"
+
+    def __init__(self, plan: Plan, work: Path, threads: int) -> None:
+        self._where = _where(plan)
+        self._files = {
+            f.name: _File(work / f.name, f.size, len(f.header)) for f in plan.files
+        }
+        self._writeback = WritebackQueue({n: f.path for n, f in self._files.items()})
+        self._threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
+        self._queued: list[tuple[str, int, int]] = [
+            (n, 0, f.header) for n, f in self._files.items() if f.header
+        ]
+        self._futures: list[Future[None]] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start hashing (after worker processes are forked: no thread may run during a fork)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="hetquant-tree")
+            self._writeback.start()
+            queued, self._queued = self._queued, []
+            for item in queued:
+                self._futures.append(self._pool.submit(self._add, *item))
+
+    def written(self, job: Job) -> None:
+        """``job``'s bytes are in their files: hash the tree nodes inside them."""
+        with self._lock:
+            for name, start, end in _ranges(job, self._where):
+                self._writeback.add(name, start, end)
+                if self._pool is None:
+                    self._queued.append((name, start, end))
+                else:
+                    self._futures.append(self._pool.submit(self._add, name, start, end))
+
+    def hashed_bytes(self) -> int:
+        return sum(f.tree.hashed for f in self._files.values() if f.tree is not None)
+
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Every file's ``{"size", "blake3": hex}``, each fsynced."""
+        self.start()
+        self._wait()
+        assert self._pool is not None
+        names = list(self._files)
+        digests = self._pool.map(self._digest, names)
+        out = dict(zip(names, digests, strict=True))
+        self.close()
+        return out
+
+    def close(self) -> None:
+        """Stop the threads (what is queued is dropped) and close the files."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._writeback.close()
+        for f in self._files.values():
+            f.tree = None  # holds a view of the map
+            if f.map is not None:
+                f.map.close()
+                f.map = None
+            if f.fd is not None:
+                os.close(f.fd)
+                f.fd = None
+
+    def _wait(self) -> None:
+        while True:
+            with self._lock:
+                futures, self._futures = self._futures, []
+            if not futures:
+                return
+            for fut in futures:
+                fut.result()  # an OSError of a hashing thread is raised here
+
+    def _open(self, f: _File) -> TreeDigest:
+        with f.lock:
+            if f.tree is None:
+                with naming(f.path):
+                    f.fd = os.open(f.path, os.O_RDONLY)
+                    if os.fstat(f.fd).st_size < f.size:
+                        raise OSError(f"{f.path}: shorter than its {f.size} bytes")
+                view = np.zeros(0, np.uint8)
+                if f.size:
+                    f.map = mmap.mmap(f.fd, f.size, prot=mmap.PROT_READ)
+                    view = np.frombuffer(f.map, dtype=np.uint8)
+                f.tree = TreeDigest(f.size, view)
+            return f.tree
+
+    def _add(self, name: str, start: int, end: int) -> None:
+        f = self._files[name]
+        self._open(f).add(start, end)
+        with f.lock:
+            f.written += end - start
+            whole = f.written == f.size and not f.synced
+            f.synced |= whole
+        if whole:
+            os.fsync(f.fd)  # type: ignore[arg-type]
+
+    def _digest(self, name: str) -> dict[str, Any]:
+        f = self._files[name]
+        tree = self._open(f)
+        if not f.synced:
+            os.fsync(f.fd)  # type: ignore[arg-type]
+            f.synced = True
+        return {"size": f.size, self.name: tree.hexdigest()}

@@ -1,0 +1,112 @@
+"""BLAKE3 from pieces hashed in any order (formats/blake3_tree.py, _blake3_native.cpp): the
+standard digest (the ``blake3`` package's) on every instruction path of this CPU, for inputs
+around every chunk and power-of-two boundary, split anywhere, with gaps hashed at the end."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import random
+
+import numpy as np
+import pytest
+from blake3 import blake3
+
+from hetquant.formats import blake3_tree as bt
+
+pytestmark = pytest.mark.skipif(not bt.available(), reason="no C++ compiler: the package path runs")
+PATHS = [n for n in bt.LANES if n <= bt.lanes()]
+SIZES = [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 2049, 3071, 4096, 4097, 16 * 1024 + 1,
+         17 * 1024 - 1, 31 * 1024, 32 * 1024, 33 * 1024 + 5, 100_003, (1 << 20) + 1]  # fmt: skip
+
+
+def _data(size: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _cuts(size: int, rng: random.Random, n: int) -> list[tuple[int, int]]:
+    points = sorted(rng.sample(range(1, size), min(size - 1, n))) if size > 1 else []
+    edges = [0, *points, size]
+    pieces = list(itertools.pairwise(edges))
+    rng.shuffle(pieces)
+    return pieces
+
+
+def test_the_paths_of_this_cpu_are_known() -> None:
+    assert bt.lanes() in bt.LANES and PATHS[0] == 4
+
+
+@pytest.mark.parametrize("lanes", PATHS)
+@pytest.mark.parametrize("size", SIZES)
+def test_pieces_in_any_order_give_the_package_digest(size: int, lanes: int) -> None:
+    data = _data(size, size)
+    want = blake3(data.tobytes()).hexdigest()
+    rng = random.Random(size * 31 + lanes)
+    for pieces in ([(0, size)], _cuts(size, rng, 3), _cuts(size, rng, 40), []):
+        tree = bt.TreeDigest(size, data, lanes)
+        for start, end in pieces:
+            tree.add(start, end)
+        assert tree.hexdigest() == want, (size, lanes, pieces)
+
+
+def test_a_large_input_on_a_thread_pool_in_piece_order() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = (40 << 20) + 12345  # more than MAX_SUBTREE chunks: capped nodes
+    data = _data(size, 7)
+    tree = bt.TreeDigest(size, data)
+    pieces = _cuts(size, random.Random(1), 200)
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda p: tree.add(*p), pieces))
+    assert tree.hashed >= size - 201 * bt.CHUNK  # only the chunks that straddle two pieces left
+    assert tree.hexdigest() == blake3(data.tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("size", [1025, 5000, 1 << 20, (1 << 20) + 1, 3 << 20])
+def test_subtrees_are_aligned_powers_of_two_inside_the_range_and_never_the_root(size: int) -> None:
+    n = -(-size // bt.CHUNK)
+    rng = random.Random(size)
+    for _ in range(200):
+        start = rng.randrange(size)
+        end = rng.randrange(start + 1, size + 1)
+        nodes = bt.subtrees(start, end, size, cap=1 << rng.randrange(0, 12))
+        covered = 0
+        for first, k in nodes:
+            assert k & (k - 1) == 0 and first % k == 0 and k < n
+            assert first * bt.CHUNK >= start and min((first + k) * bt.CHUNK, size) <= end
+            covered += k
+        whole = (end if end < size else n * bt.CHUNK) // bt.CHUNK - -(-start // bt.CHUNK)
+        assert covered == max(0, whole)  # every whole chunk of the range, once
+
+
+@pytest.mark.parametrize("lanes", PATHS)
+def test_high_chunk_counters_agree_between_the_vector_and_scalar_paths(lanes: int) -> None:
+    """Counters past 2**32 (a file over 4 TiB): the vector lanes' high word equals the scalar
+    code's (a 16-chunk subtree against its chunks hashed one by one and merged)."""
+    lib = bt._LIBRARY.get().lib
+    data = _data(16 * bt.CHUNK, 3)
+    counter = (1 << 32) + 5 * 16 - 16  # crosses no 2**32 boundary inside, but hi word != 0
+
+    def subtree(offset: int, nbytes: int, at: int, lanes: int) -> bytes:
+        out = ctypes.create_string_buffer(32)
+        assert lib.hq_b3_subtree(data.ctypes.data + offset, nbytes, at, out, lanes) == 0
+        return out.raw
+
+    level = [subtree(i * bt.CHUNK, bt.CHUNK, counter + i, 4) for i in range(16)]  # scalar
+    while len(level) > 1:
+        merged = []
+        for a, b in zip(level[::2], level[1::2], strict=True):
+            out = ctypes.create_string_buffer(32)
+            lib.hq_b3_parent(a, b, 0, out)
+            merged.append(out.raw)
+        level = merged
+    assert subtree(0, 16 * bt.CHUNK, counter, lanes) == level[0]
+
+
+def test_a_run_that_is_not_a_subtree_is_refused() -> None:
+    lib = bt._LIBRARY.get().lib
+    data = _data(3 * bt.CHUNK)
+    out = ctypes.create_string_buffer(32)
+    assert lib.hq_b3_subtree(data.ctypes.data, 3 * bt.CHUNK, 0, out, 0) == -1  # 3 chunks
+    assert lib.hq_b3_subtree(data.ctypes.data, 0, 0, out, 0) == -1
+    assert lib.hq_b3_single(data.ctypes.data, bt.CHUNK + 1, out) == -1
