@@ -69,9 +69,7 @@ class TreeHashes:
 
     def __init__(self, plan: Plan, work: Path, threads: int) -> None:
         self._where = _where(plan)
-        self._files = {
-            f.name: _File(work / f.name, f.size, len(f.header)) for f in plan.files
-        }
+        self._files = {f.name: _File(work / f.name, f.size, len(f.header)) for f in plan.files}
         self._writeback = WritebackQueue({n: f.path for n, f in self._files.items()})
         self._threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
