@@ -187,11 +187,14 @@ class TreeMonitor:
 
 class CpuMonitor:
     """Background sampler of how many CPU cores are busy, machine-wide (``/proc/stat``): every
-    ``interval`` s, (seconds since start, busy cores) from the change in non-idle jiffies."""
+    ``interval`` s, (seconds since start, busy cores) from the change in non-idle jiffies; and
+    of the page cache's traffic to the disks (``/proc/vmstat``): ``io_trace`` (seconds, dirty
+    MB, under write-back MB, MB/s written to block devices since the last sample)."""
 
     def __init__(self, interval: float = 0.25) -> None:
         self.interval = interval
         self.trace: list[tuple[float, float]] = []
+        self.io_trace: list[tuple[float, float, float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cpu-monitor", daemon=True)
 
@@ -202,9 +205,25 @@ class CpuMonitor:
         idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
         return float(sum(vals[:8]) - idle), float(sum(vals[:8]))
 
+    @staticmethod
+    def _vmstat() -> tuple[float, float, float]:
+        """(dirty MB, write-back MB, MB written to block devices so far)."""
+        keys = {"nr_dirty": 0.0, "nr_writeback": 0.0, "pgpgout": 0.0}
+        try:
+            with open("/proc/vmstat") as f:
+                for line in f:
+                    k, _, v = line.partition(" ")
+                    if k in keys:
+                        keys[k] = float(v)
+        except OSError:
+            pass
+        page_mb = (os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096) / 1e6
+        return keys["nr_dirty"] * page_mb, keys["nr_writeback"] * page_mb, keys["pgpgout"] / 1e3
+
     def __enter__(self) -> CpuMonitor:
         self._t0 = time.monotonic()
         self._last = self._read()
+        self._last_io = (self._t0, self._vmstat()[2])
         self._thread.start()
         return self
 
@@ -221,6 +240,11 @@ class CpuMonitor:
             if d_total > 0:
                 t = round(time.monotonic() - self._t0, 3)
                 self.trace.append((t, round(cores * d_busy / d_total, 2)))
+            now, (dirty, wb, out) = time.monotonic(), self._vmstat()
+            rate = (out - self._last_io[1]) / max(1e-6, now - self._last_io[0])
+            self._last_io = (now, out)
+            t = round(now - self._t0, 3)
+            self.io_trace.append((t, round(dirty), round(wb), round(rate)))
 
 
 def run_measured(
@@ -280,6 +304,7 @@ def run_measured(
         **({"anon_trace_kib": mon.trace} if trace else {}),
         **({"peak_pss_anon_bytes": (mon.peak_pss_anon_kib or 0) * 1024} if pss_every else {}),
         **({"busy_cores_trace": cpu.trace} if cpu_interval else {}),  # type: ignore[union-attr]
+        **({"io_trace": cpu.io_trace} if cpu_interval else {}),  # type: ignore[union-attr]
     }
 
 

@@ -133,6 +133,7 @@ def convert_once(src: Path, out: Path, recipe: str, workers: int, args: argparse
     t_popen = time.time()
     r = run_measured(cmd, pss_every=5, cpu_interval=0.25)
     s = _summarize(r, source_bytes, t_popen)
+    s.update(disk_traffic(r.get("io_trace", []), s.get("phases", {})))
     sizes = [p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()]
     shutil.rmtree(out)
     warm_page_cache(shards)
@@ -140,6 +141,27 @@ def convert_once(src: Path, out: Path, recipe: str, workers: int, args: argparse
     s["write_s"] = write_seconds(args.work / "limit", sizes, args.threads)
     s.update(recipe=recipe, workers=workers, source_bytes=source_bytes, output_bytes=sum(sizes))
     return derive(s)
+
+
+def disk_traffic(trace: list[tuple[float, float, float, float]], ph: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """From ``/proc/vmstat`` samples (seconds, dirty MB, write-back MB, MB/s to the disks): the
+    GB the disks took before the jobs began, during them and after them, the peak dirty GB, and
+    the sampled series (``t:dirty:writeback:rate``) — whether the disk worked while jobs ran."""
+    if not trace or "jobs_s" not in ph:
+        return {}
+    begin = ph.get("startup_s", 0) + ph.get("plan_s", 0) + ph.get("prepare_s", 0)
+    end = begin + ph["jobs_s"]
+    gb = {"before": 0.0, "during": 0.0, "after": 0.0}
+    prev = 0.0
+    for t, _, _, rate in trace:
+        part = "before" if t <= begin else "during" if t <= end else "after"
+        gb[part] += rate * (t - prev) / 1e3
+        prev = t
+    return {
+        **{f"disk_gb_{k}_jobs": round(v, 2) for k, v in gb.items()},
+        "peak_dirty_gb": round(max(d for _, d, _, _ in trace) / 1e3, 2),
+        "io_trace": " ".join(f"{t:g}:{d:g}:{w:g}:{r:g}" for t, d, w, r in trace),
+    }
 
 
 def derive(s: dict[str, Any]) -> dict[str, Any]:
@@ -200,6 +222,10 @@ def main() -> None:
                 convert_once(src, args.work / f"{recipe}-w{workers}", recipe, workers, args)
             )
             print(table(rows[-1:]).splitlines()[-1], flush=True)
+            if "disk_gb_during_jobs" in rows[-1]:
+                print("   disk GB before/during/after jobs, peak dirty:",
+                      *(rows[-1][f"disk_gb_{k}_jobs"] for k in ("before", "during", "after")),
+                      rows[-1]["peak_dirty_gb"], flush=True)  # fmt: skip
     shutil.rmtree(args.work, ignore_errors=True)
     print(f"\n{src}: {rows[0]['source_bytes'] / 1e9:.2f} GB, {cores()} cores\n{table(rows)}")
     ratio = fp4_over_awq(rows)
