@@ -7,7 +7,7 @@ after its last job, so part of every conversion's hashing was left for after the
 tree hash: every aligned power-of-two run of 1 KiB chunks is a node whose chaining value depends
 on its bytes and place only (``formats/blake3_tree.py``). So here each range a job wrote is hashed
 as soon as the job reports it, on a pool of threads of this process (the C++ releases the GIL),
-reading it back from a read-only map of the file while its pages are hot; :meth:`finish` only
+reading it back (``pread``, 4 MiB at a time) while its pages are hot; :meth:`finish` only
 hashes the chunks that straddle two pieces, merges the nodes to each file's digest, and fsyncs.
 The digest is the standard BLAKE3 of the file, the same string ``FileHashes`` gives
 (tests/convert/engine/test_hashing.py runs both).
@@ -18,7 +18,6 @@ pool thread as soon as all its bytes are written, else by :meth:`finish`.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,10 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hetquant.formats import blake3_tree
-from hetquant.formats.blake3_tree import TreeDigest
+from hetquant.formats.blake3_tree import FileBytes, TreeDigest
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST
 
 from ..fs.os_errors import naming
@@ -55,7 +52,6 @@ class _File:
     header: int
     written: int = 0  # bytes reported written (pieces do not overlap)
     fd: int | None = None
-    map: mmap.mmap | None = None
     tree: TreeDigest | None = None
     synced: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -120,10 +116,7 @@ class TreeHashes:
             self._pool = None
         self._writeback.close()
         for f in self._files.values():
-            f.tree = None  # holds a view of the map
-            if f.map is not None:
-                f.map.close()
-                f.map = None
+            f.tree = None
             if f.fd is not None:
                 os.close(f.fd)
                 f.fd = None
@@ -144,11 +137,7 @@ class TreeHashes:
                     f.fd = os.open(f.path, os.O_RDONLY)
                     if os.fstat(f.fd).st_size < f.size:
                         raise OSError(f"{f.path}: shorter than its {f.size} bytes")
-                view = np.zeros(0, np.uint8)
-                if f.size:
-                    f.map = mmap.mmap(f.fd, f.size, prot=mmap.PROT_READ)
-                    view = np.frombuffer(f.map, dtype=np.uint8)
-                f.tree = TreeDigest(f.size, view)
+                f.tree = TreeDigest(f.size, FileBytes(f.fd, str(f.path)))
             return f.tree
 
     def _add(self, name: str, start: int, end: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import random
 
 import numpy as np
@@ -43,7 +44,7 @@ def test_pieces_in_any_order_give_the_package_digest(size: int, lanes: int) -> N
     want = blake3(data.tobytes()).hexdigest()
     rng = random.Random(size * 31 + lanes)
     for pieces in ([(0, size)], _cuts(size, rng, 3), _cuts(size, rng, 40), []):
-        tree = bt.TreeDigest(size, data, lanes)
+        tree = bt.TreeDigest(size, bt.ArrayBytes(data), lanes)
         for start, end in pieces:
             tree.add(start, end)
         assert tree.hexdigest() == want, (size, lanes, pieces)
@@ -54,12 +55,31 @@ def test_a_large_input_on_a_thread_pool_in_piece_order() -> None:
 
     size = (40 << 20) + 12345  # more than MAX_SUBTREE chunks: capped nodes
     data = _data(size, 7)
-    tree = bt.TreeDigest(size, data)
+    tree = bt.TreeDigest(size, bt.ArrayBytes(data))
     pieces = _cuts(size, random.Random(1), 200)
     with ThreadPoolExecutor(4) as ex:
         list(ex.map(lambda p: tree.add(*p), pieces))
     assert tree.hashed >= size - 201 * bt.CHUNK  # only the chunks that straddle two pieces left
-    assert tree.hexdigest() == blake3(data.tobytes()).hexdigest()
+    want = blake3(data.tobytes()).hexdigest()
+    assert tree.hexdigest() == want
+    assert bt.TreeDigest(size, bt.ArrayBytes(data)).hexdigest() == want  # all gaps: capped reads
+
+
+def test_a_file_is_read_a_buffer_at_a_time_and_a_short_one_is_an_os_error(tmp_path) -> None:
+    size = 3 * bt.MAX_SUBTREE * bt.CHUNK + 999
+    data = _data(size, 5)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tree = bt.TreeDigest(size, bt.FileBytes(fd, str(path)))
+        for start, end in _cuts(size, random.Random(2), 9):
+            tree.add(start, end)
+        assert tree.hexdigest() == blake3(data.tobytes()).hexdigest()
+        with pytest.raises(OSError, match="unexpected end of file"):
+            bt.TreeDigest(size + bt.CHUNK, bt.FileBytes(fd, str(path))).hexdigest()
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("size", [1025, 5000, 1 << 20, (1 << 20) + 1, 3 << 20])
