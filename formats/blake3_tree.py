@@ -20,7 +20,6 @@ The C++ (``_blake3_native.cpp``, compiled on first use by ``native.NativeLibrary
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import os
 import threading
@@ -30,19 +29,10 @@ import numpy as np
 
 from .native import DEFAULT_FLAGS, NativeLibrary
 
-__all__ = [
-    "CHUNK",
-    "LANES",
-    "ArrayBytes",
-    "FileBytes",
-    "TreeDigest",
-    "available",
-    "lanes",
-    "subtrees",
-]
+__all__ = ["CHUNK", "LANES", "MAX_SUBTREE", "TreeDigest", "available", "lanes"]
 
 CHUNK = 1024
-MAX_SUBTREE = 1 << 12  # chunks per chaining value computed in one call: 4 MiB read at once
+MAX_SUBTREE = 1 << 12  # chunks per node hashed at once: 4 MiB read (as in the C++)
 LANES = (4, 8, 16)  # the instruction paths, by chunks compressed at once
 
 
@@ -52,6 +42,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.hq_b3_subtree.argtypes, lib.hq_b3_subtree.restype = [vp, i64, u64, vp, ci], ci
     lib.hq_b3_parent.argtypes, lib.hq_b3_parent.restype = [vp, vp, ci, vp], None
     lib.hq_b3_single.argtypes, lib.hq_b3_single.restype = [vp, i64, vp], ci
+    lib.hq_b3_range.argtypes = [ci, vp, i64, i64, i64, vp, vp, vp, i64, ci]
+    lib.hq_b3_range.restype = i64
+    lib.hq_b3_root.argtypes = [ci, vp, i64, vp, vp, vp, i64, vp, ci]
+    lib.hq_b3_root.restype = ci
 
 
 _LIBRARY = NativeLibrary(
@@ -75,119 +69,61 @@ def lanes() -> int:
     return int(lib.hq_b3_lanes()) if lib is not None else 0
 
 
-def _pow2_floor(x: int) -> int:
-    return 1 << (x.bit_length() - 1)
-
-
-def subtrees(start: int, end: int, size: int, cap: int = MAX_SUBTREE) -> list[tuple[int, int]]:
-    """``(first chunk, chunks)`` of the tree nodes wholly inside bytes ``[start, end)`` of a
-    ``size``-byte input, greedily largest first (at most ``cap`` chunks each); the root is never
-    one of them."""
-    n = max(1, -(-size // CHUNK))
-    first = -(-start // CHUNK)
-    stop = n if end >= size else end // CHUNK
-    out = []
-    while first < stop:
-        k = min(first & -first if first else 1 << 62, _pow2_floor(stop - first), cap)
-        if k >= n:  # the whole input: the root, whose value needs the ROOT flag
-            k = _pow2_floor(n - 1)
-        out.append((first, k))
-        first += k
-    return out
-
-
-class ArrayBytes:
-    """The input in memory: ``view(offset, n)`` is a slice of ``data`` (uint8)."""
-
-    def __init__(self, data: np.ndarray) -> None:
-        self._data = data
-
-    def view(self, offset: int, nbytes: int) -> np.ndarray:
-        return self._data[offset : offset + nbytes]
-
-
-class FileBytes:
-    """The input in an open file: ``view(offset, n)`` reads (``preadv``) into a buffer of the
-    calling thread, reused by its next call. Not a map of the file: unmapping a map of tens of
-    GB that was read through tears down millions of page-table entries, serially (seconds at
-    the end of a conversion, measured on the 16-core host)."""
-
-    def __init__(self, fd: int, path: str = "") -> None:
-        self._fd, self._path, self._local = fd, path, threading.local()
-
-    def view(self, offset: int, nbytes: int) -> np.ndarray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            buf = self._local.buf = np.empty(max(nbytes, MAX_SUBTREE * CHUNK), np.uint8)
-        mv, done = memoryview(buf), 0
-        while done < nbytes:
-            n = os.preadv(self._fd, [mv[done:nbytes]], offset + done)
-            if n <= 0:
-                raise OSError(f"{self._path}: unexpected end of file at byte {offset + done}")
-            done += n
-        return buf[:nbytes]
-
-
 class TreeDigest:
-    """The BLAKE3 digest of one input of ``size`` bytes, from pieces (module docstring).
-    ``source``: its bytes (:class:`ArrayBytes` or :class:`FileBytes`), read by :meth:`add` for
-    the ranges it is told of and by :meth:`hexdigest` for the gaps."""
+    """The BLAKE3 digest of one input of ``size`` bytes, from pieces (module docstring): its
+    bytes in memory (``data``, uint8) or in the open file ``fd`` (read 4 MiB at a time into a
+    buffer per thread: no map, whose teardown after tens of GB read through it was seconds of
+    serial time on the 16-core host). Each :meth:`add` is one C++ call that releases the GIL.
+    """
 
-    def __init__(self, size: int, source: ArrayBytes | FileBytes, lanes: int = 0) -> None:
-        self.size, self._source, self._lanes = size, source, lanes
-        self._n = max(1, -(-size // CHUNK))
-        self._nodes: dict[tuple[int, int], bytes] = {}
-        self._firsts: list[int] = []  # sorted first chunks of the known nodes
+    def __init__(self, size: int, *, data: np.ndarray | None = None, fd: int = -1,
+                 path: str = "", lanes: int = 0) -> None:  # fmt: skip
+        if (data is None) == (fd < 0):
+            raise ValueError("TreeDigest: give data or fd")
+        self.size, self._data, self._fd, self._path, self._lanes = size, data, fd, path, lanes
+        self._mem = None if data is None else data.ctypes.data
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._lock = threading.Lock()
         self.hashed = 0  # bytes covered by known nodes
 
     def add(self, start: int, end: int) -> None:
-        """Bytes ``[start, end)`` of the file are final: hash the tree nodes inside them."""
-        if self._n == 1:
-            return  # a one-chunk file is hashed whole by hexdigest
-        for first, k in subtrees(start, end, self.size):
-            cv = self._subtree(first, k)
-            with self._lock:
-                self._nodes[(first, k)] = cv
-                bisect.insort(self._firsts, first)
-                self.hashed += self._nbytes(first, k)
+        """Bytes ``[start, end)`` are final: hash the tree nodes inside them."""
+        first, k, cv = self.nodes(start, end)
+        nbytes = int(np.minimum((first + k) * CHUNK, self.size).sum() - (first * CHUNK).sum())
+        with self._lock:
+            self._parts.append((first, k, cv))
+            self.hashed += nbytes
+
+    def nodes(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(first chunk, chunks, chaining value)`` of the tree nodes wholly inside bytes
+        ``[start, end)``, largest first, at most ``MAX_SUBTREE`` chunks each, never the root."""
+        cap = (end - start) // (MAX_SUBTREE * CHUNK) + 2 * MAX_SUBTREE.bit_length() + 4
+        first, k = np.empty(cap, np.int64), np.empty(cap, np.int64)
+        cv = np.empty((cap, 32), np.uint8)
+        args = (first.ctypes.data, k.ctypes.data, cv.ctypes.data, cap, self._lanes)
+        n = _LIBRARY.get().lib.hq_b3_range(self._fd, self._mem, self.size, start, end, *args)
+        self._check(n, start)
+        return first[:n], k[:n], cv[:n]
 
     def hexdigest(self) -> str:
-        lib = _LIBRARY.get().lib
+        with self._lock:
+            parts = list(self._parts)
+        first = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, np.int64)
+        order = np.argsort(first, kind="stable")
+        first = np.ascontiguousarray(first[order])
+        k = np.ascontiguousarray(np.concatenate([p[1] for p in parts])[order]) if parts else first
+        cv = np.ascontiguousarray(np.concatenate([p[2] for p in parts])[order]) if parts else first
         out = ctypes.create_string_buffer(32)
-        if self._n == 1:
-            data = self._source.view(0, self.size)
-            if lib.hq_b3_single(data.ctypes.data, self.size, out) != 0:
-                raise ValueError("blake3: a one-chunk input longer than a chunk")
-            return out.raw.hex()
-        return self._node(0, self._n, root=True).hex()
+        rc = _LIBRARY.get().lib.hq_b3_root(
+            self._fd, self._mem, self.size, first.ctypes.data, k.ctypes.data, cv.ctypes.data,
+            len(first), out, self._lanes,
+        )  # fmt: skip
+        self._check(rc, 0)
+        return out.raw.hex()
 
-    def _node(self, first: int, k: int, root: bool = False) -> bytes:
-        known = self._nodes.get((first, k))
-        if known is not None and not root:
-            return known
-        whole = not root and k & (k - 1) == 0 and k <= MAX_SUBTREE
-        if whole and (k == 1 or not self._inside(first, k)):
-            return self._subtree(first, k)
-        left = _pow2_floor(k - 1)  # the largest power of two below k
-        lcv, rcv = self._node(first, left), self._node(first + left, k - left)
-        out = ctypes.create_string_buffer(32)
-        _LIBRARY.get().lib.hq_b3_parent(lcv, rcv, int(root), out)
-        return out.raw
-
-    def _inside(self, first: int, k: int) -> bool:
-        """Whether a known node starts inside chunks ``[first, first + k)``."""
-        i = bisect.bisect_left(self._firsts, first)
-        return i < len(self._firsts) and self._firsts[i] < first + k
-
-    def _subtree(self, first: int, k: int) -> bytes:
-        out = ctypes.create_string_buffer(32)
-        nbytes = self._nbytes(first, k)
-        data = self._source.view(first * CHUNK, nbytes)
-        rc = _LIBRARY.get().lib.hq_b3_subtree(data.ctypes.data, nbytes, first, out, self._lanes)
-        if rc != 0:
-            raise ValueError(f"blake3: chunks [{first}, {first + k}) are not a subtree")
-        return out.raw
-
-    def _nbytes(self, first: int, k: int) -> int:
-        return min((first + k) * CHUNK, self.size) - first * CHUNK
+    def _check(self, rc: int, at: int) -> None:
+        if rc == -1:
+            raise OSError(f"{self._path}: read failed or unexpected end of file "
+                          f"(hashing from byte {at} of {self.size})")  # fmt: skip
+        if rc < -1:
+            raise ValueError(f"{self._path}: blake3 node list overflow at byte {at}")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hetquant.formats import blake3_tree
-from hetquant.formats.blake3_tree import FileBytes, TreeDigest
+from hetquant.formats.blake3_tree import TreeDigest
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST
 
 from ..fs.os_errors import naming
@@ -137,7 +137,7 @@ class TreeHashes:
                     f.fd = os.open(f.path, os.O_RDONLY)
                     if os.fstat(f.fd).st_size < f.size:
                         raise OSError(f"{f.path}: shorter than its {f.size} bytes")
-                f.tree = TreeDigest(f.size, FileBytes(f.fd, str(f.path)))
+                f.tree = TreeDigest(f.size, fd=f.fd, path=str(f.path))
             return f.tree
 
     def _add(self, name: str, start: int, end: int) -> None:

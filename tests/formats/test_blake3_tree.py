@@ -44,7 +44,7 @@ def test_pieces_in_any_order_give_the_package_digest(size: int, lanes: int) -> N
     want = blake3(data.tobytes()).hexdigest()
     rng = random.Random(size * 31 + lanes)
     for pieces in ([(0, size)], _cuts(size, rng, 3), _cuts(size, rng, 40), []):
-        tree = bt.TreeDigest(size, bt.ArrayBytes(data), lanes)
+        tree = bt.TreeDigest(size, data=data, lanes=lanes)
         for start, end in pieces:
             tree.add(start, end)
         assert tree.hexdigest() == want, (size, lanes, pieces)
@@ -55,14 +55,14 @@ def test_a_large_input_on_a_thread_pool_in_piece_order() -> None:
 
     size = (40 << 20) + 12345  # more than MAX_SUBTREE chunks: capped nodes
     data = _data(size, 7)
-    tree = bt.TreeDigest(size, bt.ArrayBytes(data))
+    tree = bt.TreeDigest(size, data=data)
     pieces = _cuts(size, random.Random(1), 200)
     with ThreadPoolExecutor(4) as ex:
         list(ex.map(lambda p: tree.add(*p), pieces))
     assert tree.hashed >= size - 201 * bt.CHUNK  # only the chunks that straddle two pieces left
     want = blake3(data.tobytes()).hexdigest()
     assert tree.hexdigest() == want
-    assert bt.TreeDigest(size, bt.ArrayBytes(data)).hexdigest() == want  # all gaps: capped reads
+    assert bt.TreeDigest(size, data=data).hexdigest() == want  # all gaps: capped reads
 
 
 def test_a_file_is_read_a_buffer_at_a_time_and_a_short_one_is_an_os_error(tmp_path) -> None:
@@ -72,31 +72,37 @@ def test_a_file_is_read_a_buffer_at_a_time_and_a_short_one_is_an_os_error(tmp_pa
     path.write_bytes(data.tobytes())
     fd = os.open(path, os.O_RDONLY)
     try:
-        tree = bt.TreeDigest(size, bt.FileBytes(fd, str(path)))
+        tree = bt.TreeDigest(size, fd=fd, path=str(path))
         for start, end in _cuts(size, random.Random(2), 9):
             tree.add(start, end)
         assert tree.hexdigest() == blake3(data.tobytes()).hexdigest()
-        with pytest.raises(OSError, match="unexpected end of file"):
-            bt.TreeDigest(size + bt.CHUNK, bt.FileBytes(fd, str(path))).hexdigest()
+        with pytest.raises(OSError, match="end of file"):
+            bt.TreeDigest(size + bt.CHUNK, fd=fd, path=str(path)).hexdigest()
     finally:
         os.close(fd)
 
 
-@pytest.mark.parametrize("size", [1025, 5000, 1 << 20, (1 << 20) + 1, 3 << 20])
-def test_subtrees_are_aligned_powers_of_two_inside_the_range_and_never_the_root(size: int) -> None:
+@pytest.mark.parametrize("size", [1025, 5000, 1 << 20, (1 << 20) + 1, 9 << 20])
+def test_nodes_are_aligned_powers_of_two_inside_the_range_and_never_the_root(size: int) -> None:
     n = -(-size // bt.CHUNK)
+    data = _data(size, 11)
+    tree = bt.TreeDigest(size, data=data)
     rng = random.Random(size)
-    for _ in range(200):
+    for _ in range(100):
         start = rng.randrange(size)
         end = rng.randrange(start + 1, size + 1)
-        nodes = bt.subtrees(start, end, size, cap=1 << rng.randrange(0, 12))
-        covered = 0
-        for first, k in nodes:
-            assert k & (k - 1) == 0 and first % k == 0 and k < n
-            assert first * bt.CHUNK >= start and min((first + k) * bt.CHUNK, size) <= end
-            covered += k
+        first, k, _ = tree.nodes(start, end)
+        for a, b in zip(first.tolist(), k.tolist(), strict=True):
+            assert b & (b - 1) == 0 and a % b == 0 and b < n and b <= bt.MAX_SUBTREE
+            assert a * bt.CHUNK >= start and min((a + b) * bt.CHUNK, size) <= end
+        assert list(first) == sorted(first) and all(np.diff(first) == k[:-1])  # contiguous
         whole = (end if end < size else n * bt.CHUNK) // bt.CHUNK - -(-start // bt.CHUNK)
-        assert covered == max(0, whole)  # every whole chunk of the range, once
+        assert int(k.sum()) == max(0, whole)  # every whole chunk of the range, once
+
+
+def test_data_or_a_file_not_both() -> None:
+    with pytest.raises(ValueError, match="data or fd"):
+        bt.TreeDigest(10)
 
 
 @pytest.mark.parametrize("lanes", PATHS)
