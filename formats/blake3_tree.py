@@ -12,7 +12,7 @@ releases the GIL) and :meth:`TreeDigest.hexdigest` merges them, hashing what no 
 as ``blake3(file bytes).hexdigest()`` (tests/formats/test_blake3_tree.py, against the
 ``blake3`` package, on every instruction path).
 
-The C++ (``_blake3_native.cpp``, compiled on first use by ``native.NativeLibrary``) compresses
+The C++ (``_blake3_native.cpp`` then ``_blake3_tree.cpp``, compiled on first use by ``native.NativeLibrary``) compresses
 4, 8 or 16 chunks at once (generic, AVX2, AVX-512). Without a compiler, or with
 ``HETQUANT_TREE_HASH=0``, :func:`available` is False and callers hash front to back with the
 ``blake3`` package instead.
@@ -50,7 +50,10 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 _LIBRARY = NativeLibrary(
     "blake3_tree",
-    (Path(__file__).parent / "_blake3_native.cpp").read_text(encoding="utf-8"),
+    "".join(
+        (Path(__file__).parent / n).read_text(encoding="utf-8")
+        for n in ("_blake3_native.cpp", "_blake3_tree.cpp")
+    ),
     _bind,
     flags=DEFAULT_FLAGS,
     label="BLAKE3 subtree hashing",

@@ -1,0 +1,105 @@
+// BLAKE3 of a whole written range and of a whole input (formats/blake3_tree.py): compiled after
+// _blake3_native.cpp in one translation unit (its compression, hq_b3_subtree, hq_b3_parent).
+
+// The bytes are read from a file (pread) or taken from memory.
+
+namespace {
+
+constexpr int64_t MAX_SUBTREE = 1 << 12;  // chunks per node hashed at once (4 MiB read)
+
+// Bytes [off, off + n) of the input: mem + off, or read from fd into this thread's buffer.
+const uint8_t* bytes_at(int fd, const uint8_t* mem, int64_t off, int64_t n) {
+  if (mem) return mem + off;
+  thread_local std::vector<uint8_t> buf;
+  if (int64_t(buf.size()) < n) buf.resize(size_t(std::max(n, MAX_SUBTREE * CHUNK)));
+  for (int64_t done = 0; done < n;) {
+    ssize_t r = pread(fd, buf.data() + done, size_t(n - done), off + done);
+    if (r <= 0) return nullptr;
+    done += r;
+  }
+  return buf.data();
+}
+
+int64_t pow2_floor(int64_t x) { return int64_t(1) << (63 - __builtin_clzll(uint64_t(x))); }
+
+int64_t node_bytes(int64_t first, int64_t k, int64_t size) {
+  return std::min((first + k) * CHUNK, size) - first * CHUNK;
+}
+
+// The chaining value of node (first, k) hashed from the input; false on a read error.
+bool hash_node(int fd, const uint8_t* mem, int64_t size, int64_t first, int64_t k, int lanes,
+               uint8_t* cv) {
+  int64_t n = node_bytes(first, k, size);
+  const uint8_t* p = bytes_at(fd, mem, first * CHUNK, n);
+  return p && hq_b3_subtree(p, n, uint64_t(first), cv, lanes) == 0;
+}
+
+struct Known {
+  const int64_t *first, *k;
+  const uint8_t* cv;
+  int64_t n;
+};
+
+// The node (first, k) of an input of `size` bytes: a known chaining value, else hashed (an aligned
+// power of two with no known node inside, at most MAX_SUBTREE chunks), else its two children
+// merged. root: the digest instead. Returns false on a read error.
+bool node(const Known& kn, int fd, const uint8_t* mem, int64_t size, int64_t first, int64_t k,
+          bool root, int lanes, uint8_t* out) {
+  const int64_t* at = std::lower_bound(kn.first, kn.first + kn.n, first);
+  int64_t i = at - kn.first;
+  bool starts_inside = i < kn.n && kn.first[i] < first + k;
+  if (!root && starts_inside && kn.first[i] == first && kn.k[i] == k) {
+    memcpy(out, kn.cv + 32 * i, 32);
+    return true;
+  }
+  bool pow2 = (k & (k - 1)) == 0;
+  if (!root && pow2 && k <= MAX_SUBTREE && (k == 1 || !starts_inside))
+    return hash_node(fd, mem, size, first, k, lanes, out);
+  int64_t left = pow2_floor(k - 1);
+  uint8_t l[32], r[32];
+  if (!node(kn, fd, mem, size, first, left, false, lanes, l) ||
+      !node(kn, fd, mem, size, first + left, k - left, false, lanes, r))
+    return false;
+  hq_b3_parent(l, r, root, out);
+  return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The tree nodes wholly inside bytes [start, end) of an input of `size` bytes (from mem, or
+// read from fd when mem is null), greedily largest first, at most MAX_SUBTREE chunks each, never
+// the root: each one's first chunk, chunk count and chaining value (32 bytes) into first[i],
+// k[i], cv[32 i]. Returns the count, -1 on a read error (errno set), -2 if more than cap.
+int64_t hq_b3_range(int fd, const uint8_t* mem, int64_t size, int64_t start, int64_t end,
+                    int64_t* first, int64_t* k, uint8_t* cv, int64_t cap, int lanes) {
+  int64_t n = std::max<int64_t>(1, (size + CHUNK - 1) / CHUNK);
+  if (n == 1) return 0;  // a one-chunk input is hashed whole by hq_b3_root
+  int64_t at = (start + CHUNK - 1) / CHUNK, stop = end >= size ? n : end / CHUNK, count = 0;
+  while (at < stop) {
+    int64_t kk = std::min({at ? (at & -at) : MAX_SUBTREE, pow2_floor(stop - at), MAX_SUBTREE});
+    if (kk >= n) kk = pow2_floor(n - 1);  // never the root
+    if (count == cap) return -2;
+    if (!hash_node(fd, mem, size, at, kk, lanes, cv + 32 * count)) return -1;
+    first[count] = at, k[count] = kk, ++count;
+    at += kk;
+  }
+  return count;
+}
+
+// The digest (32 bytes) of an input of `size` bytes from the n known nodes (first ascending, as
+// hq_b3_range gives them; disjoint), hashing what they do not cover from mem or fd. Returns 0,
+// -1 on a read error.
+int hq_b3_root(int fd, const uint8_t* mem, int64_t size, const int64_t* first, const int64_t* k,
+               const uint8_t* cv, int64_t n, uint8_t* out, int lanes) {
+  int64_t chunks = std::max<int64_t>(1, (size + CHUNK - 1) / CHUNK);
+  if (chunks == 1) {
+    const uint8_t* p = size ? bytes_at(fd, mem, 0, size) : mem;
+    uint8_t zero = 0;
+    return p || !size ? hq_b3_single(p ? p : &zero, size, out) : -1;
+  }
+  return node(Known{first, k, cv, n}, fd, mem, size, 0, chunks, true, lanes, out) ? 0 : -1;
+}
+
+}  // extern "C"
