@@ -173,6 +173,7 @@ class _Run:
             self.timings["hashed_at_jobs_end"] = hashes.hashed_bytes() / max(1, sum(f.size for f in self.plan.files))  # fmt: skip
             digests = hashes.finish()
             self.timings.update(jobs_s=t1 - t0, hash_tail_s=time.perf_counter() - t1)
+            self.timings.update(hashes.writeback_stats())
             return digests
         finally:
             hashes.close()

@@ -140,6 +140,11 @@ class FileHashes:
                     f.ready = f.pending.pop(f.ready)
                 self._kick(f)
 
+    def writeback_stats(self) -> dict[str, float]:
+        """Seconds the write-back thread spent in its calls, and GB it handed over."""
+        wb = self._writeback
+        return {"writeback_busy_s": wb.busy_s, "writeback_gb": wb.handed / 1e9}
+
     def hashed_bytes(self) -> int:
         """Bytes hashed so far, every file together."""
         with self._lock:

@@ -95,6 +95,13 @@ class TreeHashes:
                 else:
                     self._futures.append(self._pool.submit(self._add, name, start, end))
 
+    def writeback_stats(self) -> dict[str, float]:
+        """Seconds the write-back thread spent in its calls, and GB it handed over."""
+        return {
+            "writeback_busy_s": self._writeback.busy_s,
+            "writeback_gb": self._writeback.handed / 1e9,
+        }
+
     def hashed_bytes(self) -> int:
         return sum(f.tree.hashed for f in self._files.values() if f.tree is not None)
 

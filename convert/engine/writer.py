@@ -25,7 +25,9 @@ from hetquant.formats.safetensors_io import byte_view, write_at
 from ..fs.os_errors import naming
 from ..planning.containers import Container
 
-__all__ = ["PieceWriter"]
+__all__ = ["WRITE_ENV", "PieceWriter"]
+
+WRITE_ENV = "HETQUANT_WRITE"
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _PAGE = mmap.PAGESIZE
@@ -40,7 +42,8 @@ class PieceWriter:
         self._size = {f.name: f.size for f in files}
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
-        self.mapped = mapped and hasattr(mmap.mmap, "madvise")
+        forced = os.environ.get(WRITE_ENV, "").lower()  # "pwrite": never map (A/B runs)
+        self.mapped = mapped and hasattr(mmap.mmap, "madvise") and forced != "pwrite"
 
     def write(self, tensor: str, offset: int, data: Any) -> None:
         """Write ``data`` (bytes, a numpy array or a CPU tensor: ``safetensors_io.byte_view``)

@@ -27,6 +27,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -73,6 +74,8 @@ class WritebackQueue:
         self._thread: threading.Thread | None = None
         self._fds: dict[str, int] = {}
         self._closing = False
+        self.busy_s = 0.0  # seconds spent in the write-back calls (blocked on the device queue)
+        self.handed = 0  # bytes handed to them
 
     def start(self) -> None:
         if self._thread is None and writeback_available():
@@ -105,6 +108,9 @@ class WritebackQueue:
                 fd = self._fds.get(name)
                 if fd is None:
                     fd = self._fds[name] = os.open(self._paths[name], os.O_RDONLY)
+                t0 = time.perf_counter()
                 start_writeback(fd, start, end - start)
+                self.busy_s += time.perf_counter() - t0
+                self.handed += end - start
             except OSError:
                 continue  # the file's fsync reports what went wrong
