@@ -1,5 +1,8 @@
 """Writing a job's bytes into the containers: through a shared memory map, or ``pwrite``.
 
+Maps where the output lives in memory (tmpfs), ``pwrite`` where a disk takes it (``fs/mounts.py``
+says which, and why); ``HETQUANT_WRITE=mmap|pwrite`` forces one (A/B runs).
+
 Buffered writes to one file serialize on its inode lock (ext4, xfs, tmpfs: ``inode_lock`` around
 every ``write``), so sixteen workers ``pwrite``-ing into one 5 GB shard move ~2.5 GB/s together,
 no more than one (``benchmarks/probes/convert_scaling_parts.py`` on the 16-core host: 2.3-2.8
@@ -22,6 +25,7 @@ from typing import Any
 
 from hetquant.formats.safetensors_io import byte_view, write_at
 
+from ..fs.mounts import memory_backed
 from ..fs.os_errors import naming
 from ..planning.containers import Container
 
@@ -42,8 +46,9 @@ class PieceWriter:
         self._size = {f.name: f.size for f in files}
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
-        forced = os.environ.get(WRITE_ENV, "").lower()  # "pwrite": never map (A/B runs)
-        self.mapped = mapped and hasattr(mmap.mmap, "madvise") and forced != "pwrite"
+        forced = os.environ.get(WRITE_ENV, "").lower()  # "mmap" / "pwrite": A/B runs
+        memory = forced == "mmap" or (forced != "pwrite" and memory_backed(work_dir))
+        self.mapped = mapped and hasattr(mmap.mmap, "madvise") and memory
 
     def write(self, tensor: str, offset: int, data: Any) -> None:
         """Write ``data`` (bytes, a numpy array or a CPU tensor: ``safetensors_io.byte_view``)
