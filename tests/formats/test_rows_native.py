@@ -19,7 +19,8 @@ from hetquant.formats import _quant_native as Q
 from hetquant.formats import _rows_native as R
 from hetquant.formats.base import all_finite
 from hetquant.formats.fp8_block import Fp8Block, dequantize_rows
-from hetquant.formats.int4_cpu import Int4CpuExperts, _quantize_rows_torch, quantize_expert
+from hetquant.formats.int4_cpu import Int4CpuExperts, quantize_expert
+from hetquant.formats.int4_cpu_rows import quantize_rows_torch
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -180,7 +181,7 @@ def test_w8a8_rows_match_torch(monkeypatch, dtype: torch.dtype, n: int, k: int) 
 @pytest.mark.parametrize(("n", "k"), [(16, 7168), (7, 2048), (1, 2), (33, 130)])
 def test_int4_rows_match_torch(dtype: torch.dtype, n: int, k: int) -> None:
     w = _rows(max(n, 5), k, seed=n + k, dtype=dtype)[:n].contiguous()
-    want = _quantize_rows_torch(w.float(), False)
+    want = quantize_rows_torch(w.float(), False)
     for isa in _isas():
         got = R.int4_rows(w, None, isa)
         assert got is not None and _same(got[0], want[0]) and _same(got[1], want[1]), isa
@@ -192,8 +193,8 @@ def test_quantize_expert_interleaves_gate_and_up(dtype: torch.dtype) -> None:
     gate, up = _rows(64, 256, 1, dtype), _rows(64, 256, 2, dtype)
     down = _rows(256, 64, 3, dtype)
     got = quantize_expert(gate, up, down)
-    gu = _quantize_rows_torch(int4_cpu.interleave_rows(gate.float(), up.float()), False)
-    d = _quantize_rows_torch(down.float(), False)
+    gu = quantize_rows_torch(int4_cpu.interleave_rows(gate.float(), up.float()), False)
+    d = quantize_rows_torch(down.float(), False)
     want = {"gate_up_packed": gu[0], "gate_up_scale": gu[1], "down_packed": d[0], "down_scale": d[1]}  # fmt: skip
     assert got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
 
