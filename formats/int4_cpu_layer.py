@@ -8,7 +8,7 @@ are interleaved (row 2i = gate row i, 2i+1 = up row i) so that a subpool owns on
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ._lazy import torch
 from ._rows_native import int4_rows
@@ -21,6 +21,7 @@ __all__ = [
     "LAYER_KEYS",
     "check_metas",
     "check_subpools",
+    "decode_expert",
     "dequantize_expert",
     "expert_forward",
     "interleave_rows",
@@ -126,11 +127,22 @@ def dequantize_expert(
     layer: Mapping[str, torch.Tensor], e: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert ``e`` of a layer (or subpool view) → float32 gate [I, H], up [I, H], down [H, I]."""
-    num_experts = _layer_dims(layer)[0]
+    return decode_expert(layer, e, _layer_dims(layer)[0], dequantize_rows)
+
+
+def decode_expert(
+    layer: Mapping[str, torch.Tensor],
+    e: int,
+    num_experts: int,
+    rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert ``e`` of a checked layer of ``num_experts`` → float32 gate [I, H], up [I, H], down
+    [H, I], each stacked tensor's rows decoded by ``rows(packed, scale)`` (the per-channel or
+    the group-wise ``dequantize_rows``: both layouts interleave gate/up rows alike)."""
     if not 0 <= e < num_experts:
         raise HetquantError(f"dequantize_expert: expert {e} not in 0..{num_experts - 1}")
-    gate_up = dequantize_rows(layer["gate_up_packed"][e], layer["gate_up_scale"][e])  # (2I, H)
-    down = dequantize_rows(layer["down_packed"][e], layer["down_scale"][e])  # (H, I)
+    gate_up = rows(layer["gate_up_packed"][e], layer["gate_up_scale"][e])  # (2I, H)
+    down = rows(layer["down_packed"][e], layer["down_scale"][e])  # (H, I)
     return gate_up[0::2].contiguous(), gate_up[1::2].contiguous(), down
 
 
