@@ -91,3 +91,14 @@ def _nan(w: torch.Tensor, value: float) -> torch.Tensor:
 def test_bad_inputs_refused(call) -> None:
     with pytest.raises(HetquantError):
         call()
+
+
+def test_reexports_are_the_parts_own() -> None:
+    """What was imported from ``formats.int4_cpu`` before it was split still is, unchanged."""
+    from hetquant.formats import int4_cpu, int4_cpu_layer, int4_cpu_rows
+
+    for part in (int4_cpu_layer, int4_cpu_rows):
+        for name in set(part.__all__) & set(int4_cpu.__all__):
+            assert getattr(int4_cpu, name) is getattr(part, name), name
+    assert set(int4_cpu_layer.__all__) - {"decode_expert"} <= set(int4_cpu.__all__)
+    assert {"CLIP_RATIOS", "QMAX", "ZERO_POINT", "dequantize_rows"} <= set(int4_cpu.__all__)
