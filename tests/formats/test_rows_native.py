@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetquant.formats import HetquantError, int4_cpu, w8a8_npu
+from hetquant.formats import HetquantError, int4_cpu, w8a8_npu, w8a8_npu_rows
 from hetquant.formats import _quant_native as Q
 from hetquant.formats import _rows_native as R
 from hetquant.formats.base import all_finite
@@ -167,9 +167,9 @@ def _rows(n: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize(("n", "k"), [(16, 7168), (7, 2048), (1, 2), (33, 130)])
 def test_w8a8_rows_match_torch(monkeypatch, dtype: torch.dtype, n: int, k: int) -> None:
     w = _rows(max(n, 5), k, seed=n * k, dtype=dtype)[:n].contiguous()
-    got = w8a8_npu._weight_tensors(w, "x")
-    monkeypatch.setattr(w8a8_npu, "w8a8_rows", lambda w: None)
-    want = w8a8_npu._weight_tensors(w, "x")
+    got = w8a8_npu_rows.weight_tensors(w, "x")
+    monkeypatch.setattr(w8a8_npu_rows, "w8a8_rows", lambda w: None)
+    want = w8a8_npu_rows.weight_tensors(w, "x")
     for key in want:
         assert _same(got[key], want[key]), key
     for isa in _isas():
@@ -240,7 +240,7 @@ def test_kernels_disabled_give_the_same_bytes(monkeypatch) -> None:
     try:
         assert R.fp8_dequant_rows(w[:128].contiguous(), s[0], 128) is None
         assert R.w8a8_rows(rows) is None and R.int4_rows(rows) is None
-        w8 = w8a8_npu._weight_tensors(rows, "x")
+        w8 = w8a8_npu_rows.weight_tensors(rows, "x")
         fallback = (fmt.source_dequantized("m", {"weight": w, "weight_scale_inv": s}, (130, 300)),
                     *Int4CpuExperts().quantize_rows(rows), w8["weight"], w8["weight_scale"])  # fmt: skip
     finally:
