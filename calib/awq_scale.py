@@ -97,6 +97,22 @@ class ScaleSearch:
     identity_loss: float
     losses: tuple[tuple[float | None, float], ...]
 
+    @classmethod
+    def chosen(
+        cls,
+        cands: Sequence[tuple[float | None, torch.Tensor]],
+        losses: Sequence[float],
+        best: int,
+    ) -> ScaleSearch:
+        """Candidate ``best`` of ``cands`` (α, s), identity first, with each one's loss."""
+        return cls(
+            scales=cands[best][1],
+            ratio=cands[best][0],
+            loss=losses[best],
+            identity_loss=losses[0],
+            losses=tuple((a, v) for (a, _), v in zip(cands, losses, strict=True)),
+        )
+
 
 def search_scale(
     weights: Sequence[torch.Tensor],
@@ -135,7 +151,20 @@ def search_scale(
         x_mean = activation_mean(xs[0] if isinstance(x, torch.Tensor) else xs)
     w_mean = weight_mean([w for w, _ in quant], [q.group(w.shape[1]) for w, q in quant])
     cands = scale_candidates(x_mean, w_mean, grid, duo_scaling=duo_scaling, pow2=pow2)
-    dev = quant[0][0].device
+    losses = _mean_losses(ws, qs, xs, cands, quant[0][0].device, matmul_dtype)
+    return ScaleSearch.chosen(cands, losses, first_min(losses))
+
+
+def _mean_losses(
+    ws: Sequence[torch.Tensor],
+    qs: Sequence[FakeQuant | None],
+    xs: Sequence[torch.Tensor],
+    cands: Sequence[tuple[float | None, torch.Tensor]],
+    dev: torch.device,
+    matmul_dtype: torch.dtype,
+) -> list[float]:
+    """The objective at every candidate: the squared output errors of the quantized weights,
+    summed over their tokens and divided by ``Σ_i T_i · N_i`` (:func:`search_scale`)."""
     sq = [torch.zeros((), dtype=torch.float64, device=dev) for _ in cands]  # no sync per step
     count = 0
     grams: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(x) → (x kept alive, xᵀx)
@@ -156,12 +185,4 @@ def search_scale(
         for c, (_, s) in enumerate(cands):
             err = q(w32 * s) / s - w32  # (N, K)
             sq[c] += sq_out(t, err, gram, matmul_dtype)
-    losses = [float(v) / max(count, 1) for v in torch.stack(sq).cpu()]
-    best = first_min(losses)
-    return ScaleSearch(
-        scales=cands[best][1],
-        ratio=cands[best][0],
-        loss=losses[best],
-        identity_loss=losses[0],
-        losses=tuple((a, v) for (a, _), v in zip(cands, losses, strict=True)),
-    )
+    return [float(v) / max(count, 1) for v in torch.stack(sq).cpu()]
