@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from w8a8_cases import ACT_MAX, ACT_MIN, GOLDEN_Q_BYTES, GOLDEN_SCALE_BYTES, GOLDEN_W, bf16_weights
+from ascend_cases import (
+    ACT_MAX,
+    ACT_MIN,
+    GOLDEN_Q_BYTES,
+    GOLDEN_SCALE_BYTES,
+    GOLDEN_W,
+    bf16_weights,
+)
 
 from hetquant.formats import FORMATS, HetquantError, get_format
 from hetquant.formats import w8a8_npu as w8

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from w8a8_cases import ACT_MAX, ACT_MIN, GOLDEN_W, UNIT_ROUNDOFF, bf16_weights
+from ascend_cases import ACT_MAX, ACT_MIN, GOLDEN_W, UNIT_ROUNDOFF, bf16_weights
 
 from hetquant.formats import HetquantError, get_format
 from hetquant.formats import w8a8_npu_ops as ops

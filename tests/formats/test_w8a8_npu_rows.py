@@ -10,10 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ascend_cases import ACT_MAX, ACT_MIN, as_weight, bf16_weights, float_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra.numpy import arrays
-from w8a8_cases import ACT_MAX, ACT_MIN, bf16_weights
 
 from hetquant.formats import get_format
 from hetquant.formats.w8a8_npu_rows import (
@@ -28,19 +27,13 @@ DYN = get_format("w8a8_dynamic")
 
 @settings(max_examples=60, deadline=None)
 @given(
-    w=st.tuples(st.integers(1, 17), st.integers(1, 67)).flatmap(
-        lambda shape: arrays(np.float32, shape, elements=st.floats(-(2.0**100), 2.0**100, width=32))
-    ),
+    w=float_weights(st.tuples(st.integers(1, 17), st.integers(1, 67))),
     zero_row=st.booleans(),
     bf16=st.booleans(),
 )
 def test_error_bound(w: np.ndarray, zero_row: bool, bf16: bool) -> None:
     """|W - dequantize(quantize(W))| <= s/2 per row, up to F32 rounding of W/s and q*s."""
-    weight = torch.from_numpy(w.copy())
-    if zero_row:
-        weight[0] = 0.0
-    if bf16:
-        weight = weight.to(torch.bfloat16)
+    weight = as_weight(w, zero_row, bf16)
     t = weight_tensors(weight, "w")
     s = t["weight_scale"].double()  # (n, 1)
     err = (weight.double() - dequantize_int8(DYN, t).double()).abs()

@@ -1,11 +1,14 @@
-"""Inputs shared by the W8A8 tests (test_w8a8_npu.py, test_w8a8_npu_rows.py, test_w8a8_npu_ops.py).
+"""Inputs shared by the Ascend format tests (test_w8a8_npu*.py, test_w4a8_npu.py).
 
 Golden values are computed by hand (see the comments), never by the code under test.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 __all__ = [
     "ACT_MAX",
@@ -14,7 +17,9 @@ __all__ = [
     "GOLDEN_SCALE_BYTES",
     "GOLDEN_W",
     "UNIT_ROUNDOFF",
+    "as_weight",
     "bf16_weights",
+    "float_weights",
 ]
 
 F32_UNIT = 2.0**-24  # unit roundoff of float32
@@ -44,3 +49,17 @@ def bf16_weights(seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     mags = torch.logspace(-6, 2, 48).reshape(48, 1)  # rows over eight decades
     return (torch.randn(48, 300, generator=gen) * mags).to(torch.bfloat16)
+
+
+def float_weights(shapes: st.SearchStrategy[tuple[int, int]]) -> st.SearchStrategy[np.ndarray]:
+    """Float32 weights of the drawn shapes, any finite value within ±2^100."""
+    elements = st.floats(-(2.0**100), 2.0**100, width=32)
+    return shapes.flatmap(lambda shape: arrays(np.float32, shape, elements=elements))
+
+
+def as_weight(w: np.ndarray, zero_row: bool, bf16: bool) -> torch.Tensor:
+    """``w`` as a tensor, its first row zeroed and cast to BF16 when asked."""
+    weight = torch.from_numpy(w.copy())
+    if zero_row:
+        weight[0] = 0.0
+    return weight.to(torch.bfloat16) if bf16 else weight
