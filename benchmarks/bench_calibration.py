@@ -513,7 +513,7 @@ def _device_info(dev: torch.device) -> dict[str, Any]:
 
 
 def _fp32_matmul_rate(dev: torch.device, small: bool) -> dict[str, Any]:
-    """FLOP/s of ``err @ gram`` in float32 (the Gram path of ``awq._sq_out``) at o_proj's 671B
+    """FLOP/s of ``err @ gram`` in float32 (the Gram path of ``awq_stats.sq_out``) at o_proj's 671B
     shape [7168, 16384] @ [16384, 16384] (``small``: [256, 512] @ [512, 512])."""
     m, k = (256, 512) if small else (7168, 16384)
     with torch.inference_mode():

@@ -102,13 +102,7 @@ def act_aware_search(
             sq[c] += float(d.pow(2).sum(dtype=torch.float64))
     losses = [float(v) / max(count, 1) for v in sq]
     best = min(range(len(cands)), key=lambda c: (losses[c], c))
-    return awq.ScaleSearch(
-        scales=cands[best][1],
-        ratio=cands[best][0],
-        loss=losses[best],
-        identity_loss=losses[0],
-        losses=tuple((a, v) for (a, _), v in zip(cands, losses, strict=True)),
-    )
+    return awq.ScaleSearch.chosen(cands, losses, best)
 
 
 def _x_absmax(x: torch.Tensor | Sequence[torch.Tensor], k: int) -> torch.Tensor:

@@ -62,24 +62,39 @@ Why this layout (reference/cpu_experts.md):
 - Scales over the full row and one file for every S: kt quantizes each NUMA slice on its own,
   which ties its files to the thread-pool count (§0, §1.3). Row-interleaved gate/up gives each
   subpool one range per expert, and a subpool view is a plain layer of inter I/S.
+
+Where the code lives: the row codec (quantize / dequantize of rows, clip search) in
+``formats/int4_cpu_rows.py``, the per-layer layout (stacking, experts, subpools) in
+``formats/int4_cpu_layer.py``; this module holds the two registered formats and re-exports both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from ._lazy import torch
-from ._rows_native import int4_rows, int4_rows_array
+from ._rows_native import int4_rows_array
 from .arrays import NotNative, native
-from .base import Streaming, TensorMeta, WeightFormat, all_finite, register
-from .bits import pack_nibbles_u8, unpack_nibbles_u8
-from .dtypes import divide, st_dtype
+from .base import Streaming, TensorMeta, WeightFormat, register
 from .errors import HetquantError
 from .expert_layer import ExpertLayerFormat, register_expert_format
+from .int4_cpu_layer import (
+    LAYER_KEYS,
+    check_metas,
+    check_subpools,
+    dequantize_expert,
+    expert_forward,
+    interleave_rows,
+    layer_stored,
+    quantize_expert,
+    stack_experts,
+    subpool_slice,
+)
+from .int4_cpu_rows import CLIP_RATIOS, QMAX, ZERO_POINT, check_even, dequantize_rows, quantize_rows
 
 __all__ = [
     "CLIP_RATIOS",
@@ -98,90 +113,6 @@ __all__ = [
     "stack_experts",
     "subpool_slice",
 ]
-
-QMAX = 7  # signed codes q ∈ [−QMAX, QMAX]
-ZERO_POINT = 8  # stored code c = q + ZERO_POINT ∈ 1..15
-CLIP_RATIOS = tuple(round(1.0 - 0.02 * i, 2) for i in range(16))  # 1.00, 0.98, …, 0.70
-LAYER_KEYS = ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale")
-
-
-def _check_even(what: str, dim: str, n: int) -> None:
-    if n <= 0 or n % 2:
-        raise HetquantError(
-            f"{what}: {dim} = {n} must be a positive even number; int4_cpu packs two "
-            "elements per byte along it and never pads"
-        )
-
-
-def _check_weight(what: str, weight: torch.Tensor, finite: bool = True) -> torch.Tensor:
-    """Validate a float weight [out, in] and return it as float32."""
-    if weight.ndim != 2:
-        raise HetquantError(f"{what}: expected a 2-D weight, got shape {list(weight.shape)}")
-    _check_even(what, "in", weight.shape[1])
-    w = weight.to(torch.float32)
-    if finite and not all_finite(w):
-        bad = int((~torch.isfinite(w)).sum())
-        raise HetquantError(f"{what}: {bad} NaN/Inf values (or beyond float32); fix the source")
-    return w
-
-
-def _row_scale(amax: torch.Tensor, ratio: float) -> torch.Tensor:
-    s = divide(amax * ratio, QMAX)  # (R,)
-    return torch.where(amax > 0, s, torch.ones_like(s))
-
-
-def _codes(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    q = (w / scale[:, None]).round_().clamp_(-QMAX, QMAX)  # (R, K), half to even
-    return q.add_(ZERO_POINT).to(torch.uint8)
-
-
-def _dequant_codes(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (codes.to(torch.float32) - ZERO_POINT) * scale.to(torch.float32).unsqueeze(-1)
-
-
-def _sq_err(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # w − ŵ is exact in float32 (Sterbenz: ŵ = 0, or ŵ/2 ≤ w ≤ 2ŵ since ρ ≥ 1/2); squares are
-    # exact in float64, so only the float64 sum rounds.
-    diff = w - _dequant_codes(codes, scale)  # (R, K)
-    return diff.double().square_().sum(-1)  # (R,)
-
-
-def _quantize_rows(
-    what: str, w: torch.Tensor, clip_search: bool = False, finite: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float rows [R, K] (K even) → (packed U8 [R, K/2], scale F32 [R]): the fused kernel
-    (``_rows_native.int4_rows``, the same bytes) without clip search, else the torch code."""
-    fast = None if clip_search else int4_rows(w) if w.ndim == 2 else None
-    if fast is not None:
-        return fast
-    return _quantize_rows_torch(_check_weight(what, w, finite), clip_search)
-
-
-def _quantize_rows_torch(w: torch.Tensor, clip_search: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 rows [R, K] (K even, finite) → (packed U8 [R, K/2], scale F32 [R])."""
-    amax = w.abs().amax(dim=-1)  # (R,)
-    if not all_finite(amax):
-        raise HetquantError("int4_cpu: NaN/Inf values (or beyond float32); fix the source")
-    scale = _row_scale(amax, CLIP_RATIOS[0])
-    codes = _codes(w, scale)  # (R, K)
-    if clip_search:
-        err = _sq_err(w, codes, scale)
-        for ratio in CLIP_RATIOS[1:]:
-            s = _row_scale(amax, ratio)
-            c = _codes(w, s)
-            e = _sq_err(w, c, s)
-            better = e < err  # strict: ties keep the larger ratio
-            scale = torch.where(better, s, scale)
-            codes = torch.where(better[:, None], c, codes)
-            err = torch.where(better, e, err)
-    return pack_nibbles_u8(codes), scale
-
-
-def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Packed U8 [..., R, K/2] and scale [..., R] → float32 [..., R, K]."""
-    if not torch.isfinite(scale).all():
-        raise HetquantError("int4_cpu: a scale is NaN/Inf; the file is corrupt")
-    return _dequant_codes(unpack_nibbles_u8(packed), scale)
 
 
 @dataclass(frozen=True)
@@ -204,7 +135,7 @@ class Int4Cpu(WeightFormat):
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         out, inp = shape
-        _check_even(self.name, "in", inp)
+        check_even(self.name, "in", inp)
         return {
             "weight_packed": TensorMeta("U8", (out, inp // 2)),
             "weight_scale": TensorMeta("F32", (out,)),
@@ -215,7 +146,7 @@ class Int4Cpu(WeightFormat):
     ) -> dict[str, torch.Tensor]:
         if options:
             raise HetquantError(f"{self.name}.quantize: unknown options {sorted(options)}")
-        packed, scale = _quantize_rows(f"{self.name}.quantize", weight, clip_search)
+        packed, scale = quantize_rows(f"{self.name}.quantize", weight, clip_search)
         return {"weight_packed": packed, "weight_scale": scale}
 
     def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -229,154 +160,6 @@ class Int4Cpu(WeightFormat):
             raise HetquantError(f"{self.name}: weight_packed missing or not 2-D")
         self.check_stored(tensors, (packed.shape[0], 2 * packed.shape[1]))
         return dequantize_rows(packed, tensors["weight_scale"])
-
-
-def layer_stored(num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
-    """Names, dtypes and shapes of one MoE layer's stacked tensors (module docstring)."""
-    if num_experts <= 0:
-        raise HetquantError(f"int4_cpu layer: num_experts = {num_experts} must be positive")
-    _check_even("int4_cpu layer", "hidden", hidden)
-    _check_even("int4_cpu layer", "moe intermediate", inter)
-    e, h, i = num_experts, hidden, inter
-    return {
-        "gate_up_packed": TensorMeta("U8", (e, 2 * i, h // 2)),
-        "gate_up_scale": TensorMeta("F32", (e, 2 * i)),
-        "down_packed": TensorMeta("U8", (e, h, i // 2)),
-        "down_scale": TensorMeta("F32", (e, h)),
-    }
-
-
-def check_metas(
-    what: str, tensors: Mapping[str, torch.Tensor], want: Mapping[str, TensorMeta]
-) -> None:
-    if set(tensors) != set(want):
-        raise HetquantError(f"{what}: tensors {sorted(tensors)} != expected {sorted(want)}")
-    for key, meta in want.items():
-        got = TensorMeta(st_dtype(tensors[key].dtype), tuple(tensors[key].shape))
-        if got != meta:
-            raise HetquantError(f"{what}: {key} is {got}, expected {meta}")
-
-
-def _layer_dims(layer: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
-    """(E, H, I) of a stacked layer (or subpool view), after checking every tensor."""
-    gu, down = layer.get("gate_up_packed"), layer.get("down_packed")
-    if gu is None or down is None or gu.ndim != 3 or down.ndim != 3:
-        raise HetquantError(f"int4_cpu layer: expected 3-D {list(LAYER_KEYS)}, got {list(layer)}")
-    dims = (gu.shape[0], 2 * gu.shape[2], 2 * down.shape[2])
-    check_metas("int4_cpu layer", layer, layer_stored(*dims))
-    return dims
-
-
-def interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Rows of gate and up [I, ...] interleaved into [2I, ...]: row 2i = gate i, 2i+1 = up i."""
-    return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
-
-
-def quantize_expert(
-    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, clip_search: bool = False
-) -> dict[str, torch.Tensor]:
-    """One expert's slices of the layer tensors: gate, up [I, H] and down [H, I] (float).
-
-    Returns the ``LAYER_KEYS`` without the expert dim, e.g. ``gate_up_packed`` [2I, H/2], so a
-    converter can write expert ``e`` at index ``e`` of each stacked tensor as it goes.
-    """
-    for what, w in (("gate", gate), ("up", up), ("down", down)):
-        if w.ndim != 2:
-            raise HetquantError(f"quantize_expert: {what}: expected a 2-D weight, got shape {list(w.shape)}")  # fmt: skip
-        _check_even(f"quantize_expert: {what}", "in", w.shape[1])
-    inter, hidden = gate.shape
-    if up.shape != gate.shape or down.shape != (hidden, inter):
-        raise HetquantError(
-            f"quantize_expert: gate {list(gate.shape)}, up {list(up.shape)}, down "
-            f"{list(down.shape)}; expected gate = up = [I, H] and down = [H, I]"
-        )
-    _check_even("quantize_expert", "moe intermediate", inter)
-    fast = None if clip_search else (int4_rows(gate, up), int4_rows(down))
-    if fast is not None and None not in fast:  # the fused kernel, gate/up rows interleaved
-        (gu_packed, gu_scale), (d_packed, d_scale) = fast  # type: ignore[misc]
-    else:
-        g, u, d = (_check_weight(f"quantize_expert: {n}", w) for n, w in (("gate", gate), ("up", up), ("down", down)))  # fmt: skip
-        gu_packed, gu_scale = _quantize_rows_torch(interleave_rows(g, u), clip_search)  # (2I, H)
-        d_packed, d_scale = _quantize_rows_torch(d, clip_search)
-    return {
-        "gate_up_packed": gu_packed,
-        "gate_up_scale": gu_scale,
-        "down_packed": d_packed,
-        "down_scale": d_scale,
-    }
-
-
-def stack_experts(experts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack :func:`quantize_expert` outputs (expert order) into the layer tensors."""
-    if not experts:
-        raise HetquantError("stack_experts: no experts given")
-    first = experts[0]
-    if set(first) != set(LAYER_KEYS) or first["gate_up_packed"].ndim != 2:
-        raise HetquantError(f"stack_experts: expert 0 has {sorted(first)}, expected {LAYER_KEYS}")
-    hidden, inter = 2 * first["gate_up_packed"].shape[1], first["gate_up_scale"].shape[0] // 2
-    want = {k: TensorMeta(m.dtype, m.shape[1:]) for k, m in layer_stored(1, hidden, inter).items()}
-    for e, expert in enumerate(experts):
-        check_metas(f"stack_experts: expert {e}", expert, want)
-    return {k: torch.stack([x[k] for x in experts]) for k in LAYER_KEYS}
-
-
-def dequantize_expert(
-    layer: Mapping[str, torch.Tensor], e: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert ``e`` of a layer (or subpool view) → float32 gate [I, H], up [I, H], down [H, I]."""
-    num_experts = _layer_dims(layer)[0]
-    if not 0 <= e < num_experts:
-        raise HetquantError(f"dequantize_expert: expert {e} not in 0..{num_experts - 1}")
-    gate_up = dequantize_rows(layer["gate_up_packed"][e], layer["gate_up_scale"][e])  # (2I, H)
-    down = dequantize_rows(layer["down_packed"][e], layer["down_scale"][e])  # (H, I)
-    return gate_up[0::2].contiguous(), gate_up[1::2].contiguous(), down
-
-
-def expert_forward(layer: Mapping[str, torch.Tensor], e: int, x: torch.Tensor) -> torch.Tensor:
-    """Reference SwiGLU of expert ``e``: x [..., H] → down(silu(gate x) ⊙ up x) [..., H].
-
-    Computed in float32, or float64 when ``x`` is float64.
-    """
-    gate, up, down = dequantize_expert(layer, e)
-    if x.shape[-1] != gate.shape[1]:
-        raise HetquantError(
-            f"expert_forward: x has {x.shape[-1]} features, expected {gate.shape[1]}"
-        )
-    dt = torch.promote_types(x.dtype, torch.float32)
-    x = x.to(dt)
-    act = torch.nn.functional.silu(x @ gate.to(dt).T) * (x @ up.to(dt).T)  # (..., I)
-    return act @ down.to(dt).T  # (..., H)
-
-
-def check_subpools(inter: int, num_subpools: int) -> None:
-    """Raise unless ``num_subpools`` slices of ``inter`` are whole bytes of every down row."""
-    n = num_subpools
-    if n < 1 or inter % n or (inter // n) % 2:
-        legal = [
-            s for s in range(1, min(inter, 64) + 1) if inter % s == 0 and (inter // s) % 2 == 0
-        ]
-        raise HetquantError(
-            f"{n} subpools cannot split moe intermediate {inter}; need I % S == 0 and I/S even, "
-            f"so that each down slice is whole bytes — e.g. S in {legal}"
-        )
-
-
-def subpool_slice(
-    layer: Mapping[str, torch.Tensor], subpool: int, num_subpools: int
-) -> dict[str, torch.Tensor]:
-    """Views of ``layer`` for subpool ``subpool`` of ``num_subpools`` (module docstring)."""
-    _, _, inter = _layer_dims(layer)
-    n = num_subpools
-    check_subpools(inter, n)
-    if not 0 <= subpool < n:
-        raise HetquantError(f"subpool_slice: subpool {subpool} not in 0..{n - 1}")
-    a, b = subpool * inter // n, (subpool + 1) * inter // n
-    return {
-        "gate_up_packed": layer["gate_up_packed"][:, 2 * a : 2 * b],  # (E, 2I/S, H/2)
-        "gate_up_scale": layer["gate_up_scale"][:, 2 * a : 2 * b],  # (E, 2I/S)
-        "down_packed": layer["down_packed"][:, :, a // 2 : b // 2],  # (E, H, I/2S)
-        "down_scale": layer["down_scale"][:],  # (E, H), shared by all subpools
-    }
 
 
 register(Int4Cpu())
@@ -426,7 +209,7 @@ class Int4CpuExperts(ExpertLayerFormat):
     def quantize_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [R, K] of gate_up (interleaved) or down → (packed U8 [R, K/2], scale F32 [R]);
         rows are independent, so a converter may stream an expert one block row at a time."""
-        return _quantize_rows("int4_cpu_experts", rows, self.clip_search, finite=False)
+        return quantize_rows("int4_cpu_experts", rows, self.clip_search, finite=False)
 
     def quantize_rows_array(
         self, a: np.ndarray, b: np.ndarray | None = None

@@ -65,7 +65,8 @@ from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .dtypes import divide, round_up_to, st_dtype
 from .errors import HetquantError
 from .expert_layer import ExpertLayerFormat, register_expert_format
-from .int4_cpu import LAYER_KEYS, QMAX, ZERO_POINT, check_metas, interleave_rows
+from .int4_cpu_layer import LAYER_KEYS, check_metas, decode_expert, interleave_rows
+from .int4_cpu_rows import QMAX, ZERO_POINT
 
 __all__ = [
     "GROUP_SIZES",
@@ -265,12 +266,7 @@ def dequantize_expert(
     layer: Mapping[str, torch.Tensor], e: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert ``e`` of a layer (or subpool view) → float32 gate [I, H], up [I, H], down [H, I]."""
-    num_experts = _dims(layer)[0]
-    if not 0 <= e < num_experts:
-        raise HetquantError(f"dequantize_expert: expert {e} not in 0..{num_experts - 1}")
-    gate_up = dequantize_rows(layer["gate_up_packed"][e], layer["gate_up_scale"][e])  # (2I, H)
-    down = dequantize_rows(layer["down_packed"][e], layer["down_scale"][e])  # (H, I)
-    return gate_up[0::2].contiguous(), gate_up[1::2].contiguous(), down
+    return decode_expert(layer, e, _dims(layer)[0], dequantize_rows)
 
 
 def stack_experts(experts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

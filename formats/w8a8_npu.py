@@ -39,13 +39,8 @@ the three.
 
 Dequantization (msModelSlim convention): ``W ≈ (q - weight_offset) * weight_scale`` in F32.
 
-Runtime ops (torch_npu contracts, ascend_formats.md §3), emulated on CPU by the functions here:
-
-* W8A8_DYNAMIC, ``npu_dynamic_quant`` + ``npu_quant_matmul(pertoken_scale=...)``: per token
-  r = 127 / rowmax|x| (F32), x_q = rint(x * r), x_scale = 1 / r; then, accumulating in int32,
-  ``y = dtype_x( f32(x_q @ q.T) * weight_scale * x_scale )``.
-* W8A8 (vllm-ascend ``w8a8_static``): ``x_q = clamp(rint(x * (1/input_scale) + input_offset))``
-  (``npu_quantize``, div_mode=False); ``y = dtype_x( f32(x_q @ q.T + quant_bias) * deq_scale )``.
+Runtime ops: ``npu_dynamic_quant`` + ``npu_quant_matmul`` (W8A8_DYNAMIC) and the static W8A8
+linear are emulated on CPU, with their formulas, in ``formats/w8a8_npu_ops.py``.
 
 Sources: msModelSlim ``modelslim_v1/save/ascendv1.py`` (tensor set, F32 on disk, deq_scale and
 quant_bias formulas; ``utils/deqscale.py``: deq_scale stays F32 for BF16 models) and
@@ -67,32 +62,60 @@ Decisions and open points:
 * ``quant_bias`` is exact integer arithmetic (msModelSlim goes through F32, which differs once
   |z_x * sum q| > 2^24).
   Linears with a float bias are not supported (DeepSeek has none).
-* Not verified on hardware: exact F32 dequant in the matmul (the fixpipe may truncate the
-  scale), correctly rounded F32 division on the vector unit, and ``npu_dynamic_quant`` on an
-  all-zero row (kernel: scale 1/inf = 0, CANN golden: 1; y = 0 either way; here 0 and 0).
+
+Where the code lives: the per-row int8 codec in ``formats/w8a8_npu_rows.py``, the reference NPU
+ops in ``formats/w8a8_npu_ops.py``, ``quant_model_description.json`` in
+``formats/ascend_description.py``; this module holds the two registered formats and re-exports
+the rest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from ._lazy import torch
-from ._rows_native import w8a8_rows, w8a8_rows_array
+from ._rows_native import w8a8_rows_array
 from .arrays import NotNative, native
-from .base import Streaming, TensorMeta, WeightFormat, all_finite, get_format, register
-from .dtypes import round_up_to
+from .ascend_description import (
+    DESCRIPTION_VERSION,
+    QUANT_TYPE_FLOAT,
+    QUANT_TYPE_W8A8,
+    QUANT_TYPE_W8A8_DYNAMIC,
+    description_entries,
+    description_header,
+)
+from .base import Streaming, TensorMeta, WeightFormat, register
 from .errors import HetquantError
+from .w8a8_npu_ops import (
+    QUANT_MATMUL_MAX_DIM,
+    dynamic_quant,
+    dynamic_quant_matmul,
+    static_quant_matmul,
+)
+from .w8a8_npu_rows import (
+    INT8_MAX,
+    INT8_MIN,
+    SCALE_FLOOR,
+    activation_qparams,
+    dequantize_int8,
+    held_scale,
+    weight_metas,
+    weight_tensors,
+)
 
 __all__ = [
     "DESCRIPTION_VERSION",
+    "INT8_MAX",
+    "INT8_MIN",
     "QUANT_MATMUL_MAX_DIM",
     "QUANT_TYPE_FLOAT",
     "QUANT_TYPE_W8A8",
     "QUANT_TYPE_W8A8_DYNAMIC",
+    "SCALE_FLOOR",
     "W8A8Dynamic",
     "W8A8Static",
     "activation_qparams",
@@ -104,96 +127,11 @@ __all__ = [
     "static_quant_matmul",
 ]
 
-INT8_MIN, INT8_MAX = -128, 127
-ASYM_LEVELS = 255  # 2**8 - 1 steps across [lo, hi]
-SCALE_FLOOR = 2.0**-23  # FLT_EPSILON: msModelSlim's lower bound for every scale
-HELD_SCALE_DTYPE = "BF16"  # the dtype consumers hold scales in (vllm-ascend: the model's)
-QUANT_MATMUL_MAX_DIM = 65535  # npu_quant_matmul: last dim of x1 (k) and x2 (n) at most this
-
-QUANT_TYPE_W8A8_DYNAMIC = "W8A8_DYNAMIC"
-QUANT_TYPE_W8A8 = "W8A8"
-QUANT_TYPE_FLOAT = "FLOAT"
-DESCRIPTION_VERSION = "1.0.0"  # msModelSlim ascendV1 saver
-_QUANT_TYPE_OF_FORMAT = {
-    "w8a8_dynamic": QUANT_TYPE_W8A8_DYNAMIC,
-    "w8a8": QUANT_TYPE_W8A8,
-    "bf16": QUANT_TYPE_FLOAT,
-    "w4a8_dynamic": "W4A8_DYNAMIC",  # formats/w4a8_npu.py
-    "ct_pack_quantized": "W4A16",  # vllm-ascend's W4A16 MoE scheme reads this layout
-}
-_ANY_SHAPE = (1, 1)  # stored-tensor names of these formats do not depend on the shape
 _WEIGHT_AXES: dict[str, tuple[int | None, int | None]] = {
     "weight": (0, 1),
     "weight_scale": (0, None),  # one scale per row, over the whole row
     "weight_offset": (0, None),
 }
-
-
-def _checked_weight(weight: torch.Tensor, name: str, finite: bool = True) -> torch.Tensor:
-    """``weight`` as F32 [n, k] after refusing what cannot be quantized."""
-    if weight.ndim != 2 or 0 in weight.shape:
-        raise HetquantError(
-            f"{name}: expected a non-empty 2-D weight [out, in], got shape {list(weight.shape)}; "
-            "only linear weights can be stored as W8A8"
-        )
-    if not weight.is_floating_point():
-        raise HetquantError(f"{name}: weight must be float, got {weight.dtype}; dequantize it")
-    w = weight.to(torch.float32)
-    if finite and not all_finite(w):
-        bad = ~torch.isfinite(w)
-        row, col = (int(i) for i in bad.nonzero()[0])
-        raise HetquantError(
-            f"{name}: {int(bad.sum())} NaN/Inf values (first at [{row}, {col}]); the source "
-            "checkpoint or its dequantization is corrupt, fix it before quantizing"
-        )
-    return w
-
-
-def held_scale(x: torch.Tensor) -> torch.Tensor:
-    """Positive ``x`` (float64) floored at FLT_EPSILON and rounded up to ``HELD_SCALE_DTYPE``:
-    the F32 scale a consumer holds exactly (module docstring)."""
-    return round_up_to(x.clamp(min=SCALE_FLOOR), HELD_SCALE_DTYPE).to(torch.float32)
-
-
-def _weight_tensors(weight: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
-    """Symmetric per-row int8 of ``weight`` [n, k]: weight, weight_scale, weight_offset."""
-    fast = w8a8_rows(weight) if weight.ndim == 2 and 0 not in weight.shape else None
-    if fast is not None:  # the fused kernel: the same bytes, no float32 copy
-        q, scale = fast
-        return {"weight": q, "weight_scale": scale, "weight_offset": torch.zeros_like(scale)}
-    w = _checked_weight(weight, name, finite=False)  # (n, k) F32
-    amax = w.abs().amax(dim=1, keepdim=True)  # (n, 1); NaN/Inf propagate
-    if not all_finite(amax):
-        _checked_weight(weight, name)  # raises, naming the first bad value
-    scale = held_scale(amax.double() / INT8_MAX)  # (n, 1), >= amax / 127
-    narrow = weight.dtype in (torch.bfloat16, torch.float16)  # their F32 quotient rounds exactly
-    exact = w if narrow else w.double()  # F32 weights: an F64 quotient
-    q = (exact / scale).round_().clamp_(INT8_MIN, INT8_MAX).to(torch.int8)  # (n, k)
-    return {"weight": q, "weight_scale": scale, "weight_offset": torch.zeros_like(scale)}
-
-
-def _weight_metas(shape: tuple[int, int], fmt: str) -> dict[str, TensorMeta]:
-    if len(shape) != 2 or min(shape) <= 0:
-        raise HetquantError(f"{fmt}: stores 2-D weights [out, in] only, got shape {list(shape)}")
-    n, k = shape
-    return {
-        "weight": TensorMeta("I8", (n, k)),
-        "weight_scale": TensorMeta("F32", (n, 1)),
-        "weight_offset": TensorMeta("F32", (n, 1)),
-    }
-
-
-def _check_tensors(fmt: WeightFormat, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Raise unless ``tensors`` are exactly what ``fmt`` stores for their ``weight``."""
-    if "weight" not in tensors or tensors["weight"].ndim != 2:
-        raise HetquantError(f"{fmt.name}: no 2-D 'weight' among {sorted(tensors)}")
-    fmt.check_stored(tensors, tuple(tensors["weight"].shape))
-
-
-def _dequantize(fmt: WeightFormat, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    _check_tensors(fmt, tensors)
-    q = tensors["weight"].to(torch.float32)  # (n, k)
-    return (q - tensors["weight_offset"]) * tensors["weight_scale"]  # (n, k)
 
 
 @dataclass(frozen=True)
@@ -212,14 +150,14 @@ class W8A8Dynamic(WeightFormat):
         return Streaming(self, dict.fromkeys(self.stored(shape), 0))
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
-        return _weight_metas(shape, self.name)
+        return weight_metas(shape, self.name)
 
     def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
         return dict(_WEIGHT_AXES)
 
     def quantize(self, weight: torch.Tensor, *, name: str = "weight") -> dict[str, torch.Tensor]:
         """``name`` is the tensor's full name, used in error messages."""
-        return _weight_tensors(weight, name)
+        return weight_tensors(weight, name)
 
     def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """:meth:`quantize` of numpy rows (``arrays``), by the kernel alone."""
@@ -229,7 +167,7 @@ class W8A8Dynamic(WeightFormat):
         return {"weight": q, "weight_scale": scale, "weight_offset": np.zeros_like(scale)}
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return _dequantize(self, tensors)
+        return dequantize_int8(self, tensors)
 
 
 def _stat(value: float | torch.Tensor | None, key: str, name: str) -> torch.Tensor:
@@ -242,16 +180,6 @@ def _stat(value: float | torch.Tensor | None, key: str, name: str) -> torch.Tens
     if t.numel() != 1 or not torch.isfinite(t).all():
         raise HetquantError(f"{name}: {key} must be one finite number, got {value!r}")
     return t  # (1,)
-
-
-def activation_qparams(
-    act_min: torch.Tensor, act_max: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """msModelSlim per-tensor asymmetric int8: F32 [1] range -> (input_scale, input_offset);
-    the scale held exactly in BF16, rounded up (module docstring)."""
-    lo, hi = act_min.clamp(max=0.0).double(), act_max.clamp(min=0.0).double()
-    scale = held_scale((hi - lo) / ASYM_LEVELS)  # (1,) F32
-    return scale, (torch.round(-lo / scale) + INT8_MIN).float()  # (1,), (1,)
 
 
 @dataclass(frozen=True)
@@ -284,7 +212,7 @@ class W8A8Static(WeightFormat):
         return axes
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
-        metas = _weight_metas(shape, self.name)
+        metas = weight_metas(shape, self.name)
         n = shape[0]
         metas["input_scale"] = TensorMeta("F32", (1,))
         metas["input_offset"] = TensorMeta("F32", (1,))
@@ -304,7 +232,7 @@ class W8A8Static(WeightFormat):
         lo, hi = _stat(act_min, "act_min", name), _stat(act_max, "act_max", name)
         if lo > hi:
             raise HetquantError(f"{name}: act_min {float(lo)} > act_max {float(hi)}")
-        out = _weight_tensors(weight, name)
+        out = weight_tensors(weight, name)
         in_scale, in_offset = activation_qparams(lo, hi)
         q_sum = out["weight"].to(torch.int64).sum(dim=1)  # (n,)
         quant_bias = -q_sum * int(in_offset)  # (n,) exact; |.| <= 128 * 127 * k
@@ -316,111 +244,7 @@ class W8A8Static(WeightFormat):
         return out
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return _dequantize(self, tensors)
-
-
-def dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``npu_dynamic_quant(x)``: x [..., k] -> (x_q I8 [..., k], x_scale F32 [...])."""
-    if not torch.isfinite(x).all():
-        raise HetquantError("dynamic_quant: activations contain NaN/Inf")
-    xf = x.to(torch.float32)
-    amax = xf.abs().amax(dim=-1, keepdim=True)  # (..., 1)
-    recip = INT8_MAX / amax  # (..., 1); inf for an all-zero row
-    x_q = torch.where(amax > 0, torch.round(xf * recip), 0.0)  # (..., k); |.| <= 127
-    return x_q.to(torch.int8), (1.0 / recip).squeeze(-1)
-
-
-def _int_matmul(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """int32 accumulation of x_q [..., k] @ weight[n, k].T -> I32 [..., n] (npu_quant_matmul)."""
-    n, k = weight.shape
-    if x_q.shape[-1] != k:
-        raise HetquantError(
-            f"quant matmul: x [..., {x_q.shape[-1]}] does not match weight [{n}, {k}]"
-        )
-    if max(n, k) > QUANT_MATMUL_MAX_DIM:
-        raise HetquantError(
-            f"quant matmul: npu_quant_matmul takes k and n <= {QUANT_MATMUL_MAX_DIM}, got "
-            f"[{n}, {k}]; split the weight along n (as vllm-ascend does for q_b_proj)"
-        )
-    return x_q.to(torch.int32) @ weight.to(torch.int32).T  # (..., n); no overflow for k<=65535
-
-
-def dynamic_quant_matmul(
-    x: torch.Tensor, tensors: Mapping[str, torch.Tensor], *, param_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """Reference W8A8_DYNAMIC linear: x [..., k] (BF16/FP16/F32) -> y [..., n] in x.dtype.
-
-    ``param_dtype``: the dtype the engine holds ``weight_scale`` in; None keeps F32, BF16
-    reproduces vllm-ascend (it loads weight_scale into a params_dtype parameter).
-    """
-    _check_tensors(W8A8Dynamic(), tensors)
-    x_q, x_scale = dynamic_quant(x)  # (..., k), (...)
-    acc = _int_matmul(x_q, tensors["weight"]).to(torch.float32)  # (..., n)
-    w_scale = tensors["weight_scale"].reshape(-1)  # (n,)
-    w_scale = w_scale.to(param_dtype or torch.float32).to(torch.float32)
-    return (acc * w_scale * x_scale.unsqueeze(-1)).to(x.dtype)  # (..., n)
-
-
-def static_quant_matmul(
-    x: torch.Tensor, tensors: Mapping[str, torch.Tensor], *, param_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """Reference W8A8 (static) linear: x [..., k] -> y [..., n] in x.dtype.
-
-    ``param_dtype``: the dtype the engine holds ``input_scale`` in before taking its reciprocal;
-    None keeps F32, BF16 reproduces vllm-ascend (input_scale is a params_dtype parameter).
-    """
-    _check_tensors(W8A8Static(), tensors)
-    if not torch.isfinite(x).all():
-        raise HetquantError("static_quant_matmul: activations contain NaN/Inf")
-    in_scale = tensors["input_scale"].reshape(1).to(param_dtype or torch.float32)
-    recip = (1.0 / in_scale).to(torch.float32)  # (1,), rounded to param_dtype first
-    offset = tensors["input_offset"].reshape(1).to(torch.float32)  # (1,)
-    x_q = torch.round(x.to(torch.float32) * recip + offset).clamp(INT8_MIN, INT8_MAX)  # (..., k)
-    acc = _int_matmul(x_q.to(torch.int8), tensors["weight"]) + tensors["quant_bias"]  # (..., n)
-    return (acc.to(torch.float32) * tensors["deq_scale"]).to(x.dtype)  # (..., n)
-
-
-def description_entries(
-    module_prefix: str, fmt_name: str, keys: Iterable[str] | None = None
-) -> dict[str, str]:
-    """``quant_model_description.json`` entries for one module stored in ``fmt_name``.
-
-    Every stored tensor is listed (msModelSlim does so; vllm-ascend reads ``<prefix>.weight``,
-    with ``weight_packed`` standing for ``weight``); ``keys``: the module's stored keys (default:
-    the format's, for formats whose keys do not depend on the shape). Float tensors that are not
-    a module weight (a layer bias, ``e_score_correction_bias``) are listed by the caller as
-    ``{name: QUANT_TYPE_FLOAT}``.
-    """
-    try:
-        quant_type = _QUANT_TYPE_OF_FORMAT[fmt_name]
-    except KeyError:
-        raise HetquantError(
-            f"{module_prefix}: format {fmt_name!r} has no Ascend description type; "
-            f"known: {', '.join(sorted(_QUANT_TYPE_OF_FORMAT))}"
-        ) from None
-    names = get_format(fmt_name).stored(_ANY_SHAPE) if keys is None else keys
-    return {f"{module_prefix}.{local}": quant_type for local in names}
-
-
-def description_header(model_quant_type: str = QUANT_TYPE_W8A8_DYNAMIC) -> dict[str, object]:
-    """Top-level keys of ``quant_model_description.json``, in the order msModelSlim's ascendV1
-    saver writes them after the per-tensor entries (``post_run``,
-    ``core/quant_service/modelslim_v1/save/ascendv1.py:209-227``): ``version``,
-    ``model_quant_type``, ``metadata`` (``{}`` without QuaRot), ``group_size`` (0 =
-    per-channel), ``optional`` (``{}`` by default). Callers append it after the entries.
-
-    DeepSeek's msModelSlim script forces ``W8A8_DYNAMIC`` for its mixed model (MindIE needs it).
-    """
-    known = (QUANT_TYPE_W8A8_DYNAMIC, QUANT_TYPE_W8A8, QUANT_TYPE_FLOAT)
-    if model_quant_type not in known:
-        raise HetquantError(f"model_quant_type {model_quant_type!r} is not one of {known}")
-    return {
-        "version": DESCRIPTION_VERSION,
-        "model_quant_type": model_quant_type,
-        "metadata": {},
-        "group_size": 0,
-        "optional": {},
-    }
+        return dequantize_int8(self, tensors)
 
 
 register(W8A8Dynamic())

@@ -30,15 +30,8 @@ import torch
 
 from hetquant.formats import HetquantError
 
-from .int4_gemv import (
-    BACKENDS,
-    MAX_K,
-    MAX_NATIVE_TOKENS,
-    PRECISIONS,
-    _get_native,
-    _isa_cap,
-    int4_gemv,
-)
+from .int4_gemv import BACKENDS, MAX_K, MAX_NATIVE_TOKENS, PRECISIONS, int4_gemv
+from .int4_gemv_native import _get_native, _isa_cap
 from .registry import ExpertKernels, register_expert_kernels
 
 __all__ = ["int4_moe"]

@@ -14,12 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetquant.formats import HetquantError, int4_cpu, w8a8_npu
+from hetquant.formats import HetquantError, int4_cpu, w8a8_npu, w8a8_npu_rows
 from hetquant.formats import _quant_native as Q
 from hetquant.formats import _rows_native as R
 from hetquant.formats.base import all_finite
 from hetquant.formats.fp8_block import Fp8Block, dequantize_rows
-from hetquant.formats.int4_cpu import Int4CpuExperts, _quantize_rows_torch, quantize_expert
+from hetquant.formats.int4_cpu import Int4CpuExperts, quantize_expert
+from hetquant.formats.int4_cpu_rows import quantize_rows_torch
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -166,9 +167,9 @@ def _rows(n: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize(("n", "k"), [(16, 7168), (7, 2048), (1, 2), (33, 130)])
 def test_w8a8_rows_match_torch(monkeypatch, dtype: torch.dtype, n: int, k: int) -> None:
     w = _rows(max(n, 5), k, seed=n * k, dtype=dtype)[:n].contiguous()
-    got = w8a8_npu._weight_tensors(w, "x")
-    monkeypatch.setattr(w8a8_npu, "w8a8_rows", lambda w: None)
-    want = w8a8_npu._weight_tensors(w, "x")
+    got = w8a8_npu_rows.weight_tensors(w, "x")
+    monkeypatch.setattr(w8a8_npu_rows, "w8a8_rows", lambda w: None)
+    want = w8a8_npu_rows.weight_tensors(w, "x")
     for key in want:
         assert _same(got[key], want[key]), key
     for isa in _isas():
@@ -180,7 +181,7 @@ def test_w8a8_rows_match_torch(monkeypatch, dtype: torch.dtype, n: int, k: int) 
 @pytest.mark.parametrize(("n", "k"), [(16, 7168), (7, 2048), (1, 2), (33, 130)])
 def test_int4_rows_match_torch(dtype: torch.dtype, n: int, k: int) -> None:
     w = _rows(max(n, 5), k, seed=n + k, dtype=dtype)[:n].contiguous()
-    want = _quantize_rows_torch(w.float(), False)
+    want = quantize_rows_torch(w.float(), False)
     for isa in _isas():
         got = R.int4_rows(w, None, isa)
         assert got is not None and _same(got[0], want[0]) and _same(got[1], want[1]), isa
@@ -192,8 +193,8 @@ def test_quantize_expert_interleaves_gate_and_up(dtype: torch.dtype) -> None:
     gate, up = _rows(64, 256, 1, dtype), _rows(64, 256, 2, dtype)
     down = _rows(256, 64, 3, dtype)
     got = quantize_expert(gate, up, down)
-    gu = _quantize_rows_torch(int4_cpu.interleave_rows(gate.float(), up.float()), False)
-    d = _quantize_rows_torch(down.float(), False)
+    gu = quantize_rows_torch(int4_cpu.interleave_rows(gate.float(), up.float()), False)
+    d = quantize_rows_torch(down.float(), False)
     want = {"gate_up_packed": gu[0], "gate_up_scale": gu[1], "down_packed": d[0], "down_scale": d[1]}  # fmt: skip
     assert got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
 
@@ -239,7 +240,7 @@ def test_kernels_disabled_give_the_same_bytes(monkeypatch) -> None:
     try:
         assert R.fp8_dequant_rows(w[:128].contiguous(), s[0], 128) is None
         assert R.w8a8_rows(rows) is None and R.int4_rows(rows) is None
-        w8 = w8a8_npu._weight_tensors(rows, "x")
+        w8 = w8a8_npu_rows.weight_tensors(rows, "x")
         fallback = (fmt.source_dequantized("m", {"weight": w, "weight_scale_inv": s}, (130, 300)),
                     *Int4CpuExperts().quantize_rows(rows), w8["weight"], w8["weight_scale"])  # fmt: skip
     finally:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ascend_cases import as_weight, float_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra.numpy import arrays
 
 from hetquant.formats import FORMATS, HetquantError, get_format
 from hetquant.formats import w4a8_npu as w4
@@ -134,21 +134,15 @@ def test_every_code_pair_round_trips() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    w=st.tuples(
-        st.integers(1, 6).map(lambda r: 2 * r), st.integers(1, 4).map(lambda c: 16 * c)
-    ).flatmap(
-        lambda shape: arrays(np.float32, shape, elements=st.floats(-(2.0**100), 2.0**100, width=32))
+    w=float_weights(
+        st.tuples(st.integers(1, 6).map(lambda r: 2 * r), st.integers(1, 4).map(lambda c: 16 * c))
     ),
     zero_row=st.booleans(),
     bf16=st.booleans(),
 )
 def test_error_bound(w: np.ndarray, zero_row: bool, bf16: bool) -> None:
     """|W - dequantize(quantize(W))| <= s/2 per row, up to F32 rounding of W/s and q·s."""
-    weight = torch.from_numpy(w.copy())
-    if zero_row:
-        weight[0] = 0.0
-    if bf16:
-        weight = weight.to(torch.bfloat16)
+    weight = as_weight(w, zero_row, bf16)
     for fmt in (COL, ROW):
         t = fmt.quantize(weight)
         s = t["weight_scale"].double()

@@ -157,27 +157,6 @@ def test_zeros_are_positive_and_nonfinite_activations_propagate(native_or_skip, 
     assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
 
 
-@pytest.mark.parametrize(
-    ("scale", "match"),
-    [
-        (torch.ones(4, 2), "grouped scale"),  # float32, 2-D
-        (torch.ones(4, 4).bfloat16(), "grouped scale"),  # group 16
-        (torch.ones(4, 3).bfloat16(), "grouped scale"),  # 64 / 3
-        (torch.ones(5, 2).bfloat16(), "grouped scale"),  # rows
-        (torch.ones(4, 0).bfloat16(), "grouped scale"),
-    ],
-)
-def test_bad_grouped_scales(scale, match):
-    with pytest.raises(HetquantError, match=match):
-        G.int4_gemv(torch.zeros(4, 32, dtype=torch.uint8), scale, torch.zeros(64))
-
-
-def test_isa_cap_names_this_machines_paths(monkeypatch):
-    monkeypatch.setenv("HETQUANT_INT4_ISA", "sve2")
-    with pytest.raises(HetquantError, match="has the paths generic"):
-        G.int4_gemv(*_data(2, 32, 1, 32, 0), backend="native")
-
-
 # ------------------------------------------------------------------------------------------------
 # the pool on group-wise layers
 
