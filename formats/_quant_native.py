@@ -40,6 +40,7 @@ from .native import DEFAULT_FLAGS, NativeLibrary
 
 __all__ = [
     "ISAS",
+    "NVFP4_LAYOUTS",
     "QUANT_LIBRARY",
     "absmax",
     "absmax_array",
@@ -51,7 +52,6 @@ __all__ = [
     "f16_encode",
     "float_kind",
     "host_array",
-    "NVFP4_LAYOUTS",
     "nvfp4",
     "nvfp4_array",
     "nvfp4_tile",
@@ -200,7 +200,9 @@ def nvfp4(
     weight_scale E4M3."""
     a = host_array(w)
     got = None if a is None else nvfp4_array(a, s2, "kmajor" if kmajor else "rows", isa=isa)
-    return None if got is None else (torch.from_numpy(got[0]), torch.from_numpy(got[1]).view(torch.float8_e4m3fn))
+    if got is None:
+        return None
+    return torch.from_numpy(got[0]), torch.from_numpy(got[1]).view(torch.float8_e4m3fn)
 
 
 def nvfp4_tile(kn: torch.Tensor) -> torch.Tensor | None:

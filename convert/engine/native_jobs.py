@@ -18,8 +18,8 @@ step): bf16, w8a8_dynamic, int4_cpu, awq_w4a16 (RTN), nvfp4; where the plan plac
 stored layout (``Streaming.place``: nvfp4_ascend's tile order), a chunk format with
 ``quantize_array_into``, which writes each chunk straight into the assembled tensors. A plan
 that ``needs_amax`` gets it from the source by the kernels (``SourceCheckpoint.absmax_array``:
-for FP8 blocks a column max of the codes per block row), each weight's once for the last few
-jobs (a gate/up pair shares it). Stacked experts go into a format with ``quantize_rows_array``. Anything else — a calibrated job, a
+for FP8 blocks a column max of the codes per block row), each weight's once per process (a
+gate/up pair shares it). Stacked experts go into a format with ``quantize_rows_array``. Anything else — a calibrated job, a
 source kept as stored or repacked, another format, no compiler, ``HETQUANT_QUANT_BACKEND=torch``,
 bad input a kernel declines (``NotNative``) — goes to the torch code, which imports torch then,
 in the process that needs it, and redoes the whole job (fixed byte ranges: a redo is safe).
@@ -45,7 +45,6 @@ __all__ = ["NativeJobs", "needs_torch"]
 
 _CHECKED = frozenset({"BF16", "F32"})  # float copies whose finiteness the absmax kernel checks
 _UNCHECKED = frozenset({"F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL"})
-_AMAX_KEPT = 8  # weights whose absmax a runner keeps: a merged group's members come together
 
 
 @dataclasses.dataclass
@@ -61,7 +60,7 @@ class NativeJobs:
             JobKind.LINEAR: self._linear,
             JobKind.EXPERTS: self._experts,
         }
-        self._amax: dict[str, float] = {}  # the last few weights' absmax (``_absmax``)
+        self._amax: dict[str, float] = {}  # source weight → its absmax (``_absmax``)
 
     def run(self, job: Job) -> bool:
         """Run ``job`` natively; False (nothing promised about its bytes) where it cannot."""
@@ -133,13 +132,12 @@ class NativeJobs:
 
     def _absmax(self, job: Job) -> float:
         """``max |W|`` over the job's weight and the others of its merged module (their shared
-        per-tensor scale: ``Job.amax_group``), by the kernels; the last few weights' values are
-        kept, since a group's members (an expert's gate and up) need the same ones."""
+        per-tensor scale: ``Job.amax_group``), by the kernels. Every value is kept (a float
+        per weight): a group's members need the same ones, and the plan lists all of a
+        layer's expert gates before their ups, so a short memory would compute each twice."""
         names = job.amax_group or job.sources
         for name in names:
             if name not in self._amax:
-                if len(self._amax) >= _AMAX_KEPT:
-                    del self._amax[next(iter(self._amax))]
                 self._amax[name] = self.source.absmax_array(name)
         return max(self._amax[name] for name in names)
 
