@@ -221,27 +221,45 @@ HQ_INLINE void nvfp4_store_rows(const Tile& t, const uint8_t* codes, const uint8
   }
 }
 
+// Tile order, a tile of whole 32-row runs: per 8 k (K0) the four 8-row words of each N1 make
+// one contiguous 128-byte run. words[g * KT + k]: the word of rows 8g .. 8g+7 at input k.
+HQ_INLINE void nvfp4_store_runs(const Tile& t, const Nvfp4Out& o, const uint32_t* words) {
+  for (int64_t i = 0; i < t.rows; i += 32) {
+    const uint32_t* w = words + (i / 8) * t.KT;
+    const int64_t col = (o.row0 + t.n0 + i) / 2;  // a multiple of 16: N1 = N0 = 0
+    for (int64_t k = 0; k < t.kt; k += 8) {
+      uint8_t* dst = o.q + kmajor_at(o, t.k0 + k, col);
+      for (int n1 = 0; n1 < 4; ++n1) memcpy(dst + 32 * n1, w + n1 * t.KT + k, 32);
+    }
+  }
+}
+
 // The same tile K-major: weight [K, NT/2] with n even in the low nibble (row-major or in tile
-// order), weight_scale [K/16, NT]. words[KT] is scratch; rows and row0 are even. Eight rows
-// make one 4-byte word per k: in tile order one N0 unit, stored whole where it is aligned.
+// order), weight_scale [K/16, NT]. words[ROW_TILE / 8 * KT] is scratch; rows and row0 are
+// even. Eight rows make one 4-byte word per k: in tile order one N0 unit, stored whole where
+// it is aligned, and whole 128-byte runs where the tile covers them.
 HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uint8_t* scales,
                                   const Nvfp4Out& o, uint32_t* words) {
+  const bool runs = o.layout == NVFP4_TILED && (o.row0 + t.n0) % 32 == 0 && t.rows % 32 == 0;
   int64_t i = 0;
-  uint32_t* __restrict w = words;
   for (; i + 8 <= t.rows; i += 8) {  // 8 rows = 4 bytes of each output row
+    uint32_t* __restrict w = words + (i / 8) * t.KT;
     for (int64_t k = 0; k < t.kt; ++k) w[k] = 0;
     for (int r = 0; r < 8; ++r) {  // row i + r in nibble r; contiguous in k: vectorised
       const uint8_t* __restrict c = codes + (i + r) * t.KT;
       for (int64_t k = 0; k < t.kt; ++k) w[k] |= (uint32_t)c[k] << (4 * r);
     }
     const int64_t col = (o.row0 + t.n0 + i) / 2;
-    if (o.layout != NVFP4_TILED || col % 4 == 0) {
+    if (runs) {
+      continue;  // stored below, run by run
+    } else if (o.layout != NVFP4_TILED || col % 4 == 0) {
       for (int64_t k = 0; k < t.kt; ++k) memcpy(o.q + kmajor_at(o, t.k0 + k, col), w + k, 4);
     } else {
       for (int64_t k = 0; k < t.kt; ++k)
         for (int b = 0; b < 4; ++b) o.q[kmajor_at(o, t.k0 + k, col + b)] = (uint8_t)(w[k] >> (8 * b));
     }
   }
+  if (runs) nvfp4_store_runs(t, o, words);
   for (; i < t.rows; i += 2) {
     const uint8_t* c = codes + i * t.KT;
     const int64_t col = (o.row0 + t.n0 + i) / 2;
@@ -256,11 +274,11 @@ HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uin
 template <typename T>
 HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4Out& o) {
   const int64_t KT = K_TILE, kb = KT / BLOCK;
-  Scratch buf(KT * 4 * 2 + kb * 4 + ROW_TILE * (KT + kb));
+  Scratch buf(KT * 4 + ROW_TILE / 8 * KT * 4 + kb * 4 + ROW_TILE * (KT + kb));
   if (!buf.p) return -2;
   float* step = (float*)buf.p;
   uint32_t* words = (uint32_t*)(step + KT);
-  uint32_t* amax = words + KT;
+  uint32_t* amax = words + ROW_TILE / 8 * KT;
   uint8_t* codes = (uint8_t*)(amax + kb);
   uint8_t* scales = codes + ROW_TILE * KT;
   for (Tile t(N, K, KT); t.next();) {
