@@ -15,14 +15,15 @@ absmax kernel) or of a dtype no check applies to; a linear weight from FP8 block
 plain float tensor into a format that streams by rows and has ``quantize_array`` (outputs along
 the weight's rows written as they come, others assembled, as the torch code does; no finishing
 step): bf16, w8a8_dynamic, int4_cpu, awq_w4a16 (RTN), nvfp4; where the plan places chunks in the
-stored layout (``Streaming.place``: nvfp4_ascend's tile order), a chunk format with
+stored layout (``Streaming.place``: nvfp4_ascend's tile order), into a chunk format with
 ``quantize_array_into``, which writes each chunk straight into the assembled tensors. A plan
-that ``needs_amax`` gets it from the source by the kernels (``SourceCheckpoint.absmax_array``:
-for FP8 blocks a column max of the codes per block row), each weight's once per process (a
-gate/up pair shares it). Stacked experts go into a format with ``quantize_rows_array``. Anything else — a calibrated job, a
-source kept as stored or repacked, another format, no compiler, ``HETQUANT_QUANT_BACKEND=torch``,
-bad input a kernel declines (``NotNative``) — goes to the torch code, which imports torch then,
-in the process that needs it, and redoes the whole job (fixed byte ranges: a redo is safe).
+that ``needs_amax`` gets it by the kernels (``SourceCheckpoint.absmax_array``: for FP8 blocks a
+column max of the codes per block row), each weight's once per process (a gate/up pair shares
+it). Stacked experts go into a format with ``quantize_rows_array``. Anything else — a
+calibrated job, a source kept as stored or repacked, another format, no compiler,
+``HETQUANT_QUANT_BACKEND=torch``, bad input a kernel declines (``NotNative``) — goes to the
+torch code, which imports torch then, in the process that needs it, and redoes the whole job
+(fixed byte ranges: a redo is safe).
 """
 
 from __future__ import annotations
