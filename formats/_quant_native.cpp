@@ -183,57 +183,102 @@ HQ_INLINE bool nvfp4_segment(const T* w, int64_t K, float s2, uint8_t* codes, ui
   return true;
 }
 
+// Where hq_nvfp4_quantize puts its codes and scales: the rows it quantizes are rows row0 ..
+// of a weight of NT rows, whose stored tensors q and sc are in ``layout``.
+enum { NVFP4_ROWS = 0, NVFP4_KMAJOR = 1, NVFP4_TILED = 2 };
+struct Nvfp4Out {
+  uint8_t* q;
+  uint8_t* sc;
+  int64_t NT, row0;
+  int layout;
+};
+
+// Byte (k, c) of the K-major packed codes [K, NT/2] (byte column c = n / 2) in the layout:
+// row-major, or the Ascend tile order of formats/nvfp4_ascend.py (k = 64 K3 + 16 K2 + 8 K1 + K0,
+// c = 128 N3 + 16 N2 + 4 N1 + N0, bytes ordered K3 > K1 > K2 > N2 > N3 > N1 > K0 > N0).
+HQ_INLINE int64_t kmajor_at(const Nvfp4Out& o, int64_t k, int64_t c) {
+  const int64_t NB = o.NT / 2;
+  if (o.layout != NVFP4_TILED) return k * NB + c;
+  const int64_t slab = (((k >> 6) * 2 + ((k >> 3) & 1)) * 4 + ((k >> 4) & 3)) * 8 + ((c >> 4) & 7);
+  return ((slab * (NB >> 7) + (c >> 7)) << 7) + ((((c >> 2) & 3) * 8 + (k & 7)) << 2) + (c & 3);
+}
+
 // Stores a tile of codes [rows][KT] / scales [rows][KT/16] (inputs k0 .. k0+kt of rows n0 ..)
-// in the canonical layout: weight [N, K/2] with k = 2j in the low nibble, weight_scale [N, K/16].
+// in the canonical layout: weight [NT, K/2] with k = 2j in the low nibble, weight_scale [NT, K/16].
 HQ_INLINE void nvfp4_store_rows(const Tile& t, const uint8_t* codes, const uint8_t* scales,
-                                uint8_t* q, uint8_t* sc) {
+                                const Nvfp4Out& o) {
   for (int64_t i = 0; i < t.rows; ++i) {
     const uint8_t* c = codes + i * t.KT;
-    uint8_t* out = q + (t.n0 + i) * (t.K / 2) + t.k0 / 2;
+    const int64_t n = o.row0 + t.n0 + i;
+    uint8_t* out = o.q + n * (t.K / 2) + t.k0 / 2;
     for (int64_t j = 0; j < t.kt / 2; ++j) {
       uint16_t pair;
       memcpy(&pair, c + 2 * j, 2);  // code 2j in the low byte (little-endian)
       out[j] = (uint8_t)((pair & 0x0F) | ((pair >> 4) & 0xF0));
     }
-    memcpy(sc + (t.n0 + i) * (t.K / BLOCK) + t.k0 / BLOCK, scales + i * (t.KT / BLOCK),
+    memcpy(o.sc + n * (t.K / BLOCK) + t.k0 / BLOCK, scales + i * (t.KT / BLOCK),
            (size_t)(t.kt / BLOCK));
   }
 }
 
-// The same tile K-major: weight [K, N/2] with n even in the low nibble, weight_scale [K/16, N].
-// words[KT] is scratch. rows is even.
+// Tile order, a tile of whole 32-row runs: per 8 k (K0) the four 8-row words of each N1 make
+// one contiguous 128-byte run. words[g * KT + k]: the word of rows 8g .. 8g+7 at input k.
+HQ_INLINE void nvfp4_store_runs(const Tile& t, const Nvfp4Out& o, const uint32_t* words) {
+  for (int64_t i = 0; i < t.rows; i += 32) {
+    const uint32_t* w = words + (i / 8) * t.KT;
+    const int64_t col = (o.row0 + t.n0 + i) / 2;  // a multiple of 16: N1 = N0 = 0
+    for (int64_t k = 0; k < t.kt; k += 8) {
+      uint8_t* dst = o.q + kmajor_at(o, t.k0 + k, col);
+      for (int n1 = 0; n1 < 4; ++n1) memcpy(dst + 32 * n1, w + n1 * t.KT + k, 32);
+    }
+  }
+}
+
+// The same tile K-major: weight [K, NT/2] with n even in the low nibble (row-major or in tile
+// order), weight_scale [K/16, NT]. words[ROW_TILE / 8 * KT] is scratch; rows and row0 are
+// even. Eight rows make one 4-byte word per k: in tile order one N0 unit, stored whole where
+// it is aligned, and whole 128-byte runs where the tile covers them.
 HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uint8_t* scales,
-                                  uint8_t* q, uint8_t* sc, uint32_t* words) {
-  const int64_t nh = t.N / 2;
+                                  const Nvfp4Out& o, uint32_t* words) {
+  const bool runs = o.layout == NVFP4_TILED && (o.row0 + t.n0) % 32 == 0 && t.rows % 32 == 0;
   int64_t i = 0;
-  uint32_t* __restrict w = words;
   for (; i + 8 <= t.rows; i += 8) {  // 8 rows = 4 bytes of each output row
+    uint32_t* __restrict w = words + (i / 8) * t.KT;
     for (int64_t k = 0; k < t.kt; ++k) w[k] = 0;
     for (int r = 0; r < 8; ++r) {  // row i + r in nibble r; contiguous in k: vectorised
       const uint8_t* __restrict c = codes + (i + r) * t.KT;
       for (int64_t k = 0; k < t.kt; ++k) w[k] |= (uint32_t)c[k] << (4 * r);
     }
-    for (int64_t k = 0; k < t.kt; ++k) memcpy(q + (t.k0 + k) * nh + (t.n0 + i) / 2, w + k, 4);
+    const int64_t col = (o.row0 + t.n0 + i) / 2;
+    if (runs) {
+      continue;  // stored below, run by run
+    } else if (o.layout != NVFP4_TILED || col % 4 == 0) {
+      for (int64_t k = 0; k < t.kt; ++k) memcpy(o.q + kmajor_at(o, t.k0 + k, col), w + k, 4);
+    } else {
+      for (int64_t k = 0; k < t.kt; ++k)
+        for (int b = 0; b < 4; ++b) o.q[kmajor_at(o, t.k0 + k, col + b)] = (uint8_t)(w[k] >> (8 * b));
+    }
   }
+  if (runs) nvfp4_store_runs(t, o, words);
   for (; i < t.rows; i += 2) {
     const uint8_t* c = codes + i * t.KT;
+    const int64_t col = (o.row0 + t.n0 + i) / 2;
     for (int64_t k = 0; k < t.kt; ++k)
-      q[(t.k0 + k) * nh + (t.n0 + i) / 2] = (uint8_t)(c[k] | c[t.KT + k] << 4);
+      o.q[kmajor_at(o, t.k0 + k, col)] = (uint8_t)(c[k] | c[t.KT + k] << 4);
   }
   for (int64_t b = 0; b < t.kt / BLOCK; ++b)
     for (int64_t r = 0; r < t.rows; ++r)
-      sc[(t.k0 / BLOCK + b) * t.N + t.n0 + r] = scales[r * (t.KT / BLOCK) + b];
+      o.sc[(t.k0 / BLOCK + b) * o.NT + o.row0 + t.n0 + r] = scales[r * (t.KT / BLOCK) + b];
 }
 
 template <typename T>
-HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, uint8_t* q, uint8_t* sc,
-                         int kmajor) {
+HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4Out& o) {
   const int64_t KT = K_TILE, kb = KT / BLOCK;
-  Scratch buf(KT * 4 * 2 + kb * 4 + ROW_TILE * (KT + kb));
+  Scratch buf(KT * 4 + ROW_TILE / 8 * KT * 4 + kb * 4 + ROW_TILE * (KT + kb));
   if (!buf.p) return -2;
   float* step = (float*)buf.p;
   uint32_t* words = (uint32_t*)(step + KT);
-  uint32_t* amax = words + KT;
+  uint32_t* amax = words + ROW_TILE / 8 * KT;
   uint8_t* codes = (uint8_t*)(amax + kb);
   uint8_t* scales = codes + ROW_TILE * KT;
   for (Tile t(N, K, KT); t.next();) {
@@ -243,10 +288,10 @@ HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, uint8_t* q,
       if (!nvfp4_segment(row + t.k0, t.kt, s2, codes + i * KT, scales + i * kb, amax, step))
         return -1;
     }
-    if (kmajor)
-      nvfp4_store_kmajor(t, codes, scales, q, sc, words);
+    if (o.layout == NVFP4_ROWS)
+      nvfp4_store_rows(t, codes, scales, o);
     else
-      nvfp4_store_rows(t, codes, scales, q, sc);
+      nvfp4_store_kmajor(t, codes, scales, o, words);
   }
   return 0;
 }
@@ -366,10 +411,10 @@ HQ_INLINE int awq_rows(const T* w, int64_t R, int64_t K, int64_t g, int32_t* qw,
 
 // ------------------------------------------------------------------ instruction paths
 #define HQ_ENTRY(NAME, TARGET)                                                                \
-  TARGET int nvfp4_##NAME(const void* w, int bf16, int64_t N, int64_t K, float s2, uint8_t* q, \
-                          uint8_t* sc, int kmajor) {                                          \
-    return bf16 ? nvfp4_rows((const uint16_t*)w, N, K, s2, q, sc, kmajor)                    \
-                : nvfp4_rows((const float*)w, N, K, s2, q, sc, kmajor);                      \
+  TARGET int nvfp4_##NAME(const void* w, int bf16, int64_t N, int64_t K, float s2,          \
+                          const Nvfp4Out& o) {                                                \
+    return bf16 ? nvfp4_rows((const uint16_t*)w, N, K, s2, o)                                \
+                : nvfp4_rows((const float*)w, N, K, s2, o);                                  \
   }                                                                                           \
   TARGET int awq_##NAME(const void* w, int bf16, int64_t R, int64_t K, int64_t g, int32_t* qw, \
                         int32_t* qz, uint16_t* sc) {                                          \
@@ -410,18 +455,24 @@ extern "C" {
 int hq_quant_best_isa(void) { return pick(0); }
 
 // NVFP4 of rows w [N, K] (bf16 != 0: bfloat16, else float32; C-contiguous) with global scale
-// s2. kmajor = 0: q [N, K/2], sc [N, K/16]; 1: q [K, N/2], sc [K/16, N] (N even). isa: 0 =
-// best, else min(isa, best). Returns 0, -1 on NaN/Inf (outputs partly written), -2 out of
-// memory or bad arguments.
+// s2, written as rows row0 .. row0 + N of a weight of NT rows whose stored tensors are, by
+// layout: 0 (rows) q [NT, K/2], sc [NT, K/16]; 1 (K-major) q [K, NT/2], sc [K/16, NT]; 2 (tiled)
+// the same in the Ascend tile order (K % 64 == 0, NT % 256 == 0). K-major and tiled need N and
+// row0 even. isa: 0 = best, else min(isa, best). Returns 0, -1 on NaN/Inf (outputs partly
+// written), -2 out of memory or bad arguments.
 int hq_nvfp4_quantize(const void* w, int bf16, int64_t N, int64_t K, float s2, uint8_t* q,
-                      uint8_t* sc, int kmajor, int isa) {
-  if (N < 0 || K < 0 || K % BLOCK || (kmajor && N % 2)) return -2;
+                      uint8_t* sc, int layout, int64_t NT, int64_t row0, int isa) {
+  if (N < 0 || K < 0 || K % BLOCK || row0 < 0 || row0 + N > NT) return -2;
+  if (layout < NVFP4_ROWS || layout > NVFP4_TILED) return -2;
+  if (layout != NVFP4_ROWS && (N % 2 || row0 % 2)) return -2;
+  if (layout == NVFP4_TILED && (K % 64 || NT % 256)) return -2;
+  const Nvfp4Out o{q, sc, NT, row0, layout};
   switch (pick(isa)) {
 #ifdef HQ_X86
-    case 3: return nvfp4_avx512(w, bf16, N, K, s2, q, sc, kmajor);
-    case 2: return nvfp4_avx2(w, bf16, N, K, s2, q, sc, kmajor);
+    case 3: return nvfp4_avx512(w, bf16, N, K, s2, o);
+    case 2: return nvfp4_avx2(w, bf16, N, K, s2, o);
 #endif
-    default: return nvfp4_generic(w, bf16, N, K, s2, q, sc, kmajor);
+    default: return nvfp4_generic(w, bf16, N, K, s2, o);
   }
 }
 

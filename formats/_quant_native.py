@@ -40,6 +40,7 @@ from .native import DEFAULT_FLAGS, NativeLibrary
 
 __all__ = [
     "ISAS",
+    "NVFP4_LAYOUTS",
     "QUANT_LIBRARY",
     "absmax",
     "absmax_array",
@@ -52,6 +53,7 @@ __all__ = [
     "float_kind",
     "host_array",
     "nvfp4",
+    "nvfp4_array",
     "nvfp4_tile",
     "nvfp4_tile_into",
     "u8_colmax7",
@@ -66,7 +68,7 @@ _SOURCE = "".join(
 
 def _bind(lib: ctypes.CDLL) -> None:
     vp, ci, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.hq_nvfp4_quantize.argtypes = [vp, ci, i64, i64, f32, vp, vp, ci, ci]
+    lib.hq_nvfp4_quantize.argtypes = [vp, ci, i64, i64, f32, vp, vp, ci, i64, i64, ci]
     lib.hq_nvfp4_quantize.restype = ci
     lib.hq_absmax.argtypes = [vp, ci, i64, ci]
     lib.hq_absmax.restype = f32
@@ -84,9 +86,10 @@ def _bind(lib: ctypes.CDLL) -> None:
         fn.argtypes = [vp, vp, i64]
         fn.restype = None
     lib.hq_fp8_dequant_rows.argtypes = [vp, i64, i64, vp, i64, vp, ci]
+    lib.hq_fp8_absmax.argtypes = [vp, i64, i64, vp, i64, i64, vp]
     lib.hq_w8a8_rows.argtypes = [vp, ci, i64, i64, vp, vp, ci]
     lib.hq_int4_rows.argtypes = [vp, vp, ci, i64, i64, vp, vp, ci]
-    for fn in (lib.hq_fp8_dequant_rows, lib.hq_w8a8_rows, lib.hq_int4_rows):
+    for fn in (lib.hq_fp8_dequant_rows, lib.hq_fp8_absmax, lib.hq_w8a8_rows, lib.hq_int4_rows):
         fn.restype = ci
 
 
@@ -132,13 +135,6 @@ def float_kind(a: np.ndarray) -> int | None:
     return {np.dtype(np.uint16): 1, np.dtype(np.float32): 0}.get(a.dtype)
 
 
-def _lib_for(w: torch.Tensor) -> ctypes.CDLL | None:
-    """The library, if it can take ``w`` as is: CPU, BF16/F32, C-contiguous, non-empty (the
-    rule of :func:`float_kind`, on the tensor's zero-copy view)."""
-    a = host_array(w)
-    return None if a is None or float_kind(a) is None else QUANT_LIBRARY.get().lib
-
-
 def absmax_array(a: np.ndarray, isa: int = 0) -> float | None:
     """``max |a|`` of float rows ``a`` (BF16 bits or F32; NaN if any NaN), or None where the
     kernel does not apply."""
@@ -153,23 +149,60 @@ def absmax(w: torch.Tensor, isa: int = 0) -> float | None:
     return None if a is None else absmax_array(a, isa)
 
 
+NVFP4_LAYOUTS = {"rows": 0, "kmajor": 1, "tiled": 2}  # hq_nvfp4_quantize's ``layout``
+
+
+def _nvfp4_shapes(layout: str, nt: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(codes, scales) shapes of a whole weight of ``nt`` rows in ``layout``."""
+    if layout == "rows":
+        return (nt, k // 2), (nt, k // 16)
+    return (k, nt // 2), (k // 16, nt)
+
+
+def nvfp4_array(
+    w: np.ndarray,
+    s2: float,
+    layout: str = "rows",
+    out: tuple[np.ndarray, np.ndarray] | None = None,
+    row0: int = 0,
+    isa: int = 0,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """NVFP4 ``(weight, weight_scale)`` bytes (``uint8``) of float rows ``w`` [n, K] (BF16 bits
+    or F32) with global scale ``s2`` (an exact float32 value), in ``layout`` (a key of
+    ``NVFP4_LAYOUTS``): ``rows`` [n, K/2] and [n, K/16]; ``kmajor`` [K, n/2] and [K/16, n];
+    ``tiled`` the K-major codes in ``nvfp4_ascend``'s tile order. With ``out``, the rows are rows
+    ``row0`` .. of the whole weight whose tensors ``out`` holds (its rows: ``out[1]``'s along
+    the layout), written in place and returned. None where the kernel does not apply (no
+    library, another dtype, shapes the layout cannot take) or ``w`` holds NaN/Inf."""
+    kind = float_kind(w)
+    lib = None if kind is None or w.ndim != 2 else QUANT_LIBRARY.get().lib
+    if lib is None or layout not in NVFP4_LAYOUTS:
+        return None
+    n, k = w.shape
+    if out is None:
+        out = tuple(np.empty(s, dtype=np.uint8) for s in _nvfp4_shapes(layout, n, k))  # type: ignore[assignment]
+    q, sc = out  # type: ignore[misc]
+    nt = sc.shape[0] if layout == "rows" else sc.shape[-1]
+    good = all(a.dtype == np.uint8 and a.flags.c_contiguous for a in (q, sc))
+    if k % 16 or not good or (q.shape, sc.shape) != _nvfp4_shapes(layout, nt, k):
+        return None
+    rc = lib.hq_nvfp4_quantize(
+        w.ctypes.data, kind, n, k, s2, q.ctypes.data, sc.ctypes.data, NVFP4_LAYOUTS[layout],
+        nt, row0, isa,
+    )  # fmt: skip
+    return None if rc else (q, sc)
+
+
 def nvfp4(
     w: torch.Tensor, s2: float, kmajor: bool, isa: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """NVFP4 ``(weight, weight_scale)`` of rows ``w`` [N, K] with global scale ``s2`` (an exact
-    float32 value): canonical [N, K/2] U8 and [N, K/16] E4M3, or with ``kmajor`` [K, N/2] and
-    [K/16, N]. None where the kernel does not apply or ``w`` holds NaN/Inf. ``isa``: cap the
-    instruction path (tests), 0 = best."""
-    lib = _lib_for(w)
-    if lib is None or w.ndim != 2 or (kmajor and w.shape[0] % 2):
+    """:func:`nvfp4_array` of a tensor, canonical or (``kmajor``) K-major: weight U8 and
+    weight_scale E4M3."""
+    a = host_array(w)
+    got = None if a is None else nvfp4_array(a, s2, "kmajor" if kmajor else "rows", isa=isa)
+    if got is None:
         return None
-    n, k = w.shape
-    q = torch.empty((k, n // 2) if kmajor else (n, k // 2), dtype=torch.uint8)
-    sc = torch.empty((k // 16, n) if kmajor else (n, k // 16), dtype=torch.uint8)
-    rc = lib.hq_nvfp4_quantize(
-        w.data_ptr(), w.dtype == torch.bfloat16, n, k, s2, q.data_ptr(), sc.data_ptr(), kmajor, isa
-    )
-    return None if rc else (q, sc.view(torch.float8_e4m3fn))
+    return torch.from_numpy(got[0]), torch.from_numpy(got[1]).view(torch.float8_e4m3fn)
 
 
 def nvfp4_tile(kn: torch.Tensor) -> torch.Tensor | None:

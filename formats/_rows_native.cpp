@@ -55,6 +55,30 @@ HQ_INLINE int fp8_rows(const uint8_t* codes, int64_t R, int64_t C, const float* 
   return bad ? 1 : 0;
 }
 
+// max |bf16(f32(code) * s)| over block-FP8 codes [R, C] whose scales are s [ceil(R / block),
+// sC] (fp8_block.absmax_dequantized): the value is non-decreasing in |code|, so per block row
+// only each column's largest magnitude code is dequantized. Returns 0 with the maximum in *out,
+// 1 when a NaN code is present, -2 out of memory.
+HQ_INLINE int fp8_absmax(const uint8_t* codes, int64_t R, int64_t C, const float* s, int64_t sC,
+                         int64_t block, float* out) {
+  Scratch buf(C > 0 ? C : 1);
+  if (!buf.p) return -2;
+  uint8_t* mags = (uint8_t*)buf.p;
+  uint32_t best = 0;  // BF16 bits of the largest magnitude so far (non-negative: ordered as ints)
+  for (int64_t r0 = 0; r0 < R; r0 += block) {
+    const int64_t rows = R - r0 < block ? R - r0 : block;
+    hq_u8_colmax7(codes + r0 * C, rows, C, C, mags);
+    const float* srow = s + (r0 / block) * sC;
+    for (int64_t c = 0; c < C; ++c) {
+      if (mags[c] == 0x7F) return 1;
+      const uint32_t v = bf16_from_f32(f32_from_e4m3(mags[c]) * srow[c / block]) & 0x7FFFu;
+      best = v > best ? v : best;
+    }
+  }
+  *out = as_f32(best << 16);
+  return 0;
+}
+
 // |w| maximum of one row as float bits (NaN sorts above Inf): _quant_native.cpp's absmax
 template <typename T>
 HQ_INLINE uint32_t row_amax(const T* w, int64_t K) {
@@ -258,6 +282,14 @@ int hq_int4_rows(const void* a, const void* b, int bf16, int64_t R, int64_t K, u
 #endif
     default: return int4_generic(a, b, bf16, R, K, packed, s);
   }
+}
+
+// max |dequantized| of block-FP8 codes [R, C] with scales s [ceil(R / block), sC] (see
+// fp8_absmax). Returns 0 with *out set, 1 when a NaN code is present, -2 on bad arguments.
+int hq_fp8_absmax(const uint8_t* codes, int64_t R, int64_t C, const float* s, int64_t sC,
+                  int64_t block, float* out) {
+  if (R < 0 || C < 0 || block <= 0 || sC < (C + block - 1) / block) return -2;
+  return fp8_absmax(codes, R, C, s, sC, block, out);
 }
 
 }  // extern "C"

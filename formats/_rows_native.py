@@ -2,6 +2,9 @@
 
 * :func:`fp8_dequant_rows`: block-FP8 rows → BF16 (``fp8_block.dequantize_rows``), the NaN-code
   check (``fp8_block.check_codes``) in the same pass, no float32 temporaries;
+* :func:`fp8_absmax_array`: ``max |W|`` of a block-FP8 weight as those rows would give it
+  (``fp8_block.absmax_dequantized``: a column max of the codes per block row, then one
+  dequantized value per column), NaN codes refused;
 * :func:`w8a8_rows`: W8A8 per-row int8 (``w8a8_npu._weight_tensors``);
 * :func:`int4_rows`: CPU INT4 per-row codes and scales, optionally of two row blocks interleaved
   (``int4_cpu._quantize_rows`` without clip search; gate/up rows of ``quantize_expert``).
@@ -32,6 +35,7 @@ from ._lazy import torch
 from ._quant_native import QUANT_LIBRARY, float_kind, host_array
 
 __all__ = [
+    "fp8_absmax_array",
     "fp8_dequant_rows",
     "fp8_dequant_rows_array",
     "int4_rows",
@@ -72,6 +76,30 @@ def fp8_dequant_rows_array(
         _ptr(codes), codes.shape[0], codes.shape[1], _ptr(s), block, _ptr(out), isa
     )
     return None if rc else out
+
+
+def fp8_absmax_array(codes: np.ndarray, scale: np.ndarray, block: int) -> float | None:
+    """``fp8_block.absmax_dequantized`` of E4M3 codes ``codes`` (``uint8`` [R, C]) with block
+    scales ``scale`` (F32 [ceil(R / block), >= ceil(C / block)], already checked): one pass
+    of the kernel. None where it does not apply or a code is NaN (the torch path then raises)."""
+    if (
+        codes.dtype != np.uint8
+        or codes.ndim != 2
+        or not codes.flags.c_contiguous
+        or scale.dtype != np.float32
+        or scale.ndim != 2
+        or scale.shape[0] < -(-codes.shape[0] // block)
+    ):
+        return None
+    lib = QUANT_LIBRARY.get().lib
+    if lib is None:
+        return None
+    s = np.ascontiguousarray(scale)
+    out = np.zeros(1, dtype=np.float32)
+    rc = lib.hq_fp8_absmax(
+        _ptr(codes), codes.shape[0], codes.shape[1], _ptr(s), s.shape[1], block, _ptr(out)
+    )
+    return None if rc else float(out[0])
 
 
 def w8a8_rows_array(w: np.ndarray, isa: int = 0) -> tuple[np.ndarray, np.ndarray] | None:

@@ -27,7 +27,7 @@ from ._lazy import torch
 
 if TYPE_CHECKING:
     import numpy as np
-from ._quant_native import absmax
+from ._quant_native import absmax, absmax_array
 from .dtypes import itemsize
 from .errors import HetquantError
 
@@ -92,6 +92,7 @@ class WeightFormat(ABC):
     # declared capabilities (the native lane, ``formats/native.py``): a format that has one sets
     # its flag and overrides the method
     native_quantize: ClassVar[bool] = False  # ``quantize_array``
+    native_into: ClassVar[bool] = False  # ``quantize_array_into`` (a streaming plan's ``place``)
     native_source: ClassVar[bool] = False  # ``source_row_arrays``
 
     @abstractmethod
@@ -123,15 +124,38 @@ class WeightFormat(ABC):
 
     def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """``quantize`` of BF16 rows [r, in] (numpy, uint16 bit patterns) without torch, in the
-        compiled kernels; only where ``native_quantize``. Raises ``native.NotNative`` for an
-        input the kernel does not take."""
+        compiled kernels; only where ``native_quantize`` (a format whose streaming plan
+        ``needs_amax`` also takes ``weight_amax=``). Raises ``native.NotNative`` for an input
+        the kernel does not take."""
         raise NotImplementedError(f"format {self.name!r} has no native quantize_array")
+
+    def quantize_array_into(
+        self, rows: np.ndarray, row0: int, out: dict[str, np.ndarray], **options: Any
+    ) -> dict[str, np.ndarray]:
+        """The native lane's ``quantize`` + ``Streaming.place`` of a chunk format: rows
+        ``row0`` .. of the weight quantized straight into their places in ``out`` (every
+        stored tensor along the weight's rows, whole and in the stored layout); returns the
+        values of the whole weight (keys whose axis is None). Only where ``native_into``;
+        ``NotNative`` as :meth:`quantize_array`."""
+        raise NotImplementedError(f"format {self.name!r} has no native quantize_array_into")
 
     def source_row_arrays(
         self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
     ) -> Iterator[tuple[int, np.ndarray]]:
         """``source_rows`` over numpy arrays, without torch; only where ``native_source``."""
         raise NotImplementedError(f"format {self.name!r} has no native source_row_arrays")
+
+    def source_absmax_array(
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
+    ) -> float:
+        """``source_absmax`` over numpy arrays, without torch; only where ``native_source``.
+        Default: the largest of :meth:`source_row_arrays`' rows (validated, BF16 bits)."""
+        best = 0.0
+        for _, rows in self.source_row_arrays(name, arrays, shape):
+            m = absmax_array(rows)
+            assert m is not None, f"{name}: source_row_arrays gave {rows.dtype} rows"
+            best = max(best, m)
+        return best
 
     @property
     def params(self) -> dict[str, Any]:

@@ -40,7 +40,7 @@ import numpy as np
 
 from . import _quant_native
 from ._lazy import torch
-from ._rows_native import fp8_dequant_rows, fp8_dequant_rows_array
+from ._rows_native import fp8_absmax_array, fp8_dequant_rows, fp8_dequant_rows_array
 from .arrays import native
 from .base import TensorMeta, WeightFormat, register
 from .errors import HetquantError
@@ -283,6 +283,16 @@ class Fp8Block(WeightFormat):
             return absmax_dequantized(tensors["weight"], tensors["weight_scale_inv"], self.block)
         except HetquantError as e:
             raise HetquantError(f"{name}.weight: {e}") from None
+
+    def source_absmax_array(
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
+    ) -> float:
+        """:meth:`source_absmax` on numpy arrays, by the kernel alone (NotNative on NaN codes:
+        the torch code then names them)."""
+        s = arrays["weight_scale_inv"]
+        self._check_scales(f"{name}.weight_scale_inv", s)
+        got = fp8_absmax_array(arrays["weight"], s, self.block)
+        return native(got, f"{name}.weight: FP8 absmax")
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return {

@@ -117,17 +117,24 @@ class Fp8BlockScale(Fp8Block):
     ) -> Iterator[tuple[int, torch.Tensor]]:
         return self._base().source_rows(name, self._v3(name, tensors), shape)
 
-    def source_row_arrays(
-        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
-    ) -> Iterator[tuple[int, np.ndarray]]:
+    def _v3_arrays(self, name: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         s = arrays["scale"]
         if self.scale_dtype == "F8_E8M0":
             raw = s.view(np.uint8)
             if raw.size and int(raw.max()) == UE8M0_NAN:
                 raise HetquantError(f"{name}.scale: NaN scale(s) (UE8M0 byte 0xFF); corrupt")
             s = np.ldexp(np.float32(1.0), raw.astype(np.int32) - UE8M0_BIAS).astype(np.float32)
-        v3 = {"weight": arrays["weight"], "weight_scale_inv": s}
-        return self._base().source_row_arrays(name, v3, shape)
+        return {"weight": arrays["weight"], "weight_scale_inv": s}
+
+    def source_row_arrays(
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        return self._base().source_row_arrays(name, self._v3_arrays(name, arrays), shape)
+
+    def source_absmax_array(
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
+    ) -> float:
+        return self._base().source_absmax_array(name, self._v3_arrays(name, arrays), shape)
 
     def source_dequantized(
         self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]

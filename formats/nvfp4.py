@@ -57,6 +57,7 @@ import numpy as np
 
 from . import _quant_native
 from ._lazy import torch
+from .arrays import NotNative, native
 from .base import Streaming, TensorMeta, WeightFormat, register
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .errors import HetquantError
@@ -110,12 +111,17 @@ def _scale_2_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(s2 > 0, s2, torch.ones_like(s2))
 
 
-def _scale_2_of(amax: float) -> torch.Tensor:
+def _scale_2_value(amax: float) -> np.float32:
     """:func:`_scale_2_from_amax` of a Python float by numpy scalars (one per streamed row
     block: torch's ops cost ~0.4 ms each time): the same float32 rounding of ``amax`` and the
     same float32 division, so the same value."""
     s2 = np.float32(amax) / np.float32(E2M1_MAX * FP8_E4M3_MAX)
-    return torch.tensor(s2 if s2 > 0 else np.float32(1.0), dtype=torch.float32)
+    return s2 if s2 > 0 else np.float32(1.0)
+
+
+def _scale_2_of(amax: float) -> torch.Tensor:
+    """:func:`_scale_2_value` as a 0-d float32 tensor."""
+    return torch.tensor(_scale_2_value(amax), dtype=torch.float32)
 
 
 def _block_scales_from_amax(amax: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
@@ -149,6 +155,7 @@ class Nvfp4(WeightFormat):
     """ModelOpt NVFP4 weight (see the module docstring); W4A16 unless ``with_input_scale``."""
 
     name: ClassVar[str] = "nvfp4"
+    native_quantize: ClassVar[bool] = True  # quantize_array
     _K_MAJOR: ClassVar[bool] = False  # the kernel's output layout; see nvfp4_ascend._KMajorChunks
     keys: ClassVar[frozenset[str]] = frozenset({"weight", "weight_scale", "weight_scale_2"})
     optional_keys: ClassVar[frozenset[str]] = frozenset({"input_scale"})
@@ -201,6 +208,26 @@ class Nvfp4(WeightFormat):
             out = self._quantize_torch(weight, given)
         out.update(self._input_scale(options.get("act_amax")))
         return out
+
+    def quantize_array(self, rows: np.ndarray, **options: Any) -> dict[str, np.ndarray]:
+        """:meth:`quantize` of BF16/F32 rows (numpy, BF16 as its bits) by the kernel, without
+        torch; ``weight_amax`` as there. NotNative for ``act_amax`` (the calibrated variant),
+        NaN/Inf, or rows the kernel does not take."""
+        layout = "kmajor" if self._K_MAJOR else "rows"
+        s2 = self._array_scale_2(rows, options)
+        got = native(_quant_native.nvfp4_array(rows, float(s2), layout), f"{self.name}: rows")
+        return {"weight": got[0], "weight_scale": got[1], "weight_scale_2": np.array(s2)}
+
+    def _array_scale_2(self, rows: np.ndarray, options: Mapping[str, Any]) -> np.float32:
+        """``weight_scale_2`` of :meth:`quantize_array` (from ``weight_amax`` or ``rows``)."""
+        if self.with_input_scale or set(options) - {"weight_amax"}:
+            raise NotNative(f"{self.name}: options {sorted(options)} need the torch code")
+        amax = options.get("weight_amax")
+        if amax is None:
+            amax = native(_quant_native.absmax_array(rows), f"{self.name}: no absmax kernel")
+        if not math.isfinite(amax):
+            raise NotNative(f"{self.name}: NaN/Inf")  # the torch code names it
+        return _scale_2_value(amax)
 
     def _quantize_native(self, weight: torch.Tensor, given: Any) -> dict[str, torch.Tensor] | None:
         """:meth:`_quantize_torch` by the kernel; None where it does not apply or on NaN/Inf

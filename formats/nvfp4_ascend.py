@@ -47,8 +47,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from . import _quant_native
 from ._lazy import torch
+from .arrays import native
 from .base import Streaming, TensorMeta, WeightFormat, register
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .errors import HetquantError
@@ -216,6 +219,19 @@ class _KMajorChunks(Nvfp4):
     layout; its ``place`` tiles the codes as they come)."""
 
     _K_MAJOR: ClassVar[bool] = True
+    native_into: ClassVar[bool] = True  # quantize_array_into: straight into the tile order
+
+    def quantize_array_into(
+        self, rows: np.ndarray, row0: int, out: dict[str, np.ndarray], **options: Any
+    ) -> dict[str, np.ndarray]:
+        """Rows ``row0`` .. quantized by the kernel straight into the tiled ``out["weight"]``
+        [K, N/2] (its 8-row words are the tile's 4-byte units) and ``out["weight_scale"]``
+        [K/16, N]; returns ``weight_scale_2``."""
+        s2 = self._array_scale_2(rows, options)
+        target = (out["weight"], out["weight_scale"])
+        got = _quant_native.nvfp4_array(rows, float(s2), "tiled", target, row0)
+        native(got, f"{self.name}: rows {row0}+")
+        return {"weight_scale_2": np.array(s2)}
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         n, k = shape

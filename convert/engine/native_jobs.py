@@ -7,17 +7,23 @@ the writer stores bytes into mapped files, the plan is shapes alone. So :class:`
 source's memory maps as numpy arrays (``SourceCheckpoint.row_arrays``), converted by the
 formats' ``*_array`` methods (``formats/arrays.py``) and written as it comes — the same bytes as
 the torch code (the kernels are tested bit-identical to it, and the golden artifacts hold).
-Recipes whose jobs are all native this way: bf16, ascend-w8a8, ascend-hybrid, awq-w4a16 (RTN).
+Recipes whose jobs are all native this way: bf16, ascend-w8a8, ascend-hybrid, awq-w4a16 (RTN),
+fp4 (both layouts).
 
 It takes a job only where every step has a kernel: a copy of BF16/F32 (checked finite by the
 absmax kernel) or of a dtype no check applies to; a linear weight from FP8 blocks, BF16 or a
 plain float tensor into a format that streams by rows and has ``quantize_array`` (outputs along
-the weight's rows written as they come, others assembled, as the torch code does; no per-tensor
-amax, no finishing step such as a tiling): bf16, w8a8_dynamic, int4_cpu, awq_w4a16 (RTN);
-stacked experts into a format with ``quantize_rows_array``. Anything else — a calibrated job, a
-source kept as stored or repacked, another format, no compiler, ``HETQUANT_QUANT_BACKEND=torch``,
-bad input a kernel declines (``NotNative``) — goes to the torch code, which imports torch then,
-in the process that needs it, and redoes the whole job (fixed byte ranges: a redo is safe).
+the weight's rows written as they come, others assembled, as the torch code does; no finishing
+step): bf16, w8a8_dynamic, int4_cpu, awq_w4a16 (RTN), nvfp4; where the plan places chunks in the
+stored layout (``Streaming.place``: nvfp4_ascend's tile order), into a chunk format with
+``quantize_array_into``, which writes each chunk straight into the assembled tensors. A plan
+that ``needs_amax`` gets it by the kernels (``SourceCheckpoint.absmax_array``: for FP8 blocks a
+column max of the codes per block row), each weight's once per process (a gate/up pair shares
+it). Stacked experts go into a format with ``quantize_rows_array``. Anything else — a
+calibrated job, a source kept as stored or repacked, another format, no compiler,
+``HETQUANT_QUANT_BACKEND=torch``, bad input a kernel declines (``NotNative``) — goes to the
+torch code, which imports torch then, in the process that needs it, and redoes the whole job
+(fixed byte ranges: a redo is safe).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class NativeJobs:
             JobKind.LINEAR: self._linear,
             JobKind.EXPERTS: self._experts,
         }
+        self._amax: dict[str, float] = {}  # source weight → its absmax (``_absmax``)
 
     def run(self, job: Job) -> bool:
         """Run ``job`` natively; False (nothing promised about its bytes) where it cannot."""
@@ -83,29 +90,34 @@ class NativeJobs:
             raise NotNative(f"{job.source}: no finite check for {dtype}")
         self._write(job.outputs[0], data)
 
-    def _linear_plan(self, job: Job) -> tuple[Any, Any]:
-        """(streaming plan, its ``quantize_array``) of a linear job; NotNative where none."""
+    def _linear_plan(self, job: Job) -> Any:
+        """The streaming plan of a linear job whose chunk format has the kernels it needs
+        (``quantize_array_into`` where the plan places chunks, else ``quantize_array``);
+        NotNative where it has not."""
         fmt = job.target.fmt
         src = self.source.tensors[job.source]
         if src.fmt == fmt or (src.fmt_name, fmt.name) in LINEAR_REPACKS:
             raise NotNative("kept as stored, or repacked")
         plan = fmt.streaming(src.shape)  # type: ignore[arg-type]
-        native = plan is not None and plan.chunk_format.native_quantize
-        quantize = plan.chunk_format.quantize_array if native else None
-        if quantize is None or plan.finish is not None or plan.place is not None or plan.needs_amax:  # type: ignore[union-attr]
+        chunk = None if plan is None or plan.finish is not None else plan.chunk_format
+        if chunk is None or not (chunk.native_into if plan.place else chunk.native_quantize):
             raise NotNative(f"{fmt.name}: no native streaming")
-        return plan, quantize
+        return plan
 
     def _linear(self, job: Job) -> None:
-        plan, quantize = self._linear_plan(job)
+        plan = self._linear_plan(job)
         shape = self.source.tensors[job.source].shape
         pieces = {p.key: p for p in job.outputs}
-        metas = plan.chunk_format.stored(shape)  # type: ignore[union-attr, arg-type]
-        buffers = {k: np.empty(m.shape, numpy_dtype(m.dtype))  # assembled, written at the end
-                   for k, m in metas.items() if plan.axes[k] != 0}  # type: ignore[union-attr]  # fmt: skip
+        opts = {"weight_amax": self._absmax(job)} if plan.needs_amax else {}
+        metas = plan.chunk_format.stored(shape)
+        assembled = {k for k in metas if plan.axes[k] != 0 or plan.place}
+        buffers = {k: np.empty(metas[k].shape, numpy_dtype(metas[k].dtype)) for k in assembled}
         for row0, rows in self.source.row_arrays(job.source):
-            for key, part in quantize(rows).items():
-                axis = plan.axes[key]  # type: ignore[union-attr]
+            if plan.place:  # the format writes each chunk into its places
+                buffers.update(plan.chunk_format.quantize_array_into(rows, row0, buffers, **opts))
+                continue
+            for key, part in plan.chunk_format.quantize_array(rows, **opts).items():
+                axis = plan.axes[key]
                 if axis == 0:  # written as it comes
                     piece = pieces[key]
                     self._write(piece, part, row0 * (piece.meta.nbytes // piece.meta.shape[0]))
@@ -118,6 +130,17 @@ class NativeJobs:
                     buffers[key][tuple(index)] = part
         for key, data in buffers.items():
             self._write(pieces[key], data)
+
+    def _absmax(self, job: Job) -> float:
+        """``max |W|`` over the job's weight and the others of its merged module (their shared
+        per-tensor scale: ``Job.amax_group``), by the kernels. Every value is kept (a float
+        per weight): a group's members need the same ones, and the plan lists all of a
+        layer's expert gates before their ups, so a short memory would compute each twice."""
+        names = job.amax_group or job.sources
+        for name in names:
+            if name not in self._amax:
+                self._amax[name] = self.source.absmax_array(name)
+        return max(self._amax[name] for name in names)
 
     def _experts_format(self, job: Job) -> Any:
         """The expert format's ``quantize_rows_array``; NotNative where it has none."""

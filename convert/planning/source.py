@@ -27,7 +27,8 @@ import numpy as np
 
 from hetquant.formats import HetquantError, WeightFormat
 from hetquant.formats._lazy import torch
-from hetquant.formats.arrays import NotNative, float_row_arrays
+from hetquant.formats._quant_native import absmax_array
+from hetquant.formats.arrays import NotNative, float_row_arrays, native
 from hetquant.formats.base import float_rows
 from hetquant.formats.families import ModelConfig, TensorRole, check_index_holds, load_json
 from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
@@ -175,6 +176,16 @@ class SourceCheckpoint:
         if t.fmt is None:
             return max((float(r.abs().amax()) for _, r in self.rows(name)), default=0.0)
         return t.fmt.source_absmax(t.prefix, self.stored(name), t.shape)  # type: ignore[arg-type]
+
+    def absmax_array(self, name: str) -> float:
+        """:meth:`absmax` by the formats' native kernels, without torch; raises ``NotNative``
+        where they cannot (the torch code then gives the value or the error)."""
+        t = self.tensors[name]
+        if t.fmt is None:
+            return max((native(absmax_array(r), name) for _, r in self.row_arrays(name)), default=0.0)  # fmt: skip
+        if not t.fmt.native_source:
+            raise NotNative(f"{name}: source format {t.fmt.name} has no native absmax")
+        return t.fmt.source_absmax_array(t.prefix, self.arrays(name), t.shape)  # type: ignore[arg-type]
 
     def dequantized(self, name: str) -> torch.Tensor:
         """A whole source tensor: a format's weight exactly as BF16, a plain one as stored."""

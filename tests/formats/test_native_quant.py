@@ -4,6 +4,8 @@ Every output tensor must be bit-identical (``torch.equal`` on the raw bytes) on 
 path, for inputs chosen to hit each rounding decision: E2M1 bounds and ties, E4M3 subnormal and
 saturated block scales, FP16 subnormal AWQ scales, AWQ ties, one-sign and constant groups. Then
 the fallbacks: ``HETQUANT_QUANT_BACKEND=torch``, a failed build, unsupported inputs, NaN/Inf.
+Every NVFP4 input also goes through the native lane's numpy paths (``quantize_array`` of both
+chunk layouts, and ``quantize_array_into`` the Ascend tile order chunk by chunk: ``check_nvfp4``).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import torch
 
 from hetquant.formats import HetquantError
 from hetquant.formats import _quant_native as Q
+from hetquant.formats.arrays import NotNative
 from hetquant.formats.awq_w4a16 import AwqW4A16
 from hetquant.formats.native import NativeLibrary
 from hetquant.formats.nvfp4 import BLOCK, E2M1_BOUNDS, E2M1_MAX, FP8_E4M3_MAX, Nvfp4
-from hetquant.formats.nvfp4_ascend import _KMajorChunks
+from hetquant.formats.nvfp4_ascend import K_ALIGN, N_ALIGN, _KMajorChunks, to_tiled
 
 NVFP4_FORMATS = (Nvfp4(), _KMajorChunks())
 DTYPES = (torch.bfloat16, torch.float32)
@@ -66,6 +69,51 @@ def check_nvfp4(w: torch.Tensor, weight_amax: float | None = None) -> None:
             got = Q.nvfp4(w.contiguous(), s2, fmt._K_MAJOR, isa=isa)
             assert got is not None
             assert_same({"weight": got[0], "weight_scale": got[1]}, want)
+        if w.dtype in DTYPES and _finite_amax(weight_amax):
+            arrays = fmt.quantize_array(Q.host_array(w.contiguous()), **opts)
+            assert_same({k: torch.from_numpy(v) for k, v in arrays.items()}, _bytes(want, s2))
+    if w.dtype in DTYPES and _finite_amax(weight_amax):
+        check_tiled_into(w, weight_amax)
+
+
+def _finite_amax(weight_amax: float | None) -> bool:
+    """Whether the numpy path takes this ``weight_amax`` (else NotNative: the torch code)."""
+    return weight_amax is None or abs(weight_amax) < float("inf")
+
+
+def _bytes(stored: dict[str, torch.Tensor], s2: float) -> dict[str, torch.Tensor]:
+    """Stored tensors as the numpy paths give them: E4M3 as its bytes, weight_scale_2 0-d."""
+    out = {
+        k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in stored.items()
+    }
+    return {**out, "weight_scale_2": torch.tensor(s2, dtype=torch.float32)}
+
+
+def check_tiled_into(w: torch.Tensor, weight_amax: float | None) -> None:
+    """``w`` placed at the top left of a zero weight of tileable shape (rows are independent
+    once s2 is fixed), quantized chunk by chunk straight into the tile order, on every ISA and
+    at chunk sizes whose 8-row words do and do not fall on a tile's 4-byte units, == the torch
+    reference tiled (``to_tiled``)."""
+    n = max(N_ALIGN, -(-w.shape[0] // N_ALIGN) * N_ALIGN)
+    k = max(K_ALIGN, -(-w.shape[1] // K_ALIGN) * K_ALIGN)
+    big = torch.zeros(n, k, dtype=w.dtype)
+    big[: w.shape[0], : w.shape[1]] = w
+    amax = float(w.float().abs().amax()) if weight_amax is None else weight_amax
+    want = to_tiled(Nvfp4()._quantize_torch(big, amax))
+    s2 = float(want["weight_scale_2"])
+    rows = Q.host_array(big)
+    for chunk, isa in ((128, 0), (n, 1), (6, 2), (2, 3), (40, 0)):
+        out = {"weight": torch.zeros(k, n // 2, dtype=torch.uint8).numpy(),
+               "weight_scale": torch.zeros(k // BLOCK, n, dtype=torch.uint8).numpy()}  # fmt: skip
+        for r in range(0, n, chunk):
+            if isa == 0:  # the format's method (best ISA)
+                got = _KMajorChunks().quantize_array_into(rows[r : r + chunk], r, out, weight_amax=amax)  # fmt: skip
+                assert got["weight_scale_2"].tobytes() == want["weight_scale_2"].numpy().tobytes()
+            else:
+                parts = (out["weight"], out["weight_scale"])
+                assert Q.nvfp4_array(rows[r : r + chunk], s2, "tiled", parts, r, isa) is not None
+        got_t = {k: torch.from_numpy(v) for k, v in out.items()}
+        assert_same(got_t, {k: v.view(torch.uint8) for k, v in want.items() if k in out})
 
 
 def check_awq(w: torch.Tensor, group: int) -> None:
@@ -246,6 +294,38 @@ def test_nvfp4_unsupported_inputs_use_torch(native: None) -> None:
     for fmt in NVFP4_FORMATS:
         for x in (w.half(), w.double(), w[:, :32].contiguous().t().contiguous().t()):
             assert_same(fmt.quantize(x), fmt._quantize_torch(x, None))
+
+
+def test_nvfp4_arrays_decline_what_the_torch_code_must_do(native: None) -> None:
+    """NaN/Inf rows, the calibrated variant and shapes or offsets a layout cannot take give
+    NotNative / None (the lane then redoes the job with the torch code); arguments a layout
+    cannot take are refused before anything is written."""
+    w = _normal(256, 64, seed=9, dtype=torch.bfloat16)
+    rows = Q.host_array(w)
+    bad = w.clone()
+    bad[200, 3] = float("nan")
+    out = {"weight": torch.zeros(64, 128, dtype=torch.uint8).numpy(),
+           "weight_scale": torch.zeros(4, 256, dtype=torch.uint8).numpy()}  # fmt: skip
+    for fmt in NVFP4_FORMATS:
+        with pytest.raises(NotNative):
+            fmt.quantize_array(Q.host_array(bad))
+        with pytest.raises(NotNative):
+            fmt.quantize_array(rows, weight_amax=float("inf"))
+        with pytest.raises(NotNative):
+            type(fmt)(with_input_scale=True).quantize_array(rows, act_amax=1.0)
+    with pytest.raises(NotNative):  # tiles before the NaN's may have been written
+        _KMajorChunks().quantize_array_into(Q.host_array(bad), 0, dict(out), weight_amax=1.0)
+    out = {k: v.copy() * 0 for k, v in out.items()}
+    parts = (out["weight"], out["weight_scale"])
+    assert Q.nvfp4_array(rows[:10], 1.0, "tiled", parts, 3) is None  # odd row0
+    assert Q.nvfp4_array(rows[:10], 1.0, "tiled", parts, 250) is None  # past the weight's rows
+    assert Q.nvfp4_array(rows[:9], 1.0, "kmajor") is None  # K-major: pairs of rows
+    assert Q.nvfp4_array(rows[:, :48].copy(), 1.0, "tiled") is None  # K % 64
+    assert Q.nvfp4_array(rows, 1.0, "tiled", (parts[0][:32], parts[1])) is None  # out's shape
+    assert Q.nvfp4_array(rows, 1.0, "columns") is None
+    assert Q.nvfp4_array(rows.astype("float16"), 1.0) is None
+    assert Q.nvfp4_array(rows.T, 1.0) is None  # not C-contiguous
+    assert not out["weight"].any() and not out["weight_scale"].any()
 
 
 # ---- AWQ -----------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ every E4M3 code (subnormal, zero, ±, the largest) against scales that make norm
 and near-overflow BF16 products and RNE ties; partial blocks (rows and columns), other block
 edges; W8A8 and INT4 rows with zero rows, rows under the scale floor, exact ties, huge and tiny
 magnitudes. Then what falls back to torch: NaN codes and values (the format's error is raised),
-unsupported tensors, the kernels disabled. A CUDA test (skipped without a GPU) checks the
+unsupported tensors, the kernels disabled. The FP8 absmax kernel (one pass over the codes, what
+a per-tensor NVFP4 scale needs) against ``absmax_dequantized`` and the dequantized rows' max.
+A CUDA test (skipped without a GPU) checks the
 device dequantization of calibration against the CPU kernel.
 """
 
@@ -17,8 +19,10 @@ import torch
 from hetquant.formats import HetquantError, int4_cpu, w8a8_npu, w8a8_npu_rows
 from hetquant.formats import _quant_native as Q
 from hetquant.formats import _rows_native as R
+from hetquant.formats.arrays import NotNative
 from hetquant.formats.base import all_finite
-from hetquant.formats.fp8_block import Fp8Block, dequantize_rows
+from hetquant.formats.fp8_block import Fp8Block, absmax_dequantized, dequantize_rows
+from hetquant.formats.fp8_block_scale import Fp8BlockScale
 from hetquant.formats.int4_cpu import Int4CpuExperts, quantize_expert
 from hetquant.formats.int4_cpu_rows import quantize_rows_torch
 
@@ -146,6 +150,79 @@ def test_device_dequantization_equals_the_cpu_kernel() -> None:
     dev = {"weight": w.cuda(), "weight_scale_inv": s.cuda()}
     got = fmt.source_dequantized("m", dev, (2048, 7168))
     assert got.device.type == "cuda" and _same(got.cpu(), want)
+
+
+# ---- FP8 block absmax ----------------------------------------------------------------------------
+
+
+def _np(t: torch.Tensor):
+    return Q.host_array(t.contiguous())
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(-16, -10), (-150, -133), (-1, 1), (100, 118.8)])
+@pytest.mark.parametrize(("rows", "cols", "block"), [(256, 7168, 128), (300, 1000, 128), (5, 300, 64), (1, 16, 16), (0, 16, 128)])  # fmt: skip
+def test_fp8_absmax_matches_the_torch_reduction(lo: float, hi: float, rows: int, cols: int, block: int) -> None:  # fmt: skip
+    """== absmax_dequantized and == the max of the dequantized rows, partial blocks included."""
+    codes = _codes(rows, cols, seed=rows + cols + block)
+    s = _scales((max(1, -(-rows // block)), -(-cols // block)), lo, hi, seed=rows)
+    want = absmax_dequantized(codes, s, block)
+    assert R.fp8_absmax_array(_np(codes), s.numpy(), block) == want
+    tensors = {"weight": codes, "weight_scale_inv": s}
+    deq = Fp8Block(block=block).source_rows("m", tensors, (rows, cols))
+    assert want == max((float(r.float().abs().amax()) for _, r in deq), default=0.0)
+
+
+def test_fp8_absmax_every_code_and_tie_scales() -> None:
+    """One column per code (subnormals, zero, ±), in every block row a scale whose products sit
+    on BF16 ties; the largest code alone in a column, then each code the column's largest."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # (254,)
+    for scale in (1.0 + 2**-8, 1.0 + 3 * 2**-9, 2**-133 * 1.5, 1e-30, 3.0):
+        s = torch.full((2, 2), scale)
+        for top in (codes, codes[codes < 0x08]):  # all, then only subnormal / zero codes
+            w = top[None].repeat(130, 1).view(torch.float8_e4m3fn)
+            want = absmax_dequantized(w, s, 128)
+            assert R.fp8_absmax_array(_np(w), s.numpy(), 128) == want, scale
+
+
+def test_fp8_absmax_refuses_nan_codes_and_bad_scales() -> None:
+    """A NaN code: None from the kernel, NotNative from the format (the torch code then raises);
+    a bad scale: the format's own error before the kernel runs."""
+    fmt, shape = Fp8Block(), (256, 256)
+    w = _codes(*shape, seed=7).view(torch.uint8).clone()
+    w[255, 0] = 0xFF
+    s = _scales((2, 2), -12, -10, seed=8)
+    assert R.fp8_absmax_array(w.numpy(), s.numpy(), 128) is None
+    with pytest.raises(NotNative):
+        fmt.source_absmax_array("m", {"weight": w.numpy(), "weight_scale_inv": s.numpy()}, shape)
+    with pytest.raises(HetquantError, match="NaN code"):
+        fmt.source_absmax("m", {"weight": w.view(torch.float8_e4m3fn), "weight_scale_inv": s}, shape)  # fmt: skip
+    s[1, 1] = float("nan")
+    with pytest.raises(HetquantError, match=r"m\.weight_scale_inv: 1 NaN/Inf"):
+        fmt.source_absmax_array("m", {"weight": w.numpy(), "weight_scale_inv": s.numpy()}, shape)
+    assert R.fp8_absmax_array(w.numpy().T, s.numpy(), 128) is None  # not C-contiguous
+    assert R.fp8_absmax_array(w.numpy(), s.numpy()[:1], 128) is None  # too few block rows
+
+
+@pytest.mark.parametrize("fmt", [Fp8Block(), Fp8BlockScale(scale_dtype="F8_E8M0")])
+def test_source_absmax_array_is_the_torch_source_absmax(fmt) -> None:
+    """The formats' numpy ``source_absmax_array`` == their torch ``source_absmax`` (DeepSeek-V4's
+    UE8M0 scales too); a BF16 source's default goes through its validated rows."""
+    shape = (300, 520)
+    codes = _codes(*shape, seed=9)
+    s = _scales((3, 5), -12, -6, seed=10)
+    if isinstance(fmt, Fp8BlockScale):
+        s = torch.exp2(torch.randint(-12, -6, (3, 5))).to(torch.float8_e8m0fnu)
+        tensors = {"weight": codes, "scale": s}
+    else:
+        tensors = {"weight": codes, "weight_scale_inv": s}
+    arrays = {k: _np(v) for k, v in tensors.items()}
+    assert fmt.source_absmax_array("m", arrays, shape) == fmt.source_absmax("m", tensors, shape)
+    from hetquant.formats.bf16 import Bf16
+
+    w = (torch.randn(*shape) * 3).to(torch.bfloat16)
+    got = Bf16().source_absmax_array("m", {"weight": _np(w)}, shape)
+    assert got == Bf16().source_absmax("m", {"weight": w}, shape) == float(w.abs().amax())
 
 
 # ---- W8A8 and INT4 rows --------------------------------------------------------------------------

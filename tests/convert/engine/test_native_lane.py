@@ -19,12 +19,12 @@ import pytest
 from golden_artifacts import CASES, GOLDEN, TINY, artifact_digest
 
 from hetquant.convert import SourceCheckpoint, get_recipe, plan_for
-from hetquant.convert.engine.native_jobs import needs_torch
+from hetquant.convert.engine.native_jobs import NativeJobs, needs_torch
 from hetquant.formats import _quant_native as Q
 
 GOLDEN_FILES = {case: doc["files"] for case, doc in json.loads(GOLDEN.read_text()).items()}
 LANE = ("bf16", "bf16-1mb-shards", "ascend-hybrid", "ascend-hybrid-mtp-drop", "ascend-w8a8",
-        "awq-w4a16", "awq-w4a16-g64")  # fmt: skip
+        "awq-w4a16", "awq-w4a16-g64", "fp4", "fp4-nvfp4")  # fmt: skip
 
 # runs `hetquant ARGS`, then reports whether torch was imported ("torch: True|False")
 _RUN = """
@@ -66,7 +66,8 @@ def _no_torch(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     ("case", "workers", "start"),
-    [(c, "1", "fork") for c in LANE] + [("bf16", "2", "fork"), ("ascend-hybrid", "2", "spawn")],
+    [(c, "1", "fork") for c in LANE]
+    + [("bf16", "2", "fork"), ("ascend-hybrid", "2", "spawn"), ("fp4", "2", "spawn")],
 )
 def test_lane_converts_without_torch(case: str, workers: str, start: str, tmp_path: Path) -> None:
     env = {**_no_torch(tmp_path), "HETQUANT_WORKER_START": start}
@@ -75,7 +76,7 @@ def test_lane_converts_without_torch(case: str, workers: str, start: str, tmp_pa
     assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES[case]
 
 
-@pytest.mark.parametrize("case", ["bf16", "ascend-hybrid", "awq-w4a16"])
+@pytest.mark.parametrize("case", ["bf16", "ascend-hybrid", "awq-w4a16", "fp4"])
 def test_torch_fallback_gives_the_same_bytes(case: str, tmp_path: Path) -> None:
     out = _convert(case, tmp_path / "out", {"HETQUANT_QUANT_BACKEND": "torch"})
     assert "torch: True" in out  # the kernels were off: every job took the torch code
@@ -83,15 +84,16 @@ def test_torch_fallback_gives_the_same_bytes(case: str, tmp_path: Path) -> None:
 
 
 def test_a_recipe_without_kernels_imports_torch(tmp_path: Path) -> None:
-    """fp4 (NVFP4 tiling, a per-tensor amax) is not on the lane: it needs torch, and gets it."""
-    assert "torch: True" in _convert("fp4", tmp_path / "out", {})
-    assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES["fp4"]
+    """ascend-w4a16 (ct_pack_quantized has no native quantize_array) is not on the lane: it
+    needs torch, and gets it."""
+    assert "torch: True" in _convert("ascend-w4a16", tmp_path / "out", {})
+    assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES["ascend-w4a16"]
 
 
 @pytest.mark.parametrize(
     ("recipe", "torch_needed"),
     [("bf16", False), ("ascend-w8a8", False), ("ascend-hybrid", False), ("awq-w4a16", False),
-     ("fp4", True), ("ascend-w4a16", True)],
+     ("fp4", False), ("ascend-w4a16", True)],
 )  # fmt: skip
 def test_needs_torch_from_the_plan(recipe: str, torch_needed: bool) -> None:
     """The parent's shape-only forecast: the lane's recipes need no torch, the others do."""
@@ -103,8 +105,28 @@ def test_needs_torch_from_the_plan(recipe: str, torch_needed: bool) -> None:
 
 
 def test_the_pool_parent_imports_torch_once_for_its_workers(tmp_path: Path) -> None:
-    """fp4 on two forked workers: torch is imported in the parent before the fork (shared by
-    the workers), not by each worker alone; the bytes are the golden ones."""
-    out = _convert("fp4", tmp_path / "out", {"HETQUANT_WORKER_START": "fork"}, "--workers", "2")
+    """ascend-w4a16 on two forked workers: torch is imported in the parent before the fork
+    (shared by the workers), not by each worker alone; the bytes are the golden ones."""
+    env = {"HETQUANT_WORKER_START": "fork"}
+    out = _convert("ascend-w4a16", tmp_path / "out", env, "--workers", "2")
     assert "torch: True" in out
-    assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES["fp4"]
+    assert artifact_digest(tmp_path / "out")["files"] == GOLDEN_FILES["ascend-w4a16"]
+
+
+def test_the_lane_absmax_is_the_torch_absmax() -> None:
+    """``SourceCheckpoint.absmax_array`` (kernels) == ``absmax`` (torch) for every source weight
+    an fp4 job reads; a merged group's jobs (an expert's gate and up) get one shared value,
+    each member's absmax computed once."""
+    source = SourceCheckpoint.open(TINY)
+    jobs = [j for j in plan_for(source, get_recipe("fp4"), 1 << 40).jobs if j.amax_group]
+    assert jobs
+    lane = NativeJobs(source, None)  # type: ignore[arg-type]  # _absmax writes nothing
+    calls: list[str] = []
+    real = source.absmax_array
+    source.absmax_array = lambda name: calls.append(name) or real(name)  # type: ignore[method-assign]
+    for job in jobs:
+        group = job.amax_group
+        assert lane._absmax(job) == max(source.absmax(name) for name in group)
+        for name in group:
+            assert real(name) == source.absmax(name), name
+    assert len(calls) == len(set(calls)) == len({n for j in jobs for n in j.amax_group})
