@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from support import run_cli
@@ -108,3 +109,15 @@ def test_a_family_without_the_emulation_refuses_it(tiny_artifact: Path) -> None:
         HetquantError, match=r"--kv-cache fp8_ds_mla: the \S+ forward emulates no KV"
     ):
         run_artifact(RunSpec(str(tiny_artifact), (5, 17), kv_cache="fp8_ds_mla"))
+
+
+def test_hetquant_run_cli_takes_the_emulation(v4_vllm_bf16: Path, tmp_path: Path) -> None:
+    """``hetquant run --kv-cache fp8_ds_mla --dtype bfloat16`` gives the emulated forward's logits."""
+    tokens = (5, 17, 42, 100, 7)
+    res = run_cli("run", v4_vllm_bf16, "--tokens", ",".join(map(str, tokens)), "--kv-cache",
+                  "fp8_ds_mla", "--dtype", "bfloat16", "--save-logits", tmp_path / "l.npy")  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    want = local_model(v4_vllm_bf16, dtype="bfloat16", kv_cache="fp8_ds_mla").forward(
+        torch.tensor(tokens)
+    )
+    assert torch.equal(torch.from_numpy(np.load(tmp_path / "l.npy")), want)
