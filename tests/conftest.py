@@ -14,4 +14,5 @@ from support import (  # noqa: F401  (fixtures, registered by being imported her
     tiny_ro_hashes,
     tiny_src,
     tiny_v4,
+    tiny_v4_vllm,
 )

@@ -479,6 +479,16 @@ def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {k: gen["write_checkpoint"](base / k, k) for k in ("deepseek", "transformers")}
 
 
+@pytest.fixture(scope="session")
+def tiny_v4_vllm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny DeepSeek-V4 at the attention dimensions vLLM's CPU build serves (``--dims vllm``:
+    head_dim 512, rope 64, index_head_dim 128), both layouts as ``tiny_v4``. Read-only."""
+    import runpy
+
+    base, gen = tmp_path_factory.mktemp("tiny-v4-vllm"), runpy.run_path(str(TINY_V4))
+    return {k: gen["write_checkpoint"](base / k, k, "vllm") for k in ("deepseek", "transformers")}
+
+
 def _convert_once(
     src: Path, tmp_path_factory: pytest.TempPathFactory, name: str, *opts: str
 ) -> Path:

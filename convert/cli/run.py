@@ -86,6 +86,17 @@ def available_memory() -> int | None:
     type=click.IntRange(0),
     help="Greedily generate K tokens.  [default: 0; 16 with --prompt]",
 )
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="Activation dtype.  [default: float32; bfloat16 on npu]",
+)
+@click.option(
+    "--kv-cache",
+    type=click.Choice(["fp8_ds_mla"]),
+    help="Emulate a serving engine's KV-cache storage (fp8_ds_mla: vLLM's DeepSeek-V4 cache), "
+    "to reproduce that engine's tokens.",
+)
 def run(
     artifact: Path,
     tokens: str | None,
@@ -98,6 +109,8 @@ def run(
     dist_backend: str | None,
     save_logits: Path | None,
     generate: int | None,
+    dtype: str | None,
+    kv_cache: str | None,
 ) -> None:
     """Load ARTIFACT into the given layout (ranks spawned on this host) and run a token sequence.
 
@@ -119,7 +132,7 @@ def run(
         writable_output(save_logits, "--save-logits")
     spec = RunSpec(
         str(artifact), ids, tp=tp, pp=pp, ep=ep, subpools=subpools, device=device,
-        generate=generate, dist_backend=dist_backend,
+        generate=generate, dist_backend=dist_backend, dtype=dtype, kv_cache=kv_cache,
     )  # fmt: skip
     logits, generated = run_artifact(spec)
     if save_logits is not None:

@@ -17,10 +17,24 @@ build it). ``to_deepseek`` is the exact inverse of transformers' names for this 
 DeepSeek-layout copy loads back into ``DeepseekV4ForCausalLM`` through transformers' own
 ``conversion_mapping`` with an identical state dict (the generator's test checks it).
 
+``--dims vllm``: the same model at the attention dimensions vLLM 0.32's CPU build serves (V4's
+own): head_dim 512 (``compressor.py:295-314``; ``flash_mla_with_kvcache_cpu: q must be
+[num_tokens, num_heads, 512]`` in ``_C.abi3.so``), rope dim 64 (``cpu/cpu_sparse.py:41``
+``_ROPE_DIM``, which ``_o_proj`` un-ropes with), index_head_dim 128 (``compressor.py:304``;
+``fp8_paged_mqa_logits_cpu: q_fp8 head_dim must be 128``), index_topk 512
+(``model_executor/layers/sparse_attn_indexer.py:1234``: ``topk_transform_512_cpu``), 64 routed
+experts, top-6 (``hash_topk_cpu`` / ``biased_topk_cpu`` in ``_C.abi3.so`` take 64, 128, 256 or
+384 experts: "unsupported num_experts 8"); the rest stays tiny. config.json
+carries ``hc_eps``, ``hc_sinkhorn_iters`` and ``hidden_act`` (transformers' defaults), as the
+released V4 configs do and vLLM's V4 reads without a default (``cpu/model.py:264-266``), and
+``topk_method: noaux_tc``, without which vLLM has no parameter for the router's bias
+(``cpu/model.py:163-167``).
+
 Every tensor is drawn from one seeded ``torch.Generator`` (SEED, the tensor's position), so a run
 writes the same bytes on one platform. Usage::
 
     python examples/tiny-deepseek-v4/make_tiny.py OUT [--layout deepseek|transformers]
+        [--dims tiny|vllm]
 """
 
 from __future__ import annotations
@@ -51,6 +65,11 @@ DIMS = dict(vocab_size=640, hidden_size=128, moe_intermediate_size=64, num_hidde
             num_nextn_predict_layers=1, rms_norm_eps=1e-6, routed_scaling_factor=1.5,
             scoring_func="sqrtsoftplus", norm_topk_prob=True, swiglu_limit=10.0,
             bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)  # fmt: skip
+ROPE_DIM = 16  # qk_rope_head_dim: partial_rotary_factor · head_dim
+# --dims: overrides of DIMS (module docstring); "rope_dim" replaces ROPE_DIM
+VARIANTS = {"tiny": {}, "vllm": {"head_dim": 512, "index_head_dim": 128, "rope_dim": 64,
+                                 "n_routed_experts": 64, "num_experts_per_tok": 6,
+                                 "index_topk": 512}}  # fmt: skip
 QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
          "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}  # fmt: skip
 FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$"
@@ -63,19 +82,33 @@ TO_DEEPSEEK = ((r"^model\.embed_tokens\.", "embed."), (r"^model\.hc_head\.hc_", 
                (r"^model\.", ""), (r"\.attn\.norm\.", ".attn.kv_norm."))  # fmt: skip
 
 
-def hf_config() -> object:
+def _dims(variant: str) -> tuple[dict, int]:
+    """DIMS with the variant's overrides, and its rope dim."""
+    over = dict(VARIANTS[variant])
+    rope = over.pop("rope_dim", ROPE_DIM)
+    return {**DIMS, **over}, rope
+
+
+def hf_config(variant: str = "tiny") -> object:
     from transformers import DeepseekV4Config
 
-    return DeepseekV4Config(**DIMS, layer_types=list(LAYERS), partial_rotary_factor=0.25,
+    d, rope = _dims(variant)
+    return DeepseekV4Config(**d, layer_types=list(LAYERS), partial_rotary_factor=rope / d["head_dim"],
                             mlp_layer_types=["hash_moe"] * HASH_LAYERS
                             + ["moe"] * (len(LAYERS) - HASH_LAYERS))  # fmt: skip
 
 
-def deepseek_config() -> dict:
+def deepseek_config(variant: str = "tiny") -> dict:
     """config.json as DeepSeek writes it (its keys; transformers reads them as legacy kwargs)."""
-    return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **DIMS,
+    d, rope = _dims(variant)
+    extra = {}
+    if variant != "tiny":  # the released configs' keys vLLM needs (module docstring)
+        hf = hf_config(variant)
+        extra = {k: getattr(hf, k) for k in ("hc_eps", "hc_sinkhorn_iters", "hidden_act")}
+        extra["topk_method"] = "noaux_tc"  # vLLM loads gate.bias only then (cpu/model.py:163)
+    return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **d, **extra,
             "compress_ratios": [RATIO[t] for t in LAYERS], "num_hash_layers": HASH_LAYERS,
-            "qk_rope_head_dim": 16, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+            "qk_rope_head_dim": rope, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
             "max_position_embeddings": 4096, "expert_dtype": "fp4", "quantization_config": QUANT,
             "torch_dtype": "bfloat16"}  # fmt: skip
 
@@ -86,23 +119,23 @@ def to_deepseek(name: str) -> str:
     return name
 
 
-def _draw(name: str, shape: tuple[int, ...], index: int) -> torch.Tensor:
+def _draw(name: str, shape: tuple[int, ...], index: int, experts: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(SEED + index)
     if name.endswith("tid2eid"):
-        return torch.randint(0, DIMS["n_routed_experts"], shape, generator=g)
+        return torch.randint(0, experts, shape, generator=g)
     w = torch.randn(shape, generator=g)
     if re.search(r"norm\.weight$", name):
         return 1.0 + 0.1 * w
     return w * (0.5 if F32.search(name) else 0.05)
 
 
-def model_weights() -> dict[str, torch.Tensor]:
+def model_weights(variant: str = "tiny") -> dict[str, torch.Tensor]:
     """The model in DeepSeek's names, values already on the FP4 / FP8 grids (so that every
     layout holds the same model): main layers from transformers' module tree, then the MTP layer."""
     from transformers import DeepseekV4ForCausalLM
 
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(hf_config())
+        model = DeepseekV4ForCausalLM(hf_config(variant))
     names = {to_deepseek(n): tuple(p.shape) for n, p in _saved_names(model).items()}
     n = DIMS["num_hidden_layers"]
     for k, shape in list(names.items()):  # the MTP block: layer 0's sliding attention, top-k MoE
@@ -118,7 +151,7 @@ def model_weights() -> dict[str, torch.Tensor]:
     assert n == len(LAYERS)
     out = {}
     for i, (name, shape) in enumerate(sorted(names.items())):
-        w = _draw(name, shape, i)
+        w = _draw(name, shape, i, _dims(variant)[0]["n_routed_experts"])
         if FP4.search(name):
             w = get_format("fp4_e2m1").dequantize(get_format("fp4_e2m1").quantize(w))
         elif FP8.search(name):
@@ -153,11 +186,11 @@ def deepseek_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-def write_checkpoint(out: Path, layout: str = "deepseek") -> Path:
+def write_checkpoint(out: Path, layout: str = "deepseek", variant: str = "tiny") -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    weights = model_weights()
+    weights = model_weights(variant)
     if layout == "transformers":
-        _save_transformers(out, weights)
+        _save_transformers(out, weights, deepseek_config(variant))
     else:
         tensors = deepseek_tensors(weights)
         shards = {1: {}, 2: {}}
@@ -171,13 +204,13 @@ def write_checkpoint(out: Path, layout: str = "deepseek") -> Path:
             save_file(shard, str(out / fname), metadata={"format": "pt"})
             index.update(dict.fromkeys(shard, fname))
         _json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
-        _json(out / "config.json", deepseek_config())
+        _json(out / "config.json", deepseek_config(variant))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER_DIR / f, out / f)
     return out
 
 
-def _save_transformers(out: Path, weights: dict[str, torch.Tensor]) -> None:
+def _save_transformers(out: Path, weights: dict[str, torch.Tensor], config: dict) -> None:
     """Load the BF16 weights in DeepSeek's names through transformers' own conversion mapping
     (which proves ``to_deepseek`` its inverse: nothing missing, nothing left over but the MTP
     layer), then ``save_pretrained``."""
@@ -189,7 +222,7 @@ def _save_transformers(out: Path, weights: dict[str, torch.Tensor]) -> None:
         main = {k: (v if k.endswith("tid2eid") else v.to(torch.bfloat16)).contiguous()
                 for k, v in weights.items() if not k.startswith("mtp.")}  # fmt: skip
         save_file(main, f"{tmp}/model.safetensors", metadata={"format": "pt"})
-        cfg = {k: v for k, v in deepseek_config().items() if k not in ("quantization_config",
+        cfg = {k: v for k, v in config.items() if k not in ("quantization_config",
                                                                       "expert_dtype")}  # fmt: skip
         _json(Path(tmp) / "config.json", {**cfg, "num_nextn_predict_layers": 1})
         model, info = DeepseekV4ForCausalLM.from_pretrained(
@@ -209,8 +242,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("--layout", choices=("deepseek", "transformers"), default="deepseek")
+    p.add_argument("--dims", choices=tuple(VARIANTS), default="tiny")
     args = p.parse_args()
-    print(write_checkpoint(args.out, args.layout))
+    print(write_checkpoint(args.out, args.layout, args.dims))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ transformers saves them; rope dims ``qk_rope_head_dim`` or ``head_dim · partial
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ from hetquant.formats.families.deepseek_v4 import DeepseekV4Config
 from hetquant.formats.families.fields import ConfigFields
 
 from .hyper import HyperSpec, hc_expand, hc_head, hc_weights
+from .kv_cache import KV_CACHES
+from .kv_cache import kv_cache as emulate_kv_cache
 from .model import DecoderReference, Weights, check_runnable, rms_norm
 from .moe import gated_mlp
 from .precision import work_dtype
@@ -105,9 +108,12 @@ class DeepseekV4Reference(DecoderReference):
     cfg: DeepseekV4Config
     composable = False  # hyper-connections, per-sequence compressors: LayerRunner runs our layer
 
+    kv_caches = tuple(KV_CACHES)  # model.DecoderReference: the KV-cache emulations it takes
+
     def __init__(
-        self, cfg: DeepseekV4Config, weights: Weights, *, dtype: torch.dtype = torch.float32
-    ) -> None:
+        self, cfg: DeepseekV4Config, weights: Weights, *, dtype: torch.dtype = torch.float32,
+        kv_cache: str | None = None,
+    ) -> None:  # fmt: skip
         check_runnable(cfg)
         raw = cfg.decoder_raw
         f = ConfigFields(raw, "config.json")
@@ -117,7 +123,7 @@ class DeepseekV4Reference(DecoderReference):
             raise HetquantError("config.json: tie_word_embeddings is not a DeepSeek-V4 feature")
         self.cfg, self.weights, self.dtype, self.fam = cfg, weights, dtype, cfg.family
         self.eps, self.router = cfg.rms_norm_eps, None  # V4 routes in ``moe`` below
-        self.spec = attention_spec(cfg)
+        self.spec = replace(attention_spec(cfg), kv_cache=emulate_kv_cache(kv_cache))
         self.rope = self.spec.main
         self.hyper = HyperSpec(cfg.hc_mult, f.integer("hc_sinkhorn_iters", 20),
                                f.number("hc_eps", 1e-6), cfg.rms_norm_eps)  # fmt: skip

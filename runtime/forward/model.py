@@ -146,6 +146,7 @@ class DecoderReference:
     # and a batched MoE (True), or runs ``decoder_layer`` one sequence at a time (False)
     composable: ClassVar[bool] = True
     limit: float | None = None  # the SwiGLU clip of its MLPs (moe.swiglu; DeepSeek-V4's)
+    kv_caches: ClassVar[tuple[str, ...]] = ()  # KV-cache emulations it takes (kv_cache.py)
 
     def __init__(self, cfg: ModelConfig, weights: Weights, *, dtype: torch.dtype) -> None:
         raw = cfg.decoder_raw

@@ -27,6 +27,9 @@ indexer picks (458-597): its own compressor at ``index_head_dim``, queries ``wq_
 t, score ``Σ_h (weights_proj(x)_h · n_I^-0.5) · relu(q_h·k_w) · d_I^-0.5``, future entries
 excluded, top-k kept.
 
+With ``spec.kv_cache`` (opt-in, ``kv_cache.py``) the keys — window and compressed entries
+alike, values being the keys — pass through the engine's KV-cache storage before attention.
+
 The grouped output runs ``o_a`` on every group's input and keeps each group's own block (a
 ``Weights.linear`` call, so quantized and TP-split ``o_a`` work unchanged; it multiplies that
 projection's work by ``o_groups``, acceptable for a reference forward). Under TP a rank holds
@@ -36,6 +39,7 @@ are replicated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +71,8 @@ class AttentionSpec:
     eps: float
     main: RopeSpec
     compress: RopeSpec
+    # keys [S, hd] → what the engine's KV cache gives back (``kv_cache.py``); None: kept as is
+    kv_cache: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +193,8 @@ def attention(
             extra = torch.zeros(t, n, device=x.device)
             extra = extra.masked_fill(~_visible(at.pos, n, spec.rates[scope]), float("-inf"))
         keys, bias = torch.cat([keys, entries]), torch.cat([bias, extra], dim=-1)
+    if spec.kv_cache is not None:  # window keys and compressed entries, as the cache holds them
+        keys = spec.kv_cache(keys).to(keys.dtype)
     o = _sink_attention(q, keys, bias, w.get(fam.tensor("sinks", layer)), hd**-0.5)
     o = rope_tail(o, cos, -sin)  # [T, H_r, hd]
     groups = o.shape[1] * spec.o_groups // spec.heads  # this rank's groups

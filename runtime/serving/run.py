@@ -51,6 +51,7 @@ class RunSpec:
     dtype: str | None = None  # activations; default float32, bfloat16 on npu (as vllm-ascend)
     dist_backend: str | None = None  # torch.distributed backend; default the device's own
     join_timeout: float = 180.0  # seconds a rank waits for the store and the other ranks
+    kv_cache: str | None = None  # an engine's KV-cache storage to emulate (forward/kv_cache.py)
 
     @property
     def world(self) -> int:
@@ -122,6 +123,7 @@ def _check_inputs(spec: RunSpec, world: int) -> tuple[CollectiveBackend | None, 
 
     art = open_artifact(spec.artifact)  # headers only: refuse a bad layout before spawning
     check_runnable(art.cfg)
+    _check_kv_cache(spec, art.cfg)
     vocab = art.cfg.vocab_size  # a VLM's is its text config's
     bad = [t for t in spec.tokens if not 0 <= t < vocab]
     if bad:
@@ -186,7 +188,6 @@ def _rank_main(rank: int, spec: RunSpec, world: int, where: _Where, out: Path, t
     stage's group rank 0) and its ``RankTiming`` into ``out``."""
     import torch.distributed as dist
 
-    from ..forward.references import reference_for
     from ..loading.loader import open_artifact
     from .collectives import Comm, init_groups, join_store, rank_device
     from .pipeline import RankTiming, StagePlace, generate
@@ -218,7 +219,7 @@ def _rank_main(rank: int, spec: RunSpec, world: int, where: _Where, out: Path, t
         pool=pool,
         npu_ops=_npu_ops(spec.device),
     )
-    model = reference_for(cfg)(cfg, weights, dtype=spec.act_dtype)
+    model = _reference(cfg, weights, spec)
     nbytes = sum(t.nbytes for t in tensors.values())
     log.info(
         "rank %d of %d: loaded %d tensors (%.1f MB) onto %s%s, %.1f s after start",
@@ -267,18 +268,21 @@ def _npu_ops(device: str) -> Any:
 
 
 def local_model(
-    artifact: str | Path, *, device: str = "cpu", subpools: int = 1, dtype: str | None = None
-) -> Any:
+    artifact: str | Path, *, device: str = "cpu", subpools: int = 1, dtype: str | None = None,
+    kv_cache: str | None = None,
+) -> Any:  # fmt: skip
     """The whole artifact on one rank of this process, run through its quantized ops (W8A8
     activation quantization included): the family's reference forward (``references.py``) whose ``forward`` maps tokens
     [T] to float32 logits [T, vocab]."""
-    from ..forward.references import reference_for
     from ..loading.loader import open_artifact
     from ..parallel.layout import ParallelLayout
     from .collectives import rank_device
     from .rank import RankWeights
 
-    spec = RunSpec(str(artifact), (0,), device=device, subpools=subpools, dtype=dtype)
+    spec = RunSpec(
+        str(artifact), (0,), device=device, subpools=subpools, dtype=dtype, kv_cache=kv_cache
+    )
+    _check_kv_cache(spec, open_artifact(artifact).cfg)
     art = open_artifact(artifact)
     layout = ParallelLayout()
     cfg = art.cfg
@@ -287,4 +291,25 @@ def local_model(
     weights = RankWeights(
         tensors, art.placement, layout, backend=device, pool=pool, npu_ops=_npu_ops(device)
     )
-    return reference_for(cfg)(cfg, weights, dtype=spec.act_dtype)
+    return _reference(cfg, weights, spec)
+
+
+def _check_kv_cache(spec: RunSpec, cfg: Any) -> None:
+    """Refuse a KV-cache emulation the family's reference forward does not take."""
+    from ..forward.kv_cache import kv_cache
+    from ..forward.references import reference_for
+
+    kv_cache(spec.kv_cache)  # a known name
+    takes = reference_for(cfg).kv_caches
+    if spec.kv_cache is not None and spec.kv_cache not in takes:
+        raise HetquantError(f"--kv-cache {spec.kv_cache}: the {cfg.family.name} forward emulates "
+                            f"{', '.join(takes) or 'no KV cache'}; leave it out")  # fmt: skip
+
+
+def _reference(cfg: Any, weights: Any, spec: RunSpec) -> Any:
+    """The family's reference forward over ``weights`` in the spec's activation dtype (and KV-cache
+    emulation, when one is named)."""
+    from ..forward.references import reference_for
+
+    extra = {} if spec.kv_cache is None else {"kv_cache": spec.kv_cache}
+    return reference_for(cfg)(cfg, weights, dtype=spec.act_dtype, **extra)

@@ -21,6 +21,13 @@ REFUSED. vLLM 0.32 CPU does build V4 (``vllm/models/deepseek_v4/__init__.py:34-3
    ``attention.py:106-122``, ``cpu/cpu_sparse.py:401-426``), so its greedy tokens would not be
    expected to equal ``hetquant run``'s (float KV) bit for bit.
 
+Superseded (2026-11-28, branch v4vllm): ``make_tiny.py --dims vllm`` builds the tiny V4 at the
+dimensions vLLM's CPU kernels take (item 2; its config carries item 1's keys), and
+``tests/runtime/vllm/test_vllm_deepseek_v4.py`` serves it: stock vLLM 0.32 then fails at the first
+request on two more defects (Triton kernels without a CPU backend; a tile-scheduler dict without
+``c1a``; ``tests/runtime/vllm/v4_driver.py`` names the lines), which its driver works around; item
+3 is ``hetquant run --kv-cache fp8_ds_mla``.
+
 ``hetquant run`` on the same artifact and prompt, for comparison: 276, 52, 535, 85, 456, 239,
 199, 535.
 """

@@ -278,3 +278,11 @@ def test_eval_same_config_other_index_warns_and_runs(cli, arts, tmp_path: Path) 
     assert read_json(json_out)["kl"] == 0.0  # the bf16 artifact is its source, exactly
     same = cli("eval", arts["bf16"], "--reference", TINY, *args)
     assert same.exit_code == 0 and _errors(same) == []
+
+
+def test_a_kv_cache_the_family_does_not_emulate_is_one_line(cli, arts) -> None:
+    res = cli("run", arts["bf16"], "--tokens", "5,17", "--kv-cache", "fp8_ds_mla")
+    assert res.exit_code == 2
+    assert _errors(res) == [
+        "error: --kv-cache fp8_ds_mla: the deepseek_v3 forward emulates no KV cache; leave it out"
+    ]

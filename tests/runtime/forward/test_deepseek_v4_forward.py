@@ -96,6 +96,20 @@ def test_matches_transformers(variant: str, tiny_v4: dict[str, Path], tmp_path: 
     assert float(theirs.std()) > 0.1
 
 
+def test_vllm_dims_match_transformers(tiny_v4_vllm: dict[str, Path]) -> None:
+    """The generator's ``--dims vllm`` variant (head_dim 512, rope 64, index_head_dim 128: what
+    vLLM's CPU build serves) through the reference forward equals transformers too, from either
+    layout (DeepSeek's FP8 / FP4 source dequantized exactly holds the same model)."""
+    theirs = _hf_logits(tiny_v4_vllm["transformers"])
+    assert float(theirs.std()) > 0.1
+    for layout, root in tiny_v4_vllm.items():
+        cfg, state = _state(root)
+        assert (cfg.head_dim, cfg.index_head_dim) == (512, 128)
+        model = DeepseekV4Reference(cfg, DenseWeights(state, cfg.family))
+        diff = float((model.forward(torch.tensor(TOKENS)) - theirs).abs().max())
+        assert diff <= 4 * _k_max(cfg) * U * float(theirs.abs().max()), f"{layout}: {diff:.3g}"
+
+
 def test_every_attention_path_contributes(tiny_v4: dict[str, Path]) -> None:
     """Perturbing a path's weights moves exactly the positions that path reaches: the HCA
     compressor from position 127 on (its first entry closes there), the indexer's scoring once a
