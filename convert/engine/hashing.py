@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +29,9 @@ from typing import Any
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST, DigestAlgorithm, Hasher
 
 from ..fs.os_errors import naming
-from ..fs.writeback import WritebackQueue
 from ..planning.containers import Container
 from ..planning.plan import Job, Plan
+from .hash_pool import HashPool
 from .manifest import cores, hash_threads
 
 __all__ = ["FileHashes", "fill_order", "hash_threads"]
@@ -98,7 +96,7 @@ def _work_left(f: _File) -> bool:
     return f.hashed < f.ready or (f.ready == f.size and f.digest is None)
 
 
-class FileHashes:
+class FileHashes(HashPool):
     """Hashes of ``plan``'s containers in ``work`` (see the module docstring): ``threads`` files
     at once, each file's hash on up to ``per_file`` threads (default: every core)."""
 
@@ -111,23 +109,8 @@ class FileHashes:
         self._bulk = False  # after the jobs: large reads, each spread over the hasher's pool
         self._where = _where(plan)
         self._files = {f.name: _File(work / f.name, f.size, len(f.header)) for f in plan.files}
-        self._writeback = WritebackQueue({name: f.path for name, f in self._files.items()})
-        self._lock = threading.Lock()
-        self._threads = threads
-        self._pool: ThreadPoolExecutor | None = None
-        self._queued: list[_File] = []
-        self._futures: list[Future[None]] = []
+        super().__init__({n: f.path for n, f in self._files.items()}, threads, "hetquant-hash")
         self._stopping = False
-
-    def start(self) -> None:
-        """Start hashing (after worker processes are forked: no thread may run during a fork)."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="hetquant-hash")
-            self._writeback.start()
-            queued, self._queued = self._queued, []
-            for f in queued:
-                self._futures.append(self._pool.submit(self._drain, f))
 
     def written(self, job: Job) -> None:
         """``job``'s bytes are in their files: hash what is now a complete prefix."""
@@ -139,11 +122,6 @@ class FileHashes:
                 while f.ready in f.pending:
                     f.ready = f.pending.pop(f.ready)
                 self._kick(f)
-
-    def writeback_stats(self) -> dict[str, float]:
-        """Seconds the write-back thread spent in its calls, and GB it handed over."""
-        wb = self._writeback
-        return {"writeback_busy_s": wb.busy_s, "writeback_gb": wb.handed / 1e9}
 
     def hashed_bytes(self) -> int:
         """Bytes hashed so far, every file together."""
@@ -159,22 +137,14 @@ class FileHashes:
                 f.pending.clear()
                 f.ready = f.size
                 self._kick(f)
-        while True:
-            with self._lock:
-                futures, self._futures = self._futures, []
-            if not futures:
-                break
-            for fut in futures:
-                fut.result()  # an OSError of a hashing thread is raised here
+        self._wait()
         self.close()
         return {name: f.digest for name, f in self._files.items()}  # type: ignore[misc]
 
     def close(self) -> None:
         """Stop the threads (an error or a signal: what is queued is dropped) and close files."""
         self._stopping = True  # a running drain stops after its current read
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        self._writeback.close()
+        self._shutdown()
         for f in self._files.values():
             if f.fd is not None:
                 os.close(f.fd)
@@ -184,10 +154,10 @@ class FileHashes:
         if f.running or not _work_left(f):
             return
         f.running = True
-        if self._pool is None:
-            self._queued.append(f)
-        else:
-            self._futures.append(self._pool.submit(self._drain, f))
+        self._submit(f)
+
+    def _task(self, item: Any) -> None:
+        self._drain(item)
 
     def _drain(self, f: _File) -> None:
         """Hash ``f`` up to its complete prefix, as long as that grows; fsync it when whole."""

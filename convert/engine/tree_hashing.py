@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,8 @@ from hetquant.formats.blake3_tree import TreeDigest
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST
 
 from ..fs.os_errors import naming
-from ..fs.writeback import WritebackQueue
 from ..planning.plan import Job, Plan
+from .hash_pool import HashPool
 from .hashing import FileHashes, _ranges, _where
 
 __all__ = ["TreeHashes", "container_hashes"]
@@ -57,7 +56,7 @@ class _File:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class TreeHashes:
+class TreeHashes(HashPool):
     """BLAKE3 digests of ``plan``'s containers in ``work`` (module docstring), hashed on
     ``threads`` threads; the interface of :class:`~.hashing.FileHashes`."""
 
@@ -66,41 +65,15 @@ class TreeHashes:
     def __init__(self, plan: Plan, work: Path, threads: int) -> None:
         self._where = _where(plan)
         self._files = {f.name: _File(work / f.name, f.size, len(f.header)) for f in plan.files}
-        self._writeback = WritebackQueue({n: f.path for n, f in self._files.items()})
-        self._threads = max(1, threads)
-        self._pool: ThreadPoolExecutor | None = None
-        self._queued: list[tuple[str, int, int]] = [
-            (n, 0, f.header) for n, f in self._files.items() if f.header
-        ]
-        self._futures: list[Future[None]] = []
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        """Start hashing (after worker processes are forked: no thread may run during a fork)."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="hetquant-tree")
-            self._writeback.start()
-            queued, self._queued = self._queued, []
-            for item in queued:
-                self._futures.append(self._pool.submit(self._add, *item))
+        super().__init__({n: f.path for n, f in self._files.items()}, threads, "hetquant-tree")
+        self._queued = [(n, 0, f.header) for n, f in self._files.items() if f.header]
 
     def written(self, job: Job) -> None:
         """``job``'s bytes are in their files: hash the tree nodes inside them."""
         with self._lock:
             for name, start, end in _ranges(job, self._where):
                 self._writeback.add(name, start, end)
-                if self._pool is None:
-                    self._queued.append((name, start, end))
-                else:
-                    self._futures.append(self._pool.submit(self._add, name, start, end))
-
-    def writeback_stats(self) -> dict[str, float]:
-        """Seconds the write-back thread spent in its calls, and GB it handed over."""
-        return {
-            "writeback_busy_s": self._writeback.busy_s,
-            "writeback_gb": self._writeback.handed / 1e9,
-        }
+                self._submit((name, start, end))
 
     def hashed_bytes(self) -> int:
         return sum(f.tree.hashed for f in self._files.values() if f.tree is not None)
@@ -118,24 +91,15 @@ class TreeHashes:
 
     def close(self) -> None:
         """Stop the threads (what is queued is dropped) and close the files."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-        self._writeback.close()
+        self._shutdown()
         for f in self._files.values():
             f.tree = None
             if f.fd is not None:
                 os.close(f.fd)
                 f.fd = None
 
-    def _wait(self) -> None:
-        while True:
-            with self._lock:
-                futures, self._futures = self._futures, []
-            if not futures:
-                return
-            for fut in futures:
-                fut.result()  # an OSError of a hashing thread is raised here
+    def _task(self, item: tuple[str, int, int]) -> None:
+        self._add(*item)
 
     def _open(self, f: _File) -> TreeDigest:
         with f.lock:
