@@ -1,5 +1,7 @@
 """Pieces written through shared memory maps (convert/engine/writer.py) are the bytes ``pwrite`` gives;
-a kernel that cannot populate falls back to ``pwrite``; a full file system is ENOSPC, not SIGBUS."""
+a kernel that cannot populate falls back to ``pwrite``; a full file system is ENOSPC, not SIGBUS.
+The maps are the default on tmpfs only (``fs/mounts.py``): the tests here that need them where
+``tmp_path`` is a disk force them with ``HETQUANT_WRITE=mmap``."""
 
 from __future__ import annotations
 
@@ -34,7 +36,12 @@ def _write(f: SafetensorsFile, work: Path, mapped: bool) -> PieceWriter:
     return w
 
 
-def test_mapped_stores_equal_pwrite(tmp_path: Path) -> None:
+@pytest.fixture
+def maps(monkeypatch) -> None:
+    monkeypatch.setenv(writer.WRITE_ENV, "mmap")
+
+
+def test_mapped_stores_equal_pwrite(tmp_path: Path, maps) -> None:
     f = _file()
     (tmp_path / "m").mkdir()
     (tmp_path / "p").mkdir()
@@ -45,11 +52,12 @@ def test_mapped_stores_equal_pwrite(tmp_path: Path) -> None:
     assert (tmp_path / "m" / f.name).read_bytes() == (tmp_path / "p" / f.name).read_bytes()
 
 
-def test_a_kernel_that_cannot_populate_falls_back_to_pwrite(tmp_path: Path, monkeypatch) -> None:
+def test_a_kernel_that_cannot_populate_falls_back_to_pwrite(tmp_path: Path, monkeypatch, maps) -> None:  # fmt: skip
     monkeypatch.setattr(writer, "_MADV_POPULATE_WRITE", 12345)  # EINVAL, as before Linux 5.14
     f = _file()
     (tmp_path / "m").mkdir()
     (tmp_path / "p").mkdir()
+    assert PieceWriter([f], tmp_path, mapped=True).mapped  # maps until the populate fails
     w = _write(f, tmp_path / "m", mapped=True)
     assert not w.mapped
     w.close()
@@ -57,7 +65,7 @@ def test_a_kernel_that_cannot_populate_falls_back_to_pwrite(tmp_path: Path, monk
     assert (tmp_path / "m" / f.name).read_bytes() == (tmp_path / "p" / f.name).read_bytes()
 
 
-def test_a_full_tmpfs_is_enospc_not_sigbus(tmp_path: Path) -> None:
+def test_a_full_tmpfs_is_enospc_not_sigbus(tmp_path: Path, maps) -> None:
     f = _file(8 << 20)
     with tmpfs(tmp_path / "small", "2m") as small:
         f.create(small / f.name)  # sized, not reserved, on tmpfs
@@ -68,3 +76,18 @@ def test_a_full_tmpfs_is_enospc_not_sigbus(tmp_path: Path) -> None:
             assert e.value.errno == errno.ENOSPC
         finally:
             w.close()
+
+
+@pytest.mark.parametrize("recipe", ["ascend-hybrid", "bf16"])
+def test_workers_writing_through_maps_or_pwrite_give_the_same_artifact(cli, tiny_ro: Path, tmp_path: Path, monkeypatch, recipe: str) -> None:  # fmt: skip
+    """Two forked workers, each way of writing (the tmpfs default and the disk default)."""
+    outs = {}
+    for way in ("mmap", "pwrite"):
+        monkeypatch.setenv(writer.WRITE_ENV, way)
+        outs[way] = tmp_path / way
+        res = cli("convert", tiny_ro, outs[way], "--recipe", recipe, "--workers", "2")
+        assert res.exit_code == 0, res.stderr
+    files = sorted(p.relative_to(outs["mmap"]) for p in outs["mmap"].rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(outs["pwrite"]) for p in outs["pwrite"].rglob("*") if p.is_file())  # fmt: skip
+    for rel in files:  # the manifests too: the same digests
+        assert (outs["mmap"] / rel).read_bytes() == (outs["pwrite"] / rel).read_bytes(), rel

@@ -78,6 +78,7 @@ def test_out_of_memory_mapping_a_container_names_it(
     cli, tiny_ro: Path, tmp_path: Path, monkeypatch
 ) -> None:
     monkeypatch.setattr(writer.mmap, "mmap", _NoSharedMaps)
+    monkeypatch.setenv(writer.WRITE_ENV, "mmap")  # the maps are the default on tmpfs only
     out = tmp_path / "out"
     res = cli("convert", tiny_ro, out, *BF16, "--workers", "2")
     assert res.exit_code == 2 and res.exception is None, res.stderr
