@@ -34,6 +34,7 @@ from ..forward.moe import routed_experts
 from ..kernels.ops import QuantLinear
 from ..loading.loader import Artifact
 from ..parallel.placement import place
+from .names import VllmNames
 from .sources import Source, expect, shared_format, take
 
 __all__ = ["MOE_METHODS", "POOL", "CpuPoolMoEMethod", "StoredExpertsMoEMethod", "moe_method"]
@@ -92,11 +93,14 @@ class StoredExpertsMoEMethod(_NoKernelMoE):
 
 
 class CpuPoolMoEMethod(_NoKernelMoE):
-    """A hybrid's routed experts of MoE layer ``layer_no``, in our CPU expert pool."""
+    """A hybrid's routed experts of MoE layer ``layer_no``, in our CPU expert pool, on vLLM's
+    routing (its router's ``topk_ids`` / ``topk_weights``, the routed scaling in the weights:
+    DeepSeek-V4's hash layers and sqrtsoftplus top-k included) and vLLM's SwiGLU clip
+    (``RoutedExperts.swiglu_limit``, DeepSeek-V4's ``swiglu_limit``; None: no clip)."""
 
-    def __init__(self, moe: Any, layer_no: int, prefix: str) -> None:
+    def __init__(self, moe: Any, layer_no: int, prefix: str, limit: float | None = None) -> None:
         super().__init__(moe)
-        self.layer_no, self.prefix = layer_no, prefix
+        self.layer_no, self.prefix, self.limit = layer_no, prefix, limit
         self._check_parallel(prefix)
 
     def create_weights(self, layer: Any, num_experts: int, *args: Any, **kwargs: Any) -> None:
@@ -120,7 +124,8 @@ class CpuPoolMoEMethod(_NoKernelMoE):
     ) -> torch.Tensor:
         if self.moe.moe_parallel_config.tp_rank != 0:
             return torch.zeros_like(x)  # rank 0 computes the layer; the all-reduce adds zeros
-        return getattr(layer, POOL).forward(self.layer_no, x, topk_ids, topk_weights)
+        pool = getattr(layer, POOL)
+        return pool.forward(self.layer_no, x, topk_ids, topk_weights, limit=self.limit)
 
 
 MoEFactory = Callable[[Any, Sequence[Source], str], FusedMoEMethodBase]
@@ -134,18 +139,25 @@ MOE_METHODS: dict[str, MoEFactory] = {"bf16": _vllm_unquantized}
 """Stored expert format → method factory, where one other than ours serves it."""
 
 
-def moe_method(art: Artifact, prefix: str, moe: Any, kernels: str = "vllm") -> FusedMoEMethodBase:
+def moe_method(
+    art: Artifact, prefix: str, layer: Any, kernels: str = "vllm", names: VllmNames | None = None
+) -> FusedMoEMethodBase:
     """The method of vLLM's ``RoutedExperts`` layer ``prefix`` (``model.layers.N.mlp.experts``);
-    ``kernels`` (``served.KERNELS``): ``vllm`` takes ``MOE_METHODS``, ``hetquant`` ours."""
+    ``kernels`` (``served.KERNELS``): ``vllm`` takes ``MOE_METHODS``, ``hetquant`` ours;
+    ``names``: vLLM's module names against the artifact's (DeepSeek-V4's differ)."""
+    moe = layer.moe_config
     sources = [
         Source(info.prefix, info.fmt.name, info.fmt.params)
         for info in art.modules.values()
         if info.prefix.startswith(f"{prefix}.") and info.fmt is not None
     ]
-    layer_no = place(f"{prefix}.0.down_proj", art.cfg.family).layer
+    layer_no = names.experts_layer(prefix) if names is not None else None
+    if layer_no is None:  # stored under vLLM's own names (DeepSeek-V3, Qwen3)
+        layer_no = place(f"{prefix}.0.down_proj", art.cfg.family).layer
     if not sources:
         if layer_no in art.cpu_expert_files:
-            return CpuPoolMoEMethod(moe, int(layer_no), prefix)
+            limit = getattr(layer, "swiglu_limit", None)
+            return CpuPoolMoEMethod(moe, int(layer_no), prefix, limit)
         raise HetquantError(f"{prefix}: the artifact stores no routed experts for this layer")
     factory: MoEFactory = StoredExpertsMoEMethod  # ours takes each projection's own params
     if (fmt := shared_format(sources)) is not None and kernels == "vllm":

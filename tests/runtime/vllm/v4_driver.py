@@ -1,7 +1,9 @@
 """Run in the vLLM venv's python: DeepSeek-V4 through vLLM 0.32's CPU build, which cannot serve
 it as shipped. ``python v4_driver.py SPEC.json OUT.json``; SPEC: ``{"prompts", "max_tokens",
-"model", "workarounds": bool, "keys": PATH}``; OUT: ``{"tokens", "logprobs", "seconds"}`` or
-``{"error": "Type: message"}``, and ``"cache": PATH`` when ``keys`` was given.
+"model", "workarounds": bool, "keys": PATH, "plugin": bool}`` (``plugin``: through
+``--quantization hetquant --load-format hetquant``; bfloat16 either way: q must be bf16); OUT:
+``{"tokens", "logprobs", "seconds"}`` or ``{"error": "Type: message"}``, and ``"cache": PATH``
+when ``keys`` was given.
 
 Two defects of vLLM 0.32's CPU V4 stop every request (``workarounds: false`` shows them):
 
@@ -89,7 +91,7 @@ def main() -> None:
     if spec.get("keys"):
         out["cache"] = spec["keys"] + ".cache"
         cache_rows(spec["keys"], out["cache"])
-    case = {"model": spec["model"], "plugin": False, "dtype": "bfloat16"}  # q must be bf16
+    case = {"model": spec["model"], "plugin": spec.get("plugin", False), "dtype": "bfloat16"}
     t0 = time.perf_counter()
     try:
         out |= run_case(case, spec["prompts"], spec["max_tokens"])
