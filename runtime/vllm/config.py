@@ -10,8 +10,9 @@ other engines; ``override_quantization_method`` keeps ``--quantization hetquant`
 
 ``get_quant_method(layer, prefix)`` maps a vLLM layer to the stored modules it stands for (a fused
 layer such as ``gate_up_proj`` to ``gate_proj`` + ``up_proj``, through the model's
-``packed_modules_mapping``) and picks a method from the registries in ``linear.py`` and
-``moe.py`` by their stored format.
+``packed_modules_mapping``; vLLM's names turned into the artifact's through the model's
+``hf_to_vllm_mapper``, which vLLM hands us in ``apply_vllm_mapper``: ``names.py``) and picks a
+method from the registries in ``linear.py`` and ``moe.py`` by their stored format.
 """
 
 from __future__ import annotations

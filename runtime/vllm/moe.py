@@ -1,5 +1,6 @@
 """MoE methods for ``--quantization hetquant``: the routed experts of one layer, given vLLM's
-routing (DeepSeek-V3's grouped sigmoid top-k, Qwen3's softmax top-k: vLLM's router decides).
+routing (DeepSeek-V3's grouped sigmoid top-k, Qwen3's softmax top-k, DeepSeek-V4's token→expert
+table and sqrtsoftplus top-k: vLLM's router decides).
 
 ``FusedMoEMethodBase.apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)``
 (``vllm/model_executor/layers/fused_moe/fused_moe_method_base.py:143``) is called by
@@ -14,7 +15,14 @@ Which method, by where and how the layer's experts are stored (``MOE_METHODS`` b
 - root part, any other format (ascend-w8a8's W8A8_DYNAMIC, ...): :class:`StoredExpertsMoEMethod`,
   one ``QuantLinear`` per expert projection and ``runtime.forward.moe.routed_experts``;
 - ``cpu_experts/`` (ascend-hybrid): :class:`CpuPoolMoEMethod`, the layer in our
-  ``CpuExpertPool``, computed on TP rank 0 (the other ranks add zeros), as ``hetquant run`` does.
+  ``CpuExpertPool``, computed on TP rank 0 (the other ranks add zeros), as ``hetquant run`` does,
+  with vLLM's SwiGLU clip (``RoutedExperts.swiglu_limit``).
+
+vLLM's experts module (``model.layers.N.ffn.experts`` for DeepSeek-V4) is found in the artifact
+through ``names.VllmNames`` (the model's ``hf_to_vllm_mapper`` over the role table's experts
+module), else by the family's own names (DeepSeek-V3, Qwen3). :class:`StoredExpertsMoEMethod`
+names the projections V3's way (``gate_proj`` / ``up_proj`` / ``down_proj``): DeepSeek-V4's
+root-stored experts (``w1`` / ``w3`` / ``w2``) are not served by it yet.
 """
 
 from __future__ import annotations
