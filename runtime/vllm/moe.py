@@ -20,9 +20,8 @@ Which method, by where and how the layer's experts are stored (``MOE_METHODS`` b
 
 vLLM's experts module (``model.layers.N.ffn.experts`` for DeepSeek-V4) is found in the artifact
 through ``names.VllmNames`` (the model's ``hf_to_vllm_mapper`` over the role table's experts
-module), else by the family's own names (DeepSeek-V3, Qwen3). :class:`StoredExpertsMoEMethod`
-names the projections V3's way (``gate_proj`` / ``up_proj`` / ``down_proj``): DeepSeek-V4's
-root-stored experts (``w1`` / ``w3`` / ``w2``) are not served by it yet.
+module), else by the family's own names (DeepSeek-V3, Qwen3); :class:`StoredExpertsMoEMethod`
+names each expert's projections by the family's role table (V4's ``w1`` / ``w3`` / ``w2``).
 """
 
 from __future__ import annotations
@@ -64,12 +63,21 @@ class _NoKernelMoE(FusedMoEMethodBase):
             )
 
 
-class StoredExpertsMoEMethod(_NoKernelMoE):
-    """Routed experts stored in the root part in a quantized format, run through our ops."""
+Modules = Callable[[int], Sequence[str]]  # expert e → its stored (gate, up, down) module names
 
-    def __init__(self, moe: Any, sources: Sequence[Source], prefix: str) -> None:
+
+class StoredExpertsMoEMethod(_NoKernelMoE):
+    """Routed experts stored in the root part in a quantized format, run through our ops;
+    ``modules``: each expert's stored projections (the family's role table), ``limit``: vLLM's
+    SwiGLU clip."""
+
+    def __init__(
+        self, moe: Any, sources: Sequence[Source], prefix: str, modules: Modules,
+        limit: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(moe)
         self.sources, self.prefix = tuple(sources), prefix
+        self.modules, self.limit = modules, limit
         self._check_parallel(prefix)
 
     def create_weights(self, layer: Any, num_experts: int, *args: Any, **kwargs: Any) -> None:
@@ -78,7 +86,7 @@ class StoredExpertsMoEMethod(_NoKernelMoE):
     def process_weights_after_loading(self, layer: Any) -> None:
         tensors = take(layer, self.prefix)
         layer.hetquant_ops = {
-            s.prefix[len(self.prefix) + 1 :]: QuantLinear.from_stored(
+            s.prefix: QuantLinear.from_stored(
                 str(s.fmt), tensors[s.prefix], backend="cpu", params=s.params
             )
             for s in self.sources
@@ -94,9 +102,8 @@ class StoredExpertsMoEMethod(_NoKernelMoE):
         shared_experts_input: torch.Tensor | None,
     ) -> torch.Tensor:
         ops = layer.hetquant_ops
-        names = ("gate_proj", "up_proj", "down_proj")
         return routed_experts(
-            lambda m, h: ops[m](h), lambda e: [f"{e}.{n}" for n in names], x, topk_ids, topk_weights
+            lambda m, h: ops[m](h), self.modules, x, topk_ids, topk_weights, self.limit
         )
 
 
@@ -136,10 +143,10 @@ class CpuPoolMoEMethod(_NoKernelMoE):
         return pool.forward(self.layer_no, x, topk_ids, topk_weights, limit=self.limit)
 
 
-MoEFactory = Callable[[Any, Sequence[Source], str], FusedMoEMethodBase]
+MoEFactory = Callable[..., FusedMoEMethodBase]  # (moe, sources, prefix, modules, limit)
 
 
-def _vllm_unquantized(moe: Any, sources: Sequence[Source], prefix: str) -> FusedMoEMethodBase:
+def _vllm_unquantized(moe: Any, sources: Sequence[Source], prefix: str, *_: Any) -> Any:
     return UnquantizedFusedMoEMethod(moe)  # vLLM loads it from our tensors (loader.py)
 
 
@@ -153,21 +160,27 @@ def moe_method(
     """The method of vLLM's ``RoutedExperts`` layer ``prefix`` (``model.layers.N.mlp.experts``);
     ``kernels`` (``served.KERNELS``): ``vllm`` takes ``MOE_METHODS``, ``hetquant`` ours;
     ``names``: vLLM's module names against the artifact's (DeepSeek-V4's differ)."""
-    moe = layer.moe_config
+    moe, family = layer.moe_config, art.cfg.family
+    limit = getattr(layer, "swiglu_limit", None)
+    layer_no = names.experts_layer(prefix) if names is not None else None
+    if layer_no is None:  # stored under vLLM's own names (DeepSeek-V3, Qwen3)
+        layer_no = place(f"{prefix}.0.down_proj", family).layer
+    stored = family.stacked_experts(int(layer_no)) if layer_no is not None else None
+    under = stored or prefix  # the artifact's experts module (V4: ``layers.N.ffn.experts``)
     sources = [
         Source(info.prefix, info.fmt.name, info.fmt.params)
         for info in art.modules.values()
-        if info.prefix.startswith(f"{prefix}.") and info.fmt is not None
+        if info.prefix.startswith(f"{under}.") and info.fmt is not None
     ]
-    layer_no = names.experts_layer(prefix) if names is not None else None
-    if layer_no is None:  # stored under vLLM's own names (DeepSeek-V3, Qwen3)
-        layer_no = place(f"{prefix}.0.down_proj", art.cfg.family).layer
     if not sources:
         if layer_no in art.cpu_expert_files:
-            limit = getattr(layer, "swiglu_limit", None)
             return CpuPoolMoEMethod(moe, int(layer_no), prefix, limit)
         raise HetquantError(f"{prefix}: the artifact stores no routed experts for this layer")
+
+    def modules(e: int) -> tuple[str, ...]:
+        return family.mlp_modules("routed", int(layer_no), e)
+
     factory: MoEFactory = StoredExpertsMoEMethod  # ours takes each projection's own params
     if (fmt := shared_format(sources)) is not None and kernels == "vllm":
         factory = MOE_METHODS.get(fmt, StoredExpertsMoEMethod)
-    return factory(moe, sources, prefix)
+    return factory(moe, sources, prefix, modules, limit)
