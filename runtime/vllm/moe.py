@@ -146,7 +146,7 @@ class CpuPoolMoEMethod(_NoKernelMoE):
 MoEFactory = Callable[..., FusedMoEMethodBase]  # (moe, sources, prefix, modules, limit)
 
 
-def _vllm_unquantized(moe: Any, sources: Sequence[Source], prefix: str, *_: Any) -> Any:
+def _vllm_unquantized(moe: Any, *_: Any) -> FusedMoEMethodBase:
     return UnquantizedFusedMoEMethod(moe)  # vLLM loads it from our tensors (loader.py)
 
 
