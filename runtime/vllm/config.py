@@ -10,8 +10,9 @@ other engines; ``override_quantization_method`` keeps ``--quantization hetquant`
 
 ``get_quant_method(layer, prefix)`` maps a vLLM layer to the stored modules it stands for (a fused
 layer such as ``gate_up_proj`` to ``gate_proj`` + ``up_proj``, through the model's
-``packed_modules_mapping``) and picks a method from the registries in ``linear.py`` and
-``moe.py`` by their stored format.
+``packed_modules_mapping``; vLLM's names turned into the artifact's through the model's
+``hf_to_vllm_mapper``, which vLLM hands us in ``apply_vllm_mapper``: ``names.py``) and picks a
+method from the registries in ``linear.py`` and ``moe.py`` by their stored format.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from hetquant.formats import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME
 
 from ..loading.loader import Artifact
-from .linear import linear_method
+from .linear import DENSE_READ_ROLES, linear_method
 from .moe import moe_method
+from .names import VllmNames
 from .served import NAME, kernel_choice, open_served
 from .sources import Source, layer_sources
 
@@ -46,9 +48,22 @@ class HetquantConfig(QuantizationConfig):
         self.model_dir: str | None = None
         self.kernels = "vllm"  # served.KERNELS; read from the environment with the artifact
         self._artifact: Artifact | None = None  # opened once per process: vLLM pickles us
+        self._mapper: Any = None  # the model's hf_to_vllm_mapper (its renames), if it has one
+        self._names: VllmNames | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_artifact": None}
+        return {**self.__dict__, "_artifact": None, "_names": None}
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        self._mapper, self._names = hf_to_vllm_mapper, None
+
+    @property
+    def names(self) -> VllmNames:
+        """vLLM's module names against the artifact's (``names.py``)."""
+        if self._names is None:
+            rename = self._mapper.map_name if self._mapper is not None else None
+            self._names = VllmNames(self.artifact, rename)
+        return self._names
 
     @property
     def artifact(self) -> Artifact:
@@ -91,10 +106,23 @@ class HetquantConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
-            return linear_method(self._sources(prefix), prefix, self.kernels)
+            sources = self._sources(prefix)
+            return linear_method(sources, prefix, self.kernels, self._dense_read(sources))
         if isinstance(layer, RoutedExperts):
-            return moe_method(self.artifact, prefix, layer.moe_config, self.kernels)
+            return moe_method(self.artifact, prefix, layer, self.kernels, self.names)
         return None
 
+    def _dense_read(self, sources: tuple[Source, ...]) -> bool:
+        """Whether vLLM reads this layer's weight itself (``linear.DENSE_READ_ROLES``)."""
+        family = self.artifact.cfg.family
+        roles = DENSE_READ_ROLES.get(family.name, frozenset())
+        return any(
+            (loc := family.locate(s.prefix)) is not None and loc.role is not None
+            and loc.role.name in roles
+            for s in sources
+        )  # fmt: skip
+
     def _sources(self, prefix: str) -> tuple[Source, ...]:
-        return layer_sources(self.artifact, prefix, self.packed_modules_mapping)
+        art, names = self.artifact, self.names
+        rename = lambda m: names.stored(m, art.modules)  # noqa: E731
+        return layer_sources(art, prefix, self.packed_modules_mapping, rename)

@@ -33,10 +33,14 @@ from ..kernels.ops import QuantLinear
 from .sources import Source, expect, shared_format, take
 
 __all__ = [
+    "DENSE_READ",
+    "DENSE_READ_ROLES",
     "LINEAR_METHODS",
     "ByActivationDtype",
+    "DenseReadLinearMethod",
     "HetquantLinearMethod",
     "VllmInt8DynamicMethod",
+    "dense_weight",
     "linear_method",
 ]
 
@@ -99,6 +103,45 @@ class HetquantLinearMethod(LinearMethodBase):
         ys = [op(x) for op in layer.hetquant_ops]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y if bias is None else y + bias
+
+
+class DenseReadLinearMethod(HetquantLinearMethod):
+    """A layer whose ``weight`` vLLM's model reads itself, not through ``apply``: DeepSeek-V4's
+    ``wo_a`` on the CPU, which vLLM dequantizes to bfloat16 for its grouped ``bmm_cpu``
+    (``models/deepseek_v4/cpu/cpu_sparse.py:108-145`` ``_dequant_linear_weight``, wrapped around
+    the quant method's ``process_weights_after_loading`` at ``:308-335``, then freed). vLLM does
+    that for its own FP8 blocks; for ours the loader puts the stored weight, dequantized
+    (:func:`dense_weight`), in ``layer.weight`` before that hook reads it. So vLLM runs the layer
+    on bfloat16 weights and activations: our W8A8 ``wo_a``'s weight rounding is kept, its
+    per-token activation quantization is not (``apply`` still runs our kernel, for any caller)."""
+
+    def create_weights(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().create_weights(layer, *args, **kwargs)
+        setattr(layer, DENSE_READ, True)
+
+
+DENSE_READ = "hetquant_dense_read"  # layer attribute: the loader fills ``weight`` (dense_weight)
+
+
+def dense_weight(layer: torch.nn.Module, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+    """``layer.weight`` [sum(outs), k] from its stored parts, each dequantized by applying our
+    kernel to the identity (what vLLM's ``get_and_maybe_dequant_weights`` does), in the layer's
+    dtype; ``tensors`` stay the loader's, for ``process_weights_after_loading``."""
+    method = layer.quant_method
+    outs, k = layer.hetquant_shape
+    eye = torch.eye(k, dtype=torch.float32)
+    rows = []
+    for src in method.sources:
+        op = QuantLinear.from_stored(src.fmt, tensors[src.prefix], backend="cpu", params=src.params)
+        rows.append(op(eye).to(torch.float32).T)
+    dense = torch.cat(rows)
+    if dense.shape != (sum(outs), k):
+        raise HetquantError(
+            f"{method.prefix}: the stored weight is {list(dense.shape)}, vLLM's layer wants "
+            f"[{sum(outs)}, {k}]"
+        )
+    dtype = layer.weight.dtype
+    layer.register_buffer("weight", dense.to(dtype).contiguous(), persistent=False)
 
 
 LinearFactory = Callable[[Sequence[Source], str], LinearMethodBase]
@@ -220,17 +263,25 @@ LINEAR_METHODS: dict[str, LinearFactory] = {
 """Format → method factory, where one other than ours serves it (vLLM's own kernels)."""
 
 
+DENSE_READ_ROLES: dict[str, frozenset[str]] = {"deepseek_v4": frozenset({"o_a"})}
+"""Model family → the roles (formats/families/) whose weight vLLM's model reads itself
+(:class:`DenseReadLinearMethod`)."""
+
+
 def linear_method(
-    sources: Sequence[Source], prefix: str, kernels: str = "vllm"
+    sources: Sequence[Source], prefix: str, kernels: str = "vllm", dense_read: bool = False
 ) -> LinearMethodBase:
     """The method of the vLLM linear layer ``prefix`` whose stored parts are ``sources``;
-    ``kernels`` (``served.KERNELS``): ``vllm`` takes ``LINEAR_METHODS``, ``hetquant`` ours."""
+    ``kernels`` (``served.KERNELS``): ``vllm`` takes ``LINEAR_METHODS``, ``hetquant`` ours;
+    ``dense_read``: vLLM reads the layer's weight itself (``DENSE_READ_ROLES``)."""
     stored = [s for s in sources if s.stored]
     if not stored:  # a layer the artifact does not store: the loader's fill check names it
         return UnquantizedLinearMethod()
     if len(stored) != len(sources):
         missing = [s.prefix for s in sources if not s.stored]
         raise HetquantError(f"{prefix}: the artifact does not store {', '.join(missing)}")
+    if dense_read and shared_format(sources) != "bf16":
+        return DenseReadLinearMethod(sources, prefix)
     factory = HetquantLinearMethod
     if (fmt := shared_format(sources)) is not None and kernels == "vllm":
         factory = LINEAR_METHODS.get(fmt, HetquantLinearMethod)

@@ -42,6 +42,7 @@ from hetquant.formats import HetquantError
 
 from ..loading.loader import Artifact
 from ..parallel.layout import ParallelLayout
+from .linear import DENSE_READ, dense_weight
 from .moe import POOL
 from .served import NAME, open_served
 from .sources import SOURCES, TENSORS
@@ -115,6 +116,10 @@ def _give_hetquant_layers(model: nn.Module, by_module: dict[str, dict[str, torch
                     by_module[src.prefix] = {"bias": local.pop("bias")}
                 getattr(layer, TENSORS)[src.prefix] = local
             # a missing one is named by the method's process_weights_after_loading
+        if getattr(layer, DENSE_READ, False) and len(getattr(layer, TENSORS)) == len(
+            getattr(layer, SOURCES)
+        ):
+            dense_weight(layer, getattr(layer, TENSORS))  # before vLLM's own hook reads it
 
 
 def _give_pool(model: nn.Module, art: Artifact) -> None:
@@ -171,4 +176,4 @@ def _has_nan(p: torch.Tensor) -> bool:
 def _rest(by_module: dict[str, dict[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     for prefix, local in by_module.items():
         for key, t in local.items():
-            yield f"{prefix}.{key}", t
+            yield (f"{prefix}.{key}" if prefix else key), t  # DeepSeek-V4's ``hc_head_fn``

@@ -1,5 +1,6 @@
 """MoE methods for ``--quantization hetquant``: the routed experts of one layer, given vLLM's
-routing (DeepSeek-V3's grouped sigmoid top-k, Qwen3's softmax top-k: vLLM's router decides).
+routing (DeepSeek-V3's grouped sigmoid top-k, Qwen3's softmax top-k, DeepSeek-V4's token→expert
+table and sqrtsoftplus top-k: vLLM's router decides).
 
 ``FusedMoEMethodBase.apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)``
 (``vllm/model_executor/layers/fused_moe/fused_moe_method_base.py:143``) is called by
@@ -14,7 +15,13 @@ Which method, by where and how the layer's experts are stored (``MOE_METHODS`` b
 - root part, any other format (ascend-w8a8's W8A8_DYNAMIC, ...): :class:`StoredExpertsMoEMethod`,
   one ``QuantLinear`` per expert projection and ``runtime.forward.moe.routed_experts``;
 - ``cpu_experts/`` (ascend-hybrid): :class:`CpuPoolMoEMethod`, the layer in our
-  ``CpuExpertPool``, computed on TP rank 0 (the other ranks add zeros), as ``hetquant run`` does.
+  ``CpuExpertPool``, computed on TP rank 0 (the other ranks add zeros), as ``hetquant run`` does,
+  with vLLM's SwiGLU clip (``RoutedExperts.swiglu_limit``).
+
+vLLM's experts module (``model.layers.N.ffn.experts`` for DeepSeek-V4) is found in the artifact
+through ``names.VllmNames`` (the model's ``hf_to_vllm_mapper`` over the role table's experts
+module), else by the family's own names (DeepSeek-V3, Qwen3); :class:`StoredExpertsMoEMethod`
+names each expert's projections by the family's role table (V4's ``w1`` / ``w3`` / ``w2``).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from ..forward.moe import routed_experts
 from ..kernels.ops import QuantLinear
 from ..loading.loader import Artifact
 from ..parallel.placement import place
+from .names import VllmNames
 from .sources import Source, expect, shared_format, take
 
 __all__ = ["MOE_METHODS", "POOL", "CpuPoolMoEMethod", "StoredExpertsMoEMethod", "moe_method"]
@@ -55,12 +63,21 @@ class _NoKernelMoE(FusedMoEMethodBase):
             )
 
 
-class StoredExpertsMoEMethod(_NoKernelMoE):
-    """Routed experts stored in the root part in a quantized format, run through our ops."""
+Modules = Callable[[int], Sequence[str]]  # expert e → its stored (gate, up, down) module names
 
-    def __init__(self, moe: Any, sources: Sequence[Source], prefix: str) -> None:
+
+class StoredExpertsMoEMethod(_NoKernelMoE):
+    """Routed experts stored in the root part in a quantized format, run through our ops;
+    ``modules``: each expert's stored projections (the family's role table), ``limit``: vLLM's
+    SwiGLU clip."""
+
+    def __init__(
+        self, moe: Any, sources: Sequence[Source], prefix: str, modules: Modules,
+        limit: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(moe)
         self.sources, self.prefix = tuple(sources), prefix
+        self.modules, self.limit = modules, limit
         self._check_parallel(prefix)
 
     def create_weights(self, layer: Any, num_experts: int, *args: Any, **kwargs: Any) -> None:
@@ -69,7 +86,7 @@ class StoredExpertsMoEMethod(_NoKernelMoE):
     def process_weights_after_loading(self, layer: Any) -> None:
         tensors = take(layer, self.prefix)
         layer.hetquant_ops = {
-            s.prefix[len(self.prefix) + 1 :]: QuantLinear.from_stored(
+            s.prefix: QuantLinear.from_stored(
                 str(s.fmt), tensors[s.prefix], backend="cpu", params=s.params
             )
             for s in self.sources
@@ -85,18 +102,20 @@ class StoredExpertsMoEMethod(_NoKernelMoE):
         shared_experts_input: torch.Tensor | None,
     ) -> torch.Tensor:
         ops = layer.hetquant_ops
-        names = ("gate_proj", "up_proj", "down_proj")
         return routed_experts(
-            lambda m, h: ops[m](h), lambda e: [f"{e}.{n}" for n in names], x, topk_ids, topk_weights
+            lambda m, h: ops[m](h), self.modules, x, topk_ids, topk_weights, self.limit
         )
 
 
 class CpuPoolMoEMethod(_NoKernelMoE):
-    """A hybrid's routed experts of MoE layer ``layer_no``, in our CPU expert pool."""
+    """A hybrid's routed experts of MoE layer ``layer_no``, in our CPU expert pool, on vLLM's
+    routing (its router's ``topk_ids`` / ``topk_weights``, the routed scaling in the weights:
+    DeepSeek-V4's hash layers and sqrtsoftplus top-k included) and vLLM's SwiGLU clip
+    (``RoutedExperts.swiglu_limit``, DeepSeek-V4's ``swiglu_limit``; None: no clip)."""
 
-    def __init__(self, moe: Any, layer_no: int, prefix: str) -> None:
+    def __init__(self, moe: Any, layer_no: int, prefix: str, limit: float | None = None) -> None:
         super().__init__(moe)
-        self.layer_no, self.prefix = layer_no, prefix
+        self.layer_no, self.prefix, self.limit = layer_no, prefix, limit
         self._check_parallel(prefix)
 
     def create_weights(self, layer: Any, num_experts: int, *args: Any, **kwargs: Any) -> None:
@@ -120,13 +139,14 @@ class CpuPoolMoEMethod(_NoKernelMoE):
     ) -> torch.Tensor:
         if self.moe.moe_parallel_config.tp_rank != 0:
             return torch.zeros_like(x)  # rank 0 computes the layer; the all-reduce adds zeros
-        return getattr(layer, POOL).forward(self.layer_no, x, topk_ids, topk_weights)
+        pool = getattr(layer, POOL)
+        return pool.forward(self.layer_no, x, topk_ids, topk_weights, limit=self.limit)
 
 
-MoEFactory = Callable[[Any, Sequence[Source], str], FusedMoEMethodBase]
+MoEFactory = Callable[..., FusedMoEMethodBase]  # (moe, sources, prefix, modules, limit)
 
 
-def _vllm_unquantized(moe: Any, sources: Sequence[Source], prefix: str) -> FusedMoEMethodBase:
+def _vllm_unquantized(moe: Any, *_: Any) -> FusedMoEMethodBase:
     return UnquantizedFusedMoEMethod(moe)  # vLLM loads it from our tensors (loader.py)
 
 
@@ -134,20 +154,33 @@ MOE_METHODS: dict[str, MoEFactory] = {"bf16": _vllm_unquantized}
 """Stored expert format → method factory, where one other than ours serves it."""
 
 
-def moe_method(art: Artifact, prefix: str, moe: Any, kernels: str = "vllm") -> FusedMoEMethodBase:
+def moe_method(
+    art: Artifact, prefix: str, layer: Any, kernels: str = "vllm", names: VllmNames | None = None
+) -> FusedMoEMethodBase:
     """The method of vLLM's ``RoutedExperts`` layer ``prefix`` (``model.layers.N.mlp.experts``);
-    ``kernels`` (``served.KERNELS``): ``vllm`` takes ``MOE_METHODS``, ``hetquant`` ours."""
+    ``kernels`` (``served.KERNELS``): ``vllm`` takes ``MOE_METHODS``, ``hetquant`` ours;
+    ``names``: vLLM's module names against the artifact's (DeepSeek-V4's differ)."""
+    moe, family = layer.moe_config, art.cfg.family
+    limit = getattr(layer, "swiglu_limit", None)
+    layer_no = names.experts_layer(prefix) if names is not None else None
+    if layer_no is None:  # stored under vLLM's own names (DeepSeek-V3, Qwen3)
+        layer_no = place(f"{prefix}.0.down_proj", family).layer
+    stored = family.stacked_experts(int(layer_no)) if layer_no is not None else None
+    under = stored or prefix  # the artifact's experts module (V4: ``layers.N.ffn.experts``)
     sources = [
         Source(info.prefix, info.fmt.name, info.fmt.params)
         for info in art.modules.values()
-        if info.prefix.startswith(f"{prefix}.") and info.fmt is not None
+        if info.prefix.startswith(f"{under}.") and info.fmt is not None
     ]
-    layer_no = place(f"{prefix}.0.down_proj", art.cfg.family).layer
     if not sources:
         if layer_no in art.cpu_expert_files:
-            return CpuPoolMoEMethod(moe, int(layer_no), prefix)
+            return CpuPoolMoEMethod(moe, int(layer_no), prefix, limit)
         raise HetquantError(f"{prefix}: the artifact stores no routed experts for this layer")
+
+    def modules(e: int) -> tuple[str, ...]:
+        return family.mlp_modules("routed", int(layer_no), e)
+
     factory: MoEFactory = StoredExpertsMoEMethod  # ours takes each projection's own params
     if (fmt := shared_format(sources)) is not None and kernels == "vllm":
         factory = MOE_METHODS.get(fmt, StoredExpertsMoEMethod)
-    return factory(moe, sources, prefix)
+    return factory(moe, sources, prefix, modules, limit)

@@ -10,7 +10,7 @@ layer's output is its parts' outputs concatenated, in that order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +35,18 @@ class Source:
 
 
 def layer_sources(
-    art: Artifact, prefix: str, packed: Mapping[str, Sequence[str]]
+    art: Artifact,
+    prefix: str,
+    packed: Mapping[str, Sequence[str]],
+    stored_name: Callable[[str], str] = lambda m: m,
 ) -> tuple[Source, ...]:
-    """The stored modules behind the vLLM layer ``prefix``, in output order."""
+    """The stored modules behind the vLLM layer ``prefix``, in output order; ``stored_name``
+    turns a vLLM module name into the artifact's (``names.VllmNames.stored``)."""
     parent, _, name = prefix.rpartition(".")
     parts = packed.get(name) or _merged_parts(art, parent, name) or [name]
     out = []
     for part in parts:
-        stored = f"{parent}.{part}" if parent else part
+        stored = stored_name(f"{parent}.{part}" if parent else part)
         info = art.modules.get(stored)
         fmt = info.fmt if info is not None else None
         out.append(Source(stored, fmt.name if fmt else None, fmt.params if fmt else {}))

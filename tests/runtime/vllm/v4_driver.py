@@ -1,7 +1,9 @@
 """Run in the vLLM venv's python: DeepSeek-V4 through vLLM 0.32's CPU build, which cannot serve
 it as shipped. ``python v4_driver.py SPEC.json OUT.json``; SPEC: ``{"prompts", "max_tokens",
-"model", "workarounds": bool, "keys": PATH}``; OUT: ``{"tokens", "logprobs", "seconds"}`` or
-``{"error": "Type: message"}``, and ``"cache": PATH`` when ``keys`` was given.
+"model", "workarounds": bool, "keys": PATH, "plugin": bool}`` (``plugin``: through
+``--quantization hetquant --load-format hetquant``; bfloat16 either way: q must be bf16); OUT:
+``{"tokens", "logprobs", "seconds"}`` or ``{"error": "Type: message"}``, and ``"cache": PATH``
+when ``keys`` was given; ``"routing": PATH`` when ``routing`` (a count) was given.
 
 Two defects of vLLM 0.32's CPU V4 stop every request (``workarounds: false`` shows them):
 
@@ -57,6 +59,39 @@ def _workarounds() -> None:
     cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler = no_tiles
 
 
+def capture_routing(limit: int) -> list[dict]:
+    """The first ``limit`` calls of the plugin's ``CpuPoolMoEMethod.apply`` (a hybrid's routed
+    experts): the MoE layer, the token ids vLLM's ``DeepseekV4MoE.forward`` got (its hash layers
+    route by them), x, vLLM's ``topk_ids`` / ``topk_weights``, the SwiGLU clip the method passes
+    the pool, and the method's output; filled in while the engine runs in this process."""
+    from vllm.models.deepseek_v4.cpu import model as v4
+
+    from hetquant.runtime.vllm import moe
+
+    calls: list[dict] = []
+    seen: dict = {}
+    forward, apply = v4.DeepseekV4MoE.forward, moe.CpuPoolMoEMethod.apply
+
+    def moe_forward(self, hidden_states, input_ids=None):  # type: ignore[no-untyped-def]
+        seen["ids"] = input_ids
+        return forward(self, hidden_states, input_ids)
+
+    def pool_apply(self, layer, x, topk_weights, topk_ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = apply(self, layer, x, topk_weights, topk_ids, *args, **kwargs)
+        if len(calls) < limit:
+            ids = seen.get("ids")
+            calls.append({
+                "layer": self.layer_no, "tokens": None if ids is None else ids.clone(),
+                "x": x.clone(), "topk_ids": topk_ids.clone(), "topk_weights": topk_weights.clone(),
+                "limit": self.limit, "out": out.clone(),
+            })  # fmt: skip
+        return out
+
+    v4.DeepseekV4MoE.forward = moe_forward
+    moe.CpuPoolMoEMethod.apply = pool_apply
+    return calls
+
+
 def cache_rows(keys_path: str, out_path: str) -> None:
     """The ``keys`` check of the module docstring."""
     import torch
@@ -89,13 +124,19 @@ def main() -> None:
     if spec.get("keys"):
         out["cache"] = spec["keys"] + ".cache"
         cache_rows(spec["keys"], out["cache"])
-    case = {"model": spec["model"], "plugin": False, "dtype": "bfloat16"}  # q must be bf16
+    calls = capture_routing(spec["routing"]) if spec.get("routing") else None
+    case = {"model": spec["model"], "plugin": spec.get("plugin", False), "dtype": "bfloat16"}
     t0 = time.perf_counter()
     try:
         out |= run_case(case, spec["prompts"], spec["max_tokens"])
     except Exception as e:  # the engine's failure, reported to the test
         out["error"] = f"{type(e).__name__}: {e}"
         out["seconds"] = time.perf_counter() - t0
+    if calls is not None:
+        import torch
+
+        out["routing"] = sys.argv[2] + ".routing.pt"
+        torch.save(calls, out["routing"])
     with open(sys.argv[2], "w") as f:
         json.dump(out, f)
 
