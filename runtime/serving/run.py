@@ -282,8 +282,10 @@ def local_model(
     spec = RunSpec(
         str(artifact), (0,), device=device, subpools=subpools, dtype=dtype, kv_cache=kv_cache
     )
-    _check_kv_cache(spec, open_artifact(artifact).cfg)
-    art = open_artifact(artifact)
+    art = open_artifact(
+        artifact
+    )  # headers and config parsed once (tests/runtime/parallel/test_placement.py)
+    _check_kv_cache(spec, art.cfg)
     layout = ParallelLayout()
     cfg = art.cfg
     tensors = art.load(layout, device=rank_device(device, 0, 0, None))
