@@ -65,9 +65,9 @@ decisions:
   ``TIE_RTOL`` relative.
 
 Ties between float32 weight roundings (a quantizer's own arithmetic) are elementwise and exact on
-every path. ``tests/calib/test_reproducible.py`` runs the calibrated recipes under ATen's
-``default`` / ``avx2`` / ``avx512`` kernels, MKL's AVX2 and SSE4.2 kernels and 1 or 2 threads and
-requires the same bytes. An accelerator computes in BF16 matmuls (``matmul_dtype``; errors and
+every path. ``tests/convert/test_golden_artifacts.py`` (``OTHER_CPUS``) runs the calibrated
+recipes under ATen's ``default`` / ``avx2`` / ``avx512`` kernels, MKL's AVX2 and SSE4.2 kernels
+and 1 or 2 threads and requires the same bytes. An accelerator computes in BF16 matmuls (``matmul_dtype``; errors and
 losses in float32) and gives other transforms: ``calibrate``'s ``stats`` says where it ran.
 
 Where the code lives (this module re-exports it all): the quantizer seam and the W4A16 fast

@@ -5,9 +5,9 @@
 * :func:`fp8_absmax_array`: ``max |W|`` of a block-FP8 weight as those rows would give it
   (``fp8_block.absmax_dequantized``: a column max of the codes per block row, then one
   dequantized value per column), NaN codes refused;
-* :func:`w8a8_rows`: W8A8 per-row int8 (``w8a8_npu._weight_tensors``);
+* :func:`w8a8_rows`: W8A8 per-row int8 (``w8a8_npu_rows.weight_tensors``);
 * :func:`int4_rows`: CPU INT4 per-row codes and scales, optionally of two row blocks interleaved
-  (``int4_cpu._quantize_rows`` without clip search; gate/up rows of ``quantize_expert``).
+  (``int4_cpu_rows.quantize_rows`` without clip search; gate/up rows of ``quantize_expert``).
 
 They live in the library of :mod:`._quant_native` (``_rows_native.cpp`` is compiled after
 ``_quant_native.cpp``, sharing its helpers and its run-time choice of instruction path), so the

@@ -1,7 +1,7 @@
 """A/B of the grouped INT4 GEMV: a baseline tree's grouped kernel against this tree's, with the
 per-channel kernel as the yardstick, in one process (``gemv_group_ab.cpp``).
 
-Both trees' kernel translation units (``int4_gemv._CPP_PARTS``) are compiled as the runtime
+Both trees' kernel translation units (``int4_gemv_native._CPP_PARTS``) are compiled as the runtime
 compiles them (``formats.native.DEFAULT_FLAGS``, without ``-shared -fPIC``), their C entry points
 renamed, and linked into one driver. For each configuration (shape, working set, tokens,
 precision, instruction path; one thread) the three kernels run interleaved, repeat by repeat,
