@@ -120,13 +120,19 @@ def test_vllm_within_bf16_distance_of_hetquant_run(served: dict, record_property
     """Teacher-forced on vLLM's greedy tokens: every token's logprob within TF_TOL of ours with
     the emulated cache, closer on average than without it; argmax agreement printed (free-running
     greedy, measured once: 15, 4, 16 and 7 of 16 tokens equal per prompt)."""
-    got, art = served["patched"], served["art"]
+    got = served["patched"]
     assert "error" not in got, got.get("error")
+    check_teacher_forced(served["art"], got, "V4", record_property)
+
+
+def check_teacher_forced(art: Path, got: dict, what: str, record_property) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's greedy tokens ``got`` teacher-forced through ``hetquant run`` of ``art``: every
+    token's logprob within TF_TOL with the emulated cache, closer on average than without it."""
     (emulated, agree), (plain, _) = (_teacher_forced(art, got, kv) for kv in ("fp8_ds_mla", None))
     mean = [sum(d) / len(d) for d in (emulated, plain)]
     record_property("teacher_forced", {"max": max(emulated), "mean": mean, "agree": agree})
-    print(f"\nV4 through vLLM, teacher-forced against hetquant run --kv-cache fp8_ds_mla: argmax "
-          f"equal at {agree} of {len(emulated)} tokens; |Δlogprob| max {max(emulated):.4f}, mean "
-          f"{mean[0]:.4f} (without the emulation {mean[1]:.4f})")  # fmt: skip
+    print(f"\n{what} through vLLM, teacher-forced against hetquant run --kv-cache fp8_ds_mla: "
+          f"argmax equal at {agree} of {len(emulated)} tokens; |Δlogprob| max {max(emulated):.4f}, "
+          f"mean {mean[0]:.4f} (without the emulation {mean[1]:.4f})")  # fmt: skip
     assert max(emulated) <= TF_TOL
     assert mean[0] < mean[1]

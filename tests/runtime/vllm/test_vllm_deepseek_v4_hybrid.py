@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support import run_cli
-from test_vllm_deepseek_v4 import PROMPTS, STEPS, TF_TOL, _drive, _teacher_forced
+from test_vllm_deepseek_v4 import PROMPTS, STEPS, _drive, check_teacher_forced
 
 from hetquant.runtime import ParallelLayout, open_artifact
 
@@ -121,12 +121,4 @@ def test_hybrid_within_bf16_distance_of_hetquant_run(hybrid: dict, record_proper
     """Teacher-forced on vLLM's greedy tokens (``test_vllm_deepseek_v4.py``'s property): every
     token's logprob within TF_TOL of ``hetquant run --kv-cache fp8_ds_mla`` of the same hybrid
     artifact, closer on average than without the emulation; argmax agreement printed."""
-    got, art = hybrid["got"], hybrid["art"]
-    (emulated, agree), (plain, _) = (_teacher_forced(art, got, kv) for kv in ("fp8_ds_mla", None))
-    mean = [sum(d) / len(d) for d in (emulated, plain)]
-    record_property("teacher_forced", {"max": max(emulated), "mean": mean, "agree": agree})
-    print(f"\nV4 hybrid through vLLM + plugin, teacher-forced against hetquant run --kv-cache "
-          f"fp8_ds_mla: argmax equal at {agree} of {len(emulated)} tokens; |Δlogprob| max "
-          f"{max(emulated):.4f}, mean {mean[0]:.4f} (without the emulation {mean[1]:.4f})")  # fmt: skip
-    assert max(emulated) <= TF_TOL
-    assert mean[0] < mean[1]
+    check_teacher_forced(hybrid["art"], hybrid["got"], "V4 hybrid + plugin", record_property)
