@@ -97,14 +97,22 @@ HQ_INLINE float up_bf16(double x) {
   return as_f32(b);
 }
 
+// One code, clamped before it is rounded (the same integer: the bounds are integers and both
+// steps are monotone). F32 rows: the F64 quotient, std::nearbyint (half to even).
 template <typename T>
-HQ_INLINE double w8a8_quotient(const T* p, int64_t k, float s) {
-  return (double)(load(p, k) / s);  // BF16 rows: the F32 quotient
+HQ_INLINE int8_t w8a8_code(const T* p, int64_t k, float s) {
+  double t = (double)load(p, k) / (double)s;
+  t = t < -128.0 ? -128.0 : (t > 127.0 ? 127.0 : t);
+  return (int8_t)(int32_t)std::nearbyint(t);
 }
 
+// BF16 rows: the F32 quotient rounded in F32 (round_even is nearbyint for |t| <= 2^22), so the
+// loop stays in 16 float lanes per AVX-512 register, not 8 double ones (3.4x the time before).
 template <>
-HQ_INLINE double w8a8_quotient<float>(const float* p, int64_t k, float s) {
-  return (double)p[k] / (double)s;  // F32 rows: the F64 quotient
+HQ_INLINE int8_t w8a8_code<uint16_t>(const uint16_t* p, int64_t k, float s) {
+  float t = load(p, k) / s;
+  t = t < -128.0f ? -128.0f : (t > 127.0f ? 127.0f : t);
+  return (int8_t)(int32_t)round_even(t);
 }
 
 template <typename T>
@@ -118,11 +126,7 @@ HQ_INLINE int w8a8_rows(const T* w, int64_t R, int64_t K, int8_t* q, float* scal
     const float s = up_bf16(x);
     scale[r] = s;
     int8_t* o = q + r * K;
-    for (int64_t k = 0; k < K; ++k) {
-      double t = std::nearbyint(w8a8_quotient(p, k, s));  // half to even (default rounding)
-      t = t < -128.0 ? -128.0 : (t > 127.0 ? 127.0 : t);
-      o[k] = (int8_t)(int32_t)t;
-    }
+    for (int64_t k = 0; k < K; ++k) o[k] = w8a8_code(p, k, s);
   }
   return 0;
 }
