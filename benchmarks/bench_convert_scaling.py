@@ -60,6 +60,7 @@ RESULT = HERE / "results" / "bench_convert_scaling.json"
 RECIPES = ("ascend-hybrid", "ascend-w8a8", "awq-w4a16", "fp4")
 SERIAL_CORES = 1.5  # busy cores at or below which a sample counts as serial
 TIMINGS = re.compile(r"hetquant\.convert: timings (\{.*\})")
+STARTUP = re.compile(r"hetquant: start-up (\{.*\})")
 TARGETS = {
     "bf16_gbps_max": 2.0,
     "scaling_1_to_max": 10.0,
@@ -195,6 +196,11 @@ def _summarize(r: dict[str, Any], source_bytes: int, t_popen: float) -> dict[str
     if found:
         t = json.loads(found[-1])
         t["startup_s"] = round(t.pop("entered") - t_popen, 3)  # interpreter, imports, headers
+        if marks := STARTUP.findall(r.get("stderr", "")):  # the start-up's parts
+            m = json.loads(marks[-1])
+            t["imports_s"] = round(m["called"] - t_popen, 3)  # interpreter + imports + click
+            t["open_s"] = round(m["opened"] - m["called"], 3)  # headers, role table, checks
+            t["planning_s"] = round(m["planned"] - m["opened"], 3)
         t["prepare_s"] = round(t.pop("jobs_started") - t_popen - t["startup_s"] - t["plan_s"], 3)
         out["phases"] = t
     return out
@@ -229,7 +235,14 @@ def _measure(
 
 CONVERT_ARGS: list[str] = []  # --convert-args
 # Every C++ library a conversion loads, built (cached) before the timed runs.
-BUILD_KERNELS = "from hetquant.formats import _quant_native as q, blake3_tree as b; q.available(); b.available()"
+# the native kernels built, and hetquant's bytecode written the way a pip install writes it: with
+# PYTHONDONTWRITEBYTECODE set (the device machines set it) a checkout otherwise compiles every
+# module in every run, 0.5-0.7 s of "start-up" that no installed copy pays
+BUILD_KERNELS = (
+    "import compileall, importlib; from hetquant.formats import _quant_native as q, blake3_tree"
+    " as b; q.available(); b.available(); [compileall.compile_dir(importlib.import_module("
+    "'hetquant.' + m).__path__[0], quiet=1) for m in ('formats', 'convert', 'calib', 'runtime')]"
+)
 
 
 def _convert(src: Path, out: Path, recipe: str, workers: int) -> list[str]:

@@ -3,6 +3,7 @@ calibrate when asked, convert, report."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -181,6 +182,7 @@ def convert(
     token: str | None,
 ) -> None:
     """Convert SOURCE (a checkpoint directory or a Hub repo id org/name[@revision]) into OUTPUT."""
+    marks = {"called": time.time()}  # the start-up's parts, logged with -v (bench_convert_limit)
     from ..engine.calibration import calibrate_for, calibration_targets
     from ..engine.convert import convert as run_convert
     from ..engine.manifest import format_precision, precision_table
@@ -200,6 +202,7 @@ def convert(
     root, revision = resolve_source(source, download_dir, token)
     repo_id = parse_repo_spec(source)[0] if revision is not None else None
     src = SourceCheckpoint.open(root, revision, repo_id)
+    marks["opened"] = time.time()
     size = parse_size(max_shard_size)
     if calib_data is not None and not rec.calibrates:
         raise HetquantError(f"recipe {rec.name} does not calibrate; drop --calib-data")
@@ -208,6 +211,8 @@ def convert(
     if calib_device != "auto" and calib_data is None:
         raise HetquantError("--calib-device says where to calibrate: give --calib-data TEXT too")
     plan = plan_for(src, rec, size)  # headers only; refuses what the recipe cannot write
+    marks["planned"] = time.time()
+    log.debug("start-up %s", json.dumps(marks))
     if calib_data is not None:
         calibration_targets(plan)  # refuses what cannot be calibrated, before any work
     if dry_run:  # the plan from the headers alone: nothing calibrated, nothing written
