@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .errors import HetquantError
 from .safe_paths import open_binary
@@ -61,7 +64,7 @@ def parse_json(raw: bytes | str, origin: str) -> Any:
         ) from None
     except RecursionError:
         doc = _TOO_DEEP
-    if doc is _TOO_DEEP or _depth(doc) > MAX_DEPTH:
+    if doc is _TOO_DEEP or _depth(raw) > MAX_DEPTH:
         raise HetquantError(
             f"{origin}: JSON nested more than {MAX_DEPTH} levels deep; not a file hetquant "
             "wrote or reads — replace it"
@@ -69,16 +72,18 @@ def parse_json(raw: bytes | str, origin: str) -> Any:
     return doc
 
 
-def _depth(doc: Any) -> int:
-    """Levels of nested arrays and objects in ``doc`` (a scalar: 0), without recursion."""
-    deepest, stack = 0, [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if not isinstance(node, (dict, list)):
-            continue
-        deepest = max(deepest, depth)
-        if depth > MAX_DEPTH:
-            return depth
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return deepest
+# a JSON string: quote, runs of characters other than quote and backslash, escapes, quote
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))  # what bytes.translate deletes
+_STEP = np.zeros(256, np.int32)  # byte -> nesting step
+_STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
+
+
+def _depth(raw: bytes | str) -> int:
+    """Levels of nested arrays and objects in the valid JSON text ``raw`` (a scalar: 0): the
+    deepest running count of its brackets once its strings are gone, by a regex, a translate
+    and numpy — walking the parsed tree in Python took 0.25 s of DeepSeek-R1's 163 headers
+    (550,000 nodes); this takes 1 ms per 74 kB header."""
+    text = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    brackets = _STRING.sub(b"", text).translate(None, _NOT_BRACKET)
+    return int(_STEP[np.frombuffer(brackets, np.uint8)].cumsum().max(initial=0))
