@@ -18,7 +18,7 @@ from hetquant.formats.ct_pack_quantized import CtPackQuantized
 from hetquant.formats.ct_scheme import CT_METHOD, CtQuantConfig
 from hetquant.formats.families import ModelConfig, TensorRole, expected_tensors
 from hetquant.formats.fused_experts import unfuse
-from hetquant.formats.identify import identify, missing_partners, show_meta
+from hetquant.formats.identify import Identified, identify, missing_partners, show_meta
 from hetquant.formats.safetensors_io import HeaderEntry
 
 __all__ = ["PLAIN", "PREFERRED", "attach_roles"]
@@ -51,6 +51,7 @@ def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
         modules.setdefault(prefix, {})[key] = fe
     preferred = {f.name: f for f in (make(cfg) for make in PREFERRED)}
     schemes = _source_schemes(cfg)
+    seen: dict[frozenset[tuple[str, TensorMeta]], Identified | None] = {}  # _module's memo
     out: dict[str, Attached] = {}
     for name, role in expected.items():
         prefix, _, key = name.rpartition(".")
@@ -61,7 +62,7 @@ def attach_roles(cfg: ModelConfig, entries: Entries) -> dict[str, Attached]:
             }  # fmt: skip
             if schemes is not None:
                 schemes.check(prefix, role.role.kind, role.shape, members)
-            out[name] = _module(name, role, members, preferred)
+            out[name] = _module(name, role, members, preferred, seen)
             _check_group(out[name], prefix, schemes)
         else:
             out[name] = (role, {key: _plain(name, role, entries)}, None)
@@ -118,11 +119,24 @@ def _refuse_by_name(cfg: ModelConfig, entries: Entries, expected: Mapping[str, A
 
 
 def _module(
-    name: str, role: TensorRole, members: Entries, preferred: Mapping[str, WeightFormat]
+    name: str,
+    role: TensorRole,
+    members: Entries,
+    preferred: Mapping[str, WeightFormat],
+    seen: dict[frozenset[tuple[str, TensorMeta]], Identified | None],
 ) -> Attached:
+    """``name``'s module read as its format. ``seen`` memoizes ``identify`` by the module's
+    stored keys, dtypes and shapes — all it reads but the name its errors carry (a refusal is
+    never memoized, so every message names its own module): DeepSeek-R1's 45,872 modules have
+    a handful of signatures, and identifying each anew was a third of its plan's time."""
     prefix = name.rpartition(".")[0]
     metas = {k: e.meta for k, (_, e) in members.items()}
-    got = identify(metas, name=prefix, prefer=preferred.values()) if metas else None
+    signature = frozenset(metas.items())
+    if signature in seen:
+        got = seen[signature]
+    else:
+        got = identify(metas, name=prefix, prefer=preferred.values()) if metas else None
+        seen[signature] = got
     if got is None:
         weight = {name: members["weight"]} if "weight" in members else {}
         return role, {"weight": _plain(name, role, weight)}, None
