@@ -15,8 +15,11 @@ layer, one shard per layer (as DeepSeek's own checkpoint is cut), written to ``-
   sizes written once on the same storage (``pwrite`` of random bytes, one thread per file up to
   the cores, each file fsynced: the time includes the fsync); **wall / limit** (issue 30's
   target: limit ≥ 0.8 × wall, i.e. wall / limit ≤ 1.25);
-* the extrapolation to DeepSeek-R1 (688.6 GB of source): start-up + the rest × 688.6 GB /
-  source bytes; and fp4's jobs / awq-w4a16's jobs at each worker count.
+* the extrapolation to DeepSeek-R1 (688.6 GB of source): R1's own start-up + the rest × 688.6 GB /
+  source bytes, where R1's start-up (interpreter, imports, reading and checking its 163 headers,
+  planning its 91,991 tensors) is measured per recipe by ``--dry-run`` on the real layout
+  (``examples/deepseek-v3-layout``, data as sparse holes) — the one-layer source's start-up would
+  hide that it grows with the tensors; and fp4's jobs / awq-w4a16's jobs at each worker count.
 
 Prints a compact table and writes ``benchmarks/results/bench_convert_limit.json`` (``--json``).
 A smoke test here: ``--moe-layers 1 --experts 16 --workers 1 2``; on a 16-32 core host:
@@ -27,10 +30,12 @@ A smoke test here: ``--moe-layers 1 --experts 16 --workers 1 2``; on a 16-32 cor
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,7 +47,8 @@ sys.path.insert(0, str(HERE))
 import make_synthetic  # noqa: E402
 from _measure import machine_info, run_measured, warm_page_cache, write_result  # noqa: E402
 from bench_convert_bf16 import HETQUANT  # noqa: E402
-from bench_convert_scaling import BUILD_KERNELS, _summarize  # noqa: E402
+from bench_convert_scaling import BUILD_KERNELS, STARTUP, _summarize  # noqa: E402
+from dry_run_671b import load_make_layout  # noqa: E402
 
 RESULT = HERE / "results" / "bench_convert_limit.json"
 RECIPES = ("bf16", "ascend-hybrid", "ascend-w8a8", "awq-w4a16", "fp4")
@@ -121,7 +127,7 @@ def write_seconds(where: Path, sizes: list[int], threads: int) -> float:
     return dt
 
 
-def convert_once(src: Path, out: Path, recipe: str, workers: int, args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def convert_once(src: Path, out: Path, recipe: str, workers: int, args: argparse.Namespace, r1_start: float) -> dict[str, Any]:  # fmt: skip
     """One conversion measured, then the limit for its output measured on the same storage."""
     shutil.rmtree(out, ignore_errors=True)
     shards = sorted(src.glob("*.safetensors"))
@@ -139,7 +145,8 @@ def convert_once(src: Path, out: Path, recipe: str, workers: int, args: argparse
     warm_page_cache(shards)
     s["read_s"] = read_seconds(shards, args.threads)
     s["write_s"] = write_seconds(args.work / "limit", sizes, args.threads)
-    s.update(recipe=recipe, workers=workers, source_bytes=source_bytes, output_bytes=sum(sizes))
+    s.update(recipe=recipe, workers=workers, source_bytes=source_bytes, output_bytes=sum(sizes),
+             r1_startup_s=r1_start)  # fmt: skip
     return derive(s)
 
 
@@ -164,6 +171,15 @@ def disk_traffic(trace: list[tuple[float, float, float, float]], ph: dict[str, A
     }
 
 
+def r1_startup(layout: Path, recipe: str) -> float:
+    """Seconds from launch until DeepSeek-R1's plan is made (``--dry-run`` on its layout)."""
+    cmd = [sys.executable, "-c", HETQUANT, "-v", "convert", str(layout), str(layout.parent / "out"),
+           "--recipe", recipe, "--dry-run"]  # fmt: skip
+    t0 = time.time()
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(STARTUP.findall(res.stderr)[-1])["planned"] - t0
+
+
 def derive(s: dict[str, Any]) -> dict[str, Any]:
     """The figures of the table from one run's measurements."""
     ph = s.get("phases", {})
@@ -175,13 +191,15 @@ def derive(s: dict[str, Any]) -> dict[str, Any]:
     s["longest_phase_share"] = longest / s["wall_s"]
     startup = ph.get("startup_s", 0.0)
     scale = R1_SOURCE_BYTES / s["source_bytes"]
-    s["r1_extrapolated_s"] = startup + (s["wall_s"] - startup) * scale
+    r1_start = s.get("r1_startup_s", startup)
+    s["r1_extrapolated_s"] = r1_start + (s["wall_s"] - startup) * scale
+    s["r1_startup_share"] = r1_start / s["r1_extrapolated_s"]
     return s
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'recipe':<14}{'w':>4}{'wall':>8}{'jobs':>7}{'tail':>6}{'longest serial':>22}"
-            f"{'read+write':>12}{'wall/lim':>9}{'R1 (688.6 GB)':>15}")  # fmt: skip
+            f"{'read+write':>12}{'wall/lim':>9}{'R1 (688.6 GB)':>15}{'R1 start':>9}")  # fmt: skip
     lines = [head]
     for s in rows:
         ph = s.get("phases", {})
@@ -190,6 +208,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{ph.get('hash_tail_s', 0):>5.2f}s {s['longest_phase']:>11} {s['longest_phase_s']:5.2f}s"
             f" {100 * s['longest_phase_share']:3.0f}% {s['read_s']:5.2f}+{s['write_s']:<5.2f}"
             f"{s['wall_over_limit']:>8.2f} {s['r1_extrapolated_s'] / 60:>10.1f} min"
+            f" {100 * s['r1_startup_share']:5.1f}%"
         )
     return "\n".join(lines)
 
@@ -215,12 +234,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=RESULT)
     args = ap.parse_args()
     src = make_source(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        layout = load_make_layout().write_layout(Path(tmp) / "DeepSeek-R1")
+        r1_start = {r: min(r1_startup(layout, r) for _ in range(2)) for r in args.recipes}
+    print("DeepSeek-R1 start-up (s):", {r: round(v, 2) for r, v in r1_start.items()})
     rows = []
     for workers in args.workers:
         for recipe in args.recipes:
-            rows.append(
-                convert_once(src, args.work / f"{recipe}-w{workers}", recipe, workers, args)
-            )
+            out = args.work / f"{recipe}-w{workers}"
+            rows.append(convert_once(src, out, recipe, workers, args, r1_start[recipe]))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
             if "disk_gb_during_jobs" in rows[-1]:
                 print("   disk GB before/during/after jobs, peak dirty:",
