@@ -437,13 +437,13 @@ def test_build_is_cached_and_compile_errors_reported(monkeypatch, tmp_path) -> N
 
 @pytest.mark.parametrize(("k", "n"), [(64, 256), (128, 512), (192, 2048), (7168, 256)])
 def test_nvfp4_tile_is_the_torch_permutation(native: None, k: int, n: int) -> None:
-    """The C++ tile gather (nvfp4_ascend._tile) moves every byte where the 8-D permute does."""
-    from hetquant.formats.nvfp4_ascend import _tile, _tile_torch, _untile
+    """The C++ tile gather (nvfp4_ascend_tiles.tile) moves every byte where the 8-D permute does."""
+    from hetquant.formats.nvfp4_ascend_tiles import tile, tile_torch, untile
 
     kn = torch.randint(0, 256, (k, n // 2), generator=torch.Generator().manual_seed(k + n), dtype=torch.uint8)  # fmt: skip
     tiled = Q.nvfp4_tile(kn)
-    assert tiled is not None and torch.equal(tiled, _tile_torch(kn))
-    assert torch.equal(_tile(kn), tiled) and torch.equal(_untile(tiled), kn)
+    assert tiled is not None and torch.equal(tiled, tile_torch(kn))
+    assert torch.equal(tile(kn), tiled) and torch.equal(untile(tiled), kn)
     assert Q.nvfp4_tile(kn.T) is None and Q.nvfp4_tile(kn.to(torch.int16)) is None  # torch path
 
 
@@ -477,16 +477,16 @@ def test_scale_2_of_a_float_is_the_torch_value() -> None:
 
 @pytest.mark.parametrize("chunk", [32, 96, 256, 2048])
 def test_nvfp4_tile_into_chunks_is_the_whole_tiling(native: None, chunk: int) -> None:
-    """Chunks of byte columns placed one by one (the streamed tiled layout) give _tile's bytes;
+    """Chunks of byte columns placed one by one (the streamed tiled layout) give tile's bytes;
     columns not in whole 16-byte runs are declined, leaving the output untouched."""
-    from hetquant.formats.nvfp4_ascend import _tile_torch
+    from hetquant.formats.nvfp4_ascend_tiles import tile_torch
 
     k, nb = 128, 1024
     kn = torch.randint(0, 256, (k, nb), generator=torch.Generator().manual_seed(chunk), dtype=torch.uint8)  # fmt: skip
     out = torch.zeros_like(kn)
     for c in range(0, nb, chunk // 2):
         assert Q.nvfp4_tile_into(kn[:, c : c + chunk // 2].contiguous(), c, out)
-    assert torch.equal(out, _tile_torch(kn))
+    assert torch.equal(out, tile_torch(kn))
     untouched = torch.zeros_like(kn)
     assert not Q.nvfp4_tile_into(kn[:, 8:28].contiguous(), 8, untouched)
     assert not untouched.any()
