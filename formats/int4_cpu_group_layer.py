@@ -155,14 +155,8 @@ def quantize_expert(
             f"quantize_expert: gate {list(gate.shape)}, up {list(up.shape)}, down "
             f"{list(down.shape)}; expected gate = up = [I, H] and down = [H, I]"
         )
-    gu_packed, gu_scale = quantize_rows(interleave_rows(gate, up), group_size)
-    d_packed, d_scale = quantize_rows(down, group_size)
-    return {
-        "gate_up_packed": gu_packed,
-        "gate_up_scale": gu_scale,
-        "down_packed": d_packed,
-        "down_scale": d_scale,
-    }
+    gate_up = quantize_rows(interleave_rows(gate, up), group_size)  # (2I, H/2), (2I, H/g)
+    return dict(zip(LAYER_KEYS, (*gate_up, *quantize_rows(down, group_size)), strict=True))
 
 
 def check_subpools(inter: int, num_subpools: int, group_size: int) -> None:
