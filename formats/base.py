@@ -12,6 +12,9 @@ variants add (``optional_keys``), and ``from_stored(metas)`` — the exact inver
 gives back the variant and the weight shape from stored dtypes and shapes alone.
 ``identify.identify`` asks every registered format and returns the one match that covers the most
 keys; the source reader, the loader and the runtime ops all recognise a module's format through it.
+
+A format read as a conversion source (``source_rows`` and its kin) streams its dequantized rows;
+their defaults, the NaN/Inf checks and the row chunking live in ``formats/source_rows.py``.
 """
 
 from __future__ import annotations
@@ -27,15 +30,28 @@ from ._lazy import torch
 
 if TYPE_CHECKING:
     import numpy as np
-from ._quant_native import absmax, absmax_array
 from .dtypes import itemsize
 from .errors import HetquantError
+from .source_rows import (
+    all_finite,
+    check_finite,
+    default_source_absmax,
+    default_source_absmax_array,
+    default_source_dequantized,
+    default_source_rows,
+    float_row_step,
+    float_rows,
+)
 
 __all__ = [
     "FORMATS",
     "Streaming",
     "TensorMeta",
     "WeightFormat",
+    "all_finite",
+    "check_finite",
+    "float_row_step",
+    "float_rows",
     "get_format",
     "register",
     "stored_metas",
@@ -150,12 +166,7 @@ class WeightFormat(ABC):
     ) -> float:
         """``source_absmax`` over numpy arrays, without torch; only where ``native_source``.
         Default: the largest of :meth:`source_row_arrays`' rows (validated, BF16 bits)."""
-        best = 0.0
-        for _, rows in self.source_row_arrays(name, arrays, shape):
-            m = absmax_array(rows)
-            assert m is not None, f"{name}: source_row_arrays gave {rows.dtype} rows"
-            best = max(best, m)
-        return best
+        return default_source_absmax_array(self, name, arrays, shape)
 
     @property
     def params(self) -> dict[str, Any]:
@@ -181,43 +192,20 @@ class WeightFormat(ABC):
         every tensor made whole by ``shard_fixup``; otherwise the whole weight at once. A chunk
         holding NaN/Inf is refused.
         """
-        n, k = shape
-        step, row_keys = _row_step(self, shape)
-        for r in range(0, n, step):
-            part = tensors
-            if step < n:
-                part = {
-                    key: t[r : r + step] if key in row_keys else t for key, t in tensors.items()
-                }
-                part = self.shard_fixup(part, (r, min(r + step, n)), (0, k))
-            try:
-                rows = self.dequantize(part).to(torch.bfloat16)  # (r, in)
-            except HetquantError as e:
-                raise HetquantError(f"{name}: {e}") from None
-            check_finite(name, rows, "dequantized weight")
-            yield r, rows
+        yield from default_source_rows(self, name, tensors, shape)
 
     def source_dequantized(
         self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
     ) -> torch.Tensor:
         """The whole weight as :meth:`source_rows` gives it (BF16 [out, in], validated), on the
         device ``tensors`` are on; each chunk is copied into one output as it comes."""
-        out: torch.Tensor | None = None
-        for r, rows in self.source_rows(name, tensors, shape):
-            if r == 0 and rows.shape[0] == shape[0]:
-                return rows  # one chunk: no copy
-            if out is None:
-                out = torch.empty(shape, dtype=rows.dtype, device=rows.device)
-            out[r : r + rows.shape[0]].copy_(rows)
-        assert out is not None, f"{name}: source_rows gave no rows of {list(shape)}"
-        return out
+        return default_source_dequantized(self, name, tensors, shape)
 
     def source_absmax(
         self, name: str, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]
     ) -> float:
         """``max |W|`` of the source weight as :meth:`source_rows` gives it."""
-        rows = self.source_rows(name, tensors, shape)
-        return max((float(r.abs().amax()) for _, r in rows), default=0.0)
+        return default_source_absmax(self, name, tensors, shape)
 
     def shard_axes(self, shape: tuple[int, int]) -> dict[str, tuple[int | None, int | None]]:
         """How each stored tensor follows the weight's dims, for tensor-parallel slicing.
@@ -280,58 +268,6 @@ def stored_metas(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
     from .dtypes import st_dtype
 
     return {k: TensorMeta(st_dtype(t.dtype), tuple(t.shape)) for k, t in tensors.items()}
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN/Inf in ``t``: one NaN-propagating absmax, ~20x cheaper than ``isfinite().all()``
-    (the fused kernel where it applies: no ``|t|`` temporary)."""
-    if t.numel() == 0:
-        return True
-    amax = absmax(t)
-    return math.isfinite(float(t.abs().amax()) if amax is None else amax)
-
-
-def check_finite(name: str, t: torch.Tensor, what: str = "source") -> None:
-    """Refuse NaN/Inf in float tensor ``t`` (the count only computed to report it)."""
-    if t.is_floating_point() and t.element_size() > 1 and not all_finite(t):
-        bad = int((~torch.isfinite(t)).sum())
-        raise HetquantError(
-            f"{name}: {bad} NaN/Inf value(s) in the {what}; the checkpoint is corrupt"
-        )
-
-
-SOURCE_CHUNK_BYTES = 8 << 20  # BF16 bytes of one streamed source chunk
-
-
-def float_row_step(inp: int, itemsize: int) -> int:
-    """Rows of a float weight [out, ``inp``] in one chunk of about SOURCE_CHUNK_BYTES."""
-    return max(1, SOURCE_CHUNK_BYTES // max(1, inp * itemsize))
-
-
-def float_rows(name: str, w: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-    """A float weight [out, in] as stored, checked, in chunks of about SOURCE_CHUNK_BYTES."""
-    out, inp = w.shape
-    step = float_row_step(inp, w.element_size())
-    for r in range(0, out, step):
-        check_finite(name, w[r : r + step])
-        yield r, w[r : r + step]
-
-
-def _row_step(fmt: WeightFormat, shape: tuple[int, int]) -> tuple[int, frozenset[str]]:
-    """(rows per source chunk, keys sliced by rows): chunks where every stored tensor holds one
-    entry per weight row on dim 0 or none per row; otherwise one chunk of all rows."""
-    whole = (shape[0], frozenset())
-    try:
-        axes = fmt.shard_axes(shape)
-    except NotImplementedError:
-        return whole
-    stored = fmt.stored(shape)
-    if fmt.shard_view(shape) != {k: m.shape for k, m in stored.items()}:
-        return whole
-    rows = frozenset(k for k, ax in axes.items() if ax[0] is not None)
-    if any(axes[k][0] != 0 or stored[k].shape[0] != shape[0] for k in rows):
-        return whole
-    return max(1, SOURCE_CHUNK_BYTES // (2 * shape[1])), rows
 
 
 FORMATS: dict[str, WeightFormat] = {}

@@ -5,7 +5,7 @@ scales fit a target variant as they are (``holds``: None when they do, else why 
 them over without dequantizing (``repack``). A recipe whose target has a repack keeps
 quantization-aware-trained codes (Kimi K2 Thinking's compressed-tensors INT4, group 32) where the
 target holds them, and refuses to re-quantize them otherwise unless asked
-(``convert/recipes/quantized.py``); the converter repacks instead of re-quantizing when ``holds``
+(``convert/recipes/requantize.py``); the converter repacks instead of re-quantizing when ``holds``
 (``convert/engine/jobs.py``). ``formats/expert_repack.py`` is the same for stacked CPU expert layers.
 
 | source | target | holds when | how |

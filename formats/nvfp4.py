@@ -41,15 +41,16 @@ module); ``quantize(weight_amax=...)`` takes it and ``convert/planning/plan.py``
 input_scale * weight_scale_2). It needs calibration (``act_amax``) and is unused on Ascend, where
 activations stay BF16 (fp4.md §1.4, §2.2). So the default variant is weight-only (W4A16) and
 stores none; ``get_format("nvfp4", with_input_scale=True)`` adds it.
+The arithmetic (code and scale tables, scales, E2M1 rounding) lives in ``formats/nvfp4_codes.py``
+and ModelOpt's config files in ``formats/nvfp4_config.py``; this module holds the registered format
+and re-exports both.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import importlib.metadata
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -61,6 +62,24 @@ from .arrays import NotNative, native
 from .base import Streaming, TensorMeta, WeightFormat, register
 from .bits import pack_nibbles_u8, unpack_nibbles_u8
 from .errors import HetquantError
+from .nvfp4_codes import (
+    BLOCK,
+    E2M1_BOUNDS,
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MIN_SUBNORMAL,
+    FP8_E4M3_MAX,
+    block_scales_from_amax,
+    check_2d,
+    check_k,
+    e2m1_codes,
+    effective_scale,
+    magnitude_codes,
+    scale_2_from_amax,
+    scale_2_of,
+    scale_2_value,
+)
+from .nvfp4_config import hf_quant_config
 
 __all__ = [
     "BLOCK",
@@ -74,80 +93,7 @@ __all__ = [
     "hf_quant_config",
 ]
 
-BLOCK = 16  # inputs per E4M3 block scale
-FP8_E4M3_MAX = 448.0
-E4M3_MIN_SUBNORMAL = 2.0**-9
-E2M1_MAX = 6.0
-# Value of each 4-bit code: index = sign << 3 | magnitude index (ModelOpt ``e2m1_values``).
-_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_VALUES: tuple[float, ...] = _MAGNITUDES + tuple(-m for m in _MAGNITUDES)
-# Midpoints between neighbouring magnitudes; at these the tie goes to the even code.
-E2M1_BOUNDS: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_TIES_UP = (0.75, 1.75, 3.5)  # midpoints whose even neighbour is the larger one
-
 _SCALAR: tuple[int, ...] = ()
-try:
-    _HETQUANT_VERSION = importlib.metadata.version("hetquant")
-except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-    _HETQUANT_VERSION = "0+unknown"
-
-
-def _check_k(k: int) -> None:
-    if k % BLOCK:
-        raise HetquantError(
-            f"nvfp4: in_features {k} is not a multiple of the block size {BLOCK}; NVFP4 cannot "
-            "store this weight — keep it in another format (e.g. bf16)"
-        )
-
-
-def _check_2d(weight: torch.Tensor) -> None:
-    if weight.ndim != 2:
-        raise HetquantError(f"nvfp4.quantize: expected a 2-D weight, got {tuple(weight.shape)}")
-    _check_k(weight.shape[1])
-
-
-def _scale_2_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    s2 = amax.to(torch.float32) / (E2M1_MAX * FP8_E4M3_MAX)
-    return torch.where(s2 > 0, s2, torch.ones_like(s2))
-
-
-def _scale_2_value(amax: float) -> np.float32:
-    """:func:`_scale_2_from_amax` of a Python float by numpy scalars (one per streamed row
-    block: torch's ops cost ~0.4 ms each time): the same float32 rounding of ``amax`` and the
-    same float32 division, so the same value."""
-    s2 = np.float32(amax) / np.float32(E2M1_MAX * FP8_E4M3_MAX)
-    return s2 if s2 > 0 else np.float32(1.0)
-
-
-def _scale_2_of(amax: float) -> torch.Tensor:
-    """:func:`_scale_2_value` as a 0-d float32 tensor."""
-    return torch.tensor(_scale_2_value(amax), dtype=torch.float32)
-
-
-def _block_scales_from_amax(amax: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    sb = amax / (E2M1_MAX * s2)
-    sb = torch.where(sb == 0, torch.ones_like(sb), sb)
-    return sb.clamp(E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-
-
-def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """Round f32 ``y`` to the nearest E2M1 value (ties to even, saturating): uint8 codes 0..15."""
-    return _e2m1_codes(y.abs(), y < 0)
-
-
-def _e2m1_codes(mag: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-    """Codes from magnitudes and signs. The magnitude code is the number of decision bounds
-    ``mag`` passes; at a bound (a tie) the even code wins: bounds below an even code count when
-    reached (``>=``, the ``_TIES_UP``), the others only when passed (``>``)."""
-    idx = torch.zeros(mag.shape, dtype=torch.uint8)
-    for bound in E2M1_BOUNDS:
-        idx += (mag >= bound) if bound in _TIES_UP else (mag > bound)
-    return (negative.to(torch.uint8) << 3) | idx
-
-
-def _effective_scale(weight_scale: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    """f32(sb) * s2 in f32, [N, K/16]: the step of each block's grid."""
-    return weight_scale.to(torch.float32) * s2.to(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -183,7 +129,7 @@ class Nvfp4(WeightFormat):
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         n, k = shape
-        _check_k(k)
+        check_k(k)
         out = {
             "weight": TensorMeta("U8", (n, k // 2)),
             "weight_scale": TensorMeta("F8_E4M3", (n, k // BLOCK)),
@@ -201,7 +147,7 @@ class Nvfp4(WeightFormat):
         on the CPU go through the fused C++ kernel (``_quant_native``), others through torch;
         both give the same bytes.
         """
-        _check_2d(weight)
+        check_2d(weight)
         given = options.get("weight_amax")
         out = self._quantize_native(weight, given)
         if out is None:
@@ -227,7 +173,7 @@ class Nvfp4(WeightFormat):
             amax = native(_quant_native.absmax_array(rows), f"{self.name}: no absmax kernel")
         if not math.isfinite(amax):
             raise NotNative(f"{self.name}: NaN/Inf")  # the torch code names it
-        return _scale_2_value(amax)
+        return scale_2_value(amax)
 
     def _quantize_native(self, weight: torch.Tensor, given: Any) -> dict[str, torch.Tensor] | None:
         """:meth:`_quantize_torch` by the kernel; None where it does not apply or on NaN/Inf
@@ -236,9 +182,9 @@ class Nvfp4(WeightFormat):
             amax = _quant_native.absmax(weight)
             if amax is None or not math.isfinite(amax):
                 return None
-            s2 = _scale_2_of(amax)
+            s2 = scale_2_of(amax)
         else:
-            s2 = _scale_2_of(float(given))
+            s2 = scale_2_of(float(given))
         packed = _quant_native.nvfp4(weight, float(s2), self._K_MAJOR)
         if packed is None:
             return None
@@ -253,10 +199,10 @@ class Nvfp4(WeightFormat):
         amax = block_amax.amax()
         if not bool(torch.isfinite(amax)):  # NaN and Inf propagate through the max
             raise HetquantError("nvfp4.quantize: weight contains NaN or Inf; the source is corrupt")
-        s2 = _scale_2_from_amax(amax if given is None else torch.as_tensor(float(given)))
-        sb = _block_scales_from_amax(block_amax, s2)
-        y_mag = mag / _effective_scale(sb, s2)[..., None]  # (N, K/16, 16), |w| / step
-        codes = _e2m1_codes(y_mag.reshape(n, k), w < 0)  # (N, K)
+        s2 = scale_2_from_amax(amax if given is None else torch.as_tensor(float(given)))
+        sb = block_scales_from_amax(block_amax, s2)
+        y_mag = mag / effective_scale(sb, s2)[..., None]  # (N, K/16, 16), |w| / step
+        codes = magnitude_codes(y_mag.reshape(n, k), w < 0)  # (N, K)
         return {"weight": self._pack(codes), "weight_scale": sb, "weight_scale_2": s2}
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
@@ -281,47 +227,8 @@ class Nvfp4(WeightFormat):
         self.check_stored(tensors, (n, k))
         codes = unpack_nibbles_u8(weight).long()  # (N, K)
         values = torch.tensor(E2M1_VALUES)[codes].reshape(n, k // BLOCK, BLOCK)
-        eff = _effective_scale(tensors["weight_scale"], tensors["weight_scale_2"])
+        eff = effective_scale(tensors["weight_scale"], tensors["weight_scale_2"])
         return (values * eff[..., None]).reshape(n, k)
-
-
-def hf_quant_config(
-    exclude_modules: Iterable[str],
-    *,
-    with_input_scale: bool = False,
-    kv_cache_quant_algo: str | None = None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """ModelOpt's ``hf_quant_config.json`` and the ``quantization_config`` for config.json.
-
-    Args:
-        exclude_modules: module names or glob patterns kept unquantized (``lm_head``, ...);
-            written sorted and de-duplicated so artifacts are byte-identical.
-        with_input_scale: the format variant's flag. True → ``quant_algo: NVFP4`` (W4A4, as
-            ``nvidia/DeepSeek-R1-FP4``; needs ``input_scale``). False → ``W4A16_NVFP4``,
-            ModelOpt's weight-only name (``convert_hf_config.py``), so that a W4A4 engine
-            refuses the artifact instead of running with a missing ``input_scale``.
-        kv_cache_quant_algo: ``None`` (KV cache unquantized) or e.g. ``"FP8"``.
-
-    Returns:
-        ``(hf_quant_config, quantization_config)``. The first has the keys of fp4.md §2.1
-        (``producer``; ``quantization``: ``quant_algo``, ``kv_cache_quant_algo``,
-        ``group_size``, ``exclude_modules``). The second is the same dict plus
-        ``"quant_method": "modelopt"``: vLLM's ModelOpt config reads this nested
-        ``quantization`` form from config.json as well as from hf_quant_config.json.
-    """
-    if isinstance(exclude_modules, str):
-        raise HetquantError("hf_quant_config: exclude_modules must be a list of names, not a str")
-    quantization = {
-        "quant_algo": "NVFP4" if with_input_scale else "W4A16_NVFP4",
-        "kv_cache_quant_algo": kv_cache_quant_algo,
-        "group_size": BLOCK,
-        "exclude_modules": sorted(set(exclude_modules)),
-    }
-    hf = {
-        "producer": {"name": "hetquant", "version": _HETQUANT_VERSION},
-        "quantization": quantization,
-    }
-    return hf, {"quant_method": "modelopt", **copy.deepcopy(hf)}
 
 
 register(Nvfp4())

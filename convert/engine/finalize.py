@@ -6,7 +6,7 @@ index, config.json, the recipe's extra JSON files and the source's small non-wei
 change, hashes every
 file and writes the manifest — all inside ``OUTPUT/.hetquant-partial/``, so a previous artifact
 in OUTPUT stays whole and valid while this happens (``--overwrite``). ``move_in``
-(``transaction.py``) then replaces it: the old manifest goes first (OUTPUT stops claiming to be
+(``move.py``) then replaces it: the old manifest goes first (OUTPUT stops claiming to be
 an artifact), the new files are renamed in, files of the old artifact that the new one lacks are
 removed (files hetquant did not write are kept), and the new manifest comes last. A kill during
 ``move_in`` leaves the complete new artifact split between the work directory and OUTPUT;
@@ -35,7 +35,7 @@ from ..planning.source import SourceCheckpoint
 from ..recipes import ROOT
 from ..recipes.metadata import artifact_metadata
 from .manifest import build_manifest, digest_files, write_json_atomic
-from .transaction import move_in
+from .move import move_in
 
 __all__ = [
     "ARTIFACT_CARD",

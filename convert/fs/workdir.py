@@ -8,7 +8,7 @@
 - the containers, created at their final size and filled by jobs; then the artifact's other
   files and, last, its manifest: a complete artifact waiting to be moved into OUTPUT.
 - ``lock`` (``lock.py``), which clearing the work directory keeps; and ``owned.json``
-  (``engine/transaction.py``) while OUTPUT has no manifest: the files an unfinished move must still
+  (``engine/move.py``) while OUTPUT has no manifest: the files an unfinished move must still
   remove.
 """
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["JOURNAL", "OWNED", "WorkDir"]
 
 JOURNAL = "journal"
-OWNED = "owned.json"  # while a move into OUTPUT is unfinished: {"files": [names]} (transaction)
+OWNED = "owned.json"  # while a move into OUTPUT is unfinished: {"files": [names]} (engine/move.py)
 SOURCE_IDS = "source.json"
 _PLAN = "plan "
 

@@ -1,15 +1,12 @@
 """The quantizing recipes, each a rule table: role class → format.
 
-Role classes, from the attributes of a tensor's role in its family's table (``role_class``):
-``mtp_extra`` (a role only MTP layers hold: DeepSeek's enorm/hnorm/eh_proj/embed_tokens/
-shared_head), ``kept`` (a role every recipe keeps: DeepSeek-V3.2's indexer), ``routed`` / ``shared`` (routed / shared expert MLPs), ``router`` (router weight and
-bias), ``embedding`` (embeddings and heads), ``norm``, ``dense`` (a dense-layer MLP),
-``absorbed`` (a linear engines fold into attention: DeepSeek's kv_b_proj), ``vision`` (a
-vision-language model's vision linear that engines read quantized: ``formats/families/vlm.py``;
-every other vision tensor is ``kept``) and ``attention`` (every other linear: q_a/q_b/q/kv_a/o). ``KEEP`` keeps a tensor at source precision (``recipes.keep``):
-quantized source weights are dequantized to BF16 (exactly), others copied. The MTP layer's
-ordinary tensors follow the same rules as any MoE layer (``--mtp keep``, the default) or are left
-out (``--mtp drop``, and config.json then says ``num_nextn_predict_layers: 0``).
+Role classes (``convert/recipes/role_class.py``, from the attributes of a tensor's role in its
+family's table): ``attention``, ``absorbed``, ``dense``, ``shared``, ``routed``, ``router``,
+``embedding``, ``norm``, ``mtp_extra``, ``kept`` and ``vision``. ``KEEP`` keeps a tensor at
+source precision (``recipes.keep``): quantized source weights are dequantized to BF16 (exactly),
+others copied. The MTP layer's ordinary tensors follow the same rules as any MoE layer (``--mtp
+keep``, the default) or are left out (``--mtp drop``, and config.json then says
+``num_nextn_predict_layers: 0``).
 
 ``keep_dense_down`` (``--keep-dense-down``; ascend-hybrid, ascend-w8a8, ascend-w4a8,
 ascend-w4a16): every dense-layer MLP's ``down_proj`` kept at source precision (``dense`` class,
@@ -53,19 +50,19 @@ raises NotImplementedError for a W4A16 linear (``compressed_tensors_config.py:33
 other linear stays at source precision and is listed in ``ignore`` (Kimi-K2-Thinking's layout).
 It is symmetric because that MoE method builds all-zero offsets and never loads a zero point
 (``w4a16.py:239-244``); the AWQ calibration then searches with the symmetric quantizer.
+
+A low-bit source re-quantized to another low-bit format is refused unless ``--requantize``
+(``convert/recipes/requantize.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hetquant.formats import EXPERT_FORMATS, FORMATS, ExpertLayerFormat, HetquantError
-from hetquant.formats.expert_repack import EXPERT_REPACKS
+from hetquant.formats import FORMATS, ExpertLayerFormat, HetquantError
 from hetquant.formats.families import TensorRole
-from hetquant.formats.families.roles import MTP
 from hetquant.formats.families.vlm import VISION
 from hetquant.formats.int4_cpu_group import GROUP_SIZES as CPU_GROUP_SIZES
 from hetquant.formats.linear_repack import LINEAR_REPACKS
@@ -73,6 +70,8 @@ from hetquant.formats.linear_repack import LINEAR_REPACKS
 from . import serving
 from .base import DROP_TARGET, Recipe, Target, Written, keep, register_recipe
 from .choices import CPU_INT4, FP4, KEEP, Choice, Params, Rule
+from .requantize import LOW_BITS, check_repack, check_requantize, density
+from .role_class import dense_down, role_class
 
 __all__ = [
     "CPU_INT4",
@@ -91,28 +90,6 @@ __all__ = [
 QUANTIZED_VISION = "quantized_vision"  # the rule for class ``vision`` under --quantize-vision
 
 CPU_EXPERTS = "cpu_experts"
-LOW_BITS = 6.0  # stored bits per weight under which a format is a low-bit (4-bit-code) one
-PROBE_SHAPE = (256, 1024)  # a weight every registered format stores, to measure its density
-_CLASS_OF_KIND = {"router": "router", "bias": "router", "embedding": "embedding",
-                  "head": "embedding", "norm": "norm"}  # fmt: skip
-
-
-def role_class(role: TensorRole) -> str:
-    """The recipe-facing class of a tensor role (see module docstring)."""
-    r = role.role
-    if r.kept:
-        return "kept"
-    if r.scope == VISION:  # a vision linear engines read quantized (formats/families/vlm.py)
-        return VISION
-    if r.scope == MTP:
-        return "mtp_extra"
-    if r.expert is not None:
-        return r.expert
-    if r.kind in _CLASS_OF_KIND:
-        return _CLASS_OF_KIND[r.kind]
-    if r.mlp is not None:
-        return "dense"
-    return "absorbed" if r.absorbed else "attention"
 
 
 @dataclass(frozen=True)
@@ -132,7 +109,7 @@ class RuleRecipe(Recipe):
         if chosen is None:
             return keep(source_fmt)
         target = self._target(*chosen, role)
-        self._check_requantize(role, source_fmt, target)
+        check_requantize(self, role, source_fmt, target)
         return target
 
     def rule(self, role: TensorRole) -> Rule:
@@ -142,7 +119,7 @@ class RuleRecipe(Recipe):
         cls = role_class(role)
         if role.mtp and f"mtp_{cls}" in self.rules:  # the MTP layer's own rule for this class
             cls = f"mtp_{cls}"
-        if _dense_down(cls, role) and self._keeps_dense_down():
+        if dense_down(cls, role) and self._keeps_dense_down():
             return KEEP
         if cls == VISION and self._option_on("quantize_vision"):
             return self.rules[QUANTIZED_VISION]
@@ -158,7 +135,7 @@ class RuleRecipe(Recipe):
         """``keep_dense_down`` on a model without a dense MLP down_proj (every layer MoE, e.g.
         Qwen3-MoE), ``quantize_vision`` on one without a vision linear engines read quantized
         (a text model): each would change nothing, and is refused."""
-        if self._keeps_dense_down() and not any(_dense_down(role_class(r), r) for r in roles):
+        if self._keeps_dense_down() and not any(dense_down(role_class(r), r) for r in roles):
             raise HetquantError(
                 f"recipe {self.name}: --keep-dense-down keeps the dense layers' MLP down_proj in "
                 "BF16, and this model has none (every layer is MoE); it would change nothing: "
@@ -191,47 +168,13 @@ class RuleRecipe(Recipe):
         parameters; where those do not hold the source's codes, re-quantizing is refused unless
         ``requantize`` was asked for."""
         if (source_fmt, target.name) in LINEAR_REPACKS:
-            self._check_repack(target, source_params, source_fmt)
+            check_repack(self, target, source_params, source_fmt)
             return target
         if not target.stacks_experts or not source_params or target.params:
             return target
         names = {f.name for f in dataclasses.fields(target.fmt)}  # type: ignore[arg-type]
         params = tuple((k, v) for k, v in source_params if k in names)
         return target.with_params(params) if params else target
-
-    def _check_requantize(self, role: TensorRole, source_fmt: str, target: Target) -> None:
-        """A low-bit source (INT4 codes and scales, e.g. Kimi K2 Thinking's QAT experts) written
-        in another low-bit format is rounded a second time onto a grid it was not trained for:
-        refused unless ``requantize`` was asked for."""
-        if source_fmt == target.name or self.option("requantize"):
-            return
-        if (source_fmt, target.name) in EXPERT_REPACKS:  # codes and scales kept: no rounding
-            return
-        if (source_fmt, target.name) in LINEAR_REPACKS:  # kept where they fit: _check_repack
-            return
-        src, dst = density(_registered(source_fmt)), density(target.fmt)
-        if src is None or dst is None or src >= LOW_BITS or dst >= LOW_BITS:
-            return
-        where = f"layer {role.layer}" + ("" if role.expert is None else f" expert {role.expert}")
-        raise HetquantError(
-            f"{role.role.name} ({where}): the source stores it in {source_fmt}, a low-bit "
-            f"format; recipe {self.name} would re-quantize it to {target.name} "
-            f"({dst:.2f} bits/weight), losing accuracy twice. Use --requantize to accept that, "
-            "or a recipe that keeps it (bf16 dequantizes it exactly)"
-        )
-
-    def _check_repack(self, target: Target, source_params: Params, source_fmt: str) -> None:
-        if self.option("requantize"):
-            return
-        src = dataclasses.replace(FORMATS[source_fmt], **dict(source_params))
-        why = LINEAR_REPACKS[source_fmt, target.name].holds(src, target.fmt)
-        if why is not None:
-            raise HetquantError(
-                f"recipe {self.name} cannot keep the source's {source_fmt} codes: {why}; "
-                f"re-quantizing them loses accuracy twice. Choose the source's group "
-                f"(--group-size {dict(source_params).get('group_size')}) to keep them, or "
-                "--requantize to accept that"
-            )
 
     def _target(self, fmt: Written, params: Params, role: TensorRole) -> Target:
         if isinstance(fmt, ExpertLayerFormat):
@@ -249,28 +192,6 @@ _TARGET_PARAMS: dict[str, Callable[[RuleRecipe, TensorRole], Params]] = {
     "w4a8_dynamic": lambda r, role: (("bias_chunks", 16 if role.role.tp == "row" else 1),),
     "ct_pack_quantized": lambda r, role: (("group_size", r.option("group_size")),),
 }
-
-
-@functools.cache
-def _dense_down(cls: str, role: TensorRole) -> bool:
-    """Whether a tensor of ``role`` in rule class ``cls`` is a dense MLP's down_proj."""
-    return cls == "dense" and role.role.mlp == "down"
-
-
-def _registered(name: str) -> Written | None:
-    """The registered format a source format's name names (None: ``plain``, not a format)."""
-    return FORMATS.get(name) or EXPERT_FORMATS.get(name)
-
-
-@functools.lru_cache(maxsize=256)
-def density(fmt: Written | None) -> float | None:
-    """Stored bits per weight of ``fmt`` on ``PROBE_SHAPE`` (None: not a format); a frozen
-    format's, memoized (asked twice per tensor: DeepSeek-R1's plan asked 121,700 times)."""
-    if isinstance(fmt, ExpertLayerFormat):
-        inter, hidden = PROBE_SHAPE
-        stored = fmt.stored(1, hidden, inter)
-        return 8 * sum(m.nbytes for m in stored.values()) / (3 * inter * hidden)
-    return None if fmt is None else fmt.bits_per_weight(PROBE_SHAPE)
 
 
 _W8A8, _AWQ = FORMATS["w8a8_dynamic"], FORMATS["awq_w4a16"]

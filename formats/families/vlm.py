@@ -19,7 +19,7 @@ its tensor names moved under a prefix, and a vision tower + projector the text p
   default (an FP8 source's vision linears are dequantized exactly to BF16, as every kept weight).
   A part marked ``quantizable`` is a vision linear that msModelSlim's recipe for the model
   quantizes and vllm-ascend reads quantized (the family module cites which); it is not ``kept``
-  but of role class ``vision`` (``convert/recipes/quantized.py``), which the Ascend recipes'
+  but of role class ``vision`` (``convert/recipes/role_class.py``), which the Ascend recipes'
   ``--quantize-vision`` writes in ``w8a8_dynamic`` (:data:`VISION_READ`).
   :func:`check_vision_kept` refuses a plan that would write any other vision tensor quantized,
   or a quantizable one in a format no engine reads, naming the module, before anything is

@@ -1,6 +1,6 @@
 """Loads that never mix two artifacts: the manifest an artifact was opened with, held open.
 
-A convert (or export) replaces an artifact by renames only (``convert/engine/transaction.py``): its old
+A convert (or export) replaces an artifact by renames only (``convert/engine/move.py``): its old
 manifest goes first, then the files, the new manifest last; no file is rewritten in place. So a
 reader that
 

@@ -1,4 +1,5 @@
-"""formats/fp8_block.py against DeepSeek's dequantization formula, computed independently.
+"""formats/fp8_block.py against DeepSeek's dequantization formula, computed independently (the
+row and absmax arithmetic of formats/fp8_block_rows.py: test_fp8_block_rows.py).
 
 The reference (``support.ref_dequant_bits``) decodes E4M3 codes by their bit fields, multiplies
 in numpy float32 and rounds to bfloat16 with integer arithmetic (round to nearest, ties to even);
@@ -30,7 +31,6 @@ from hetquant.formats import HetquantError, TensorMeta, get_format
 from hetquant.formats.fp8_block import (
     FP8_E4M3_MAX,
     Fp8Block,
-    absmax_dequantized,
     dequantize_rows,
     scale_shape,
 )
@@ -172,27 +172,6 @@ def test_every_tiny_fp8_weight_dequantizes_bit_exactly() -> None:
     assert partial > 0  # kv_a_proj_with_mqa: 160 rows, a partial block row
 
 
-def test_dequantize_rows_on_slices_inside_a_block_row() -> None:
-    rng = np.random.default_rng(3)
-    codes = random_codes((300, 140), rng)
-    scale = torch.from_numpy(random_scales((3, 2), rng, -12, 0))
-    full = bf16_bits(FP8.dequantize_bf16(as_fp8(codes), scale))
-    for r0, r1 in [(0, 1), (5, 128), (128, 129), (130, 200), (256, 300), (299, 300)]:
-        part = dequantize_rows(as_fp8(codes[r0:r1]), scale, r0)
-        np.testing.assert_array_equal(bf16_bits(part), full[r0:r1], err_msg=f"{r0}:{r1}")
-
-
-@pytest.mark.parametrize(("row0", "rows"), [(0, 129), (127, 2), (100, 200)])
-def test_dequantize_rows_refuses_to_cross_a_block_row(row0: int, rows: int) -> None:
-    codes = np.zeros((rows, 4), dtype=np.uint8)
-    with pytest.raises(HetquantError, match="cross a block row"):
-        dequantize_rows(as_fp8(codes), torch.ones(3, 1), row0)
-
-
-# ----------------------------------------------------------------------------------------------
-# scale shapes
-
-
 @pytest.mark.parametrize(
     ("wshape", "sshape"),
     [((576, 300), (5, 3)), ((1, 1), (1, 1)), ((129, 257), (2, 3)), ((128, 128), (1, 1))],
@@ -322,34 +301,3 @@ def test_error_bound_helper() -> None:
         2.0**-9,
     ]
     assert math.isclose(FP8_E4M3_MAX, 448.0)
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (130, 70), (256, 384), (300, 129)])
-def test_absmax_from_codes_equals_absmax_of_dequantized(shape: tuple[int, int]) -> None:
-    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
-    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
-    codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
-    codes[0, 0] = 0x80  # -0
-    w = codes.view(torch.float8_e4m3fn)
-    s = torch.exp(torch.randn(scale_shape(shape, 128), generator=g) * 8)  # tiny and huge scales
-    s[0, 0] = 0.0
-    want = max(
-        float(dequantize_rows(w[r : r + 128], s, r).abs().amax()) for r in range(0, shape[0], 128)
-    )
-    assert absmax_dequantized(w, s) == want
-    # every code magnitude in one column, both signs: the max is the largest magnitude
-    every = torch.arange(0, 0x7F, dtype=torch.uint8).repeat(2)[:, None]  # (254, 1)
-    every[::2] |= 0x80
-    s1 = torch.tensor([[3.0], [0.5]])
-    ref = max(
-        float(dequantize_rows(every.view(torch.float8_e4m3fn)[r : r + 128], s1, r).abs().amax())
-        for r in (0, 128)
-    )
-    assert absmax_dequantized(every.view(torch.float8_e4m3fn), s1) == ref
-
-
-def test_absmax_refuses_nan_codes() -> None:
-    w = torch.zeros(4, 4, dtype=torch.uint8)
-    w[2, 3] = 0xFF
-    with pytest.raises(HetquantError, match="NaN"):
-        absmax_dequantized(w.view(torch.float8_e4m3fn), torch.ones(1, 1))

@@ -249,7 +249,7 @@ def test_nvfp4_block_scale_ties(native: None, weight_amax: float) -> None:
     6 * s2 = 1 + 3e-8 rounds to 1.0 in float32: sb is then exactly a tie (1.1875 -> 1.25, even),
     where a float64 ``6 * s2`` would give 1.125. The torch code's E2M1_MAX * s2 is float32."""
     s2 = torch.tensor(weight_amax, dtype=torch.float32) / S2_ONE
-    d = E2M1_MAX * s2  # float32 0-d, as in _block_scales_from_amax
+    d = E2M1_MAX * s2  # float32 0-d, as in nvfp4_codes.block_scales_from_amax
     e4m3 = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
     mids = torch.cat([e4m3, (e4m3[:-1] + e4m3[1:]) / 2]).float()  # (251,)
     amax = mids * d  # (251,) float32
@@ -437,13 +437,13 @@ def test_build_is_cached_and_compile_errors_reported(monkeypatch, tmp_path) -> N
 
 @pytest.mark.parametrize(("k", "n"), [(64, 256), (128, 512), (192, 2048), (7168, 256)])
 def test_nvfp4_tile_is_the_torch_permutation(native: None, k: int, n: int) -> None:
-    """The C++ tile gather (nvfp4_ascend._tile) moves every byte where the 8-D permute does."""
-    from hetquant.formats.nvfp4_ascend import _tile, _tile_torch, _untile
+    """The C++ tile gather (nvfp4_ascend_tiles.tile) moves every byte where the 8-D permute does."""
+    from hetquant.formats.nvfp4_ascend_tiles import tile, tile_torch, untile
 
     kn = torch.randint(0, 256, (k, n // 2), generator=torch.Generator().manual_seed(k + n), dtype=torch.uint8)  # fmt: skip
     tiled = Q.nvfp4_tile(kn)
-    assert tiled is not None and torch.equal(tiled, _tile_torch(kn))
-    assert torch.equal(_tile(kn), tiled) and torch.equal(_untile(tiled), kn)
+    assert tiled is not None and torch.equal(tiled, tile_torch(kn))
+    assert torch.equal(tile(kn), tiled) and torch.equal(untile(tiled), kn)
     assert Q.nvfp4_tile(kn.T) is None and Q.nvfp4_tile(kn.to(torch.int16)) is None  # torch path
 
 
@@ -460,33 +460,33 @@ def test_u8_colmax7_is_the_torch_reduction(native: None, rows: int) -> None:
 
 
 def test_scale_2_of_a_float_is_the_torch_value() -> None:
-    """nvfp4._scale_2_of (numpy scalars, per streamed row block) == _scale_2_from_amax bit for
+    """nvfp4_codes.scale_2_of (numpy scalars, per streamed row block) == scale_2_from_amax bit for
     bit: zero, the float32 subnormal range, values that round when cast to float32, huge ones."""
     import random
 
-    from hetquant.formats.nvfp4 import _scale_2_from_amax, _scale_2_of
+    from hetquant.formats.nvfp4_codes import scale_2_from_amax, scale_2_of
 
     rng = random.Random(30)
     values = [0.0, 1e-45, 2.0**-149, 448.0, 2688.0, 3.0e38, 1 + 2.0**-30, 7.123456789]
     values += [rng.uniform(0, 10) ** rng.uniform(-12, 12) for _ in range(5000)]
     for v in values:
-        got, want = _scale_2_of(v), _scale_2_from_amax(torch.as_tensor(v))
+        got, want = scale_2_of(v), scale_2_from_amax(torch.as_tensor(v))
         assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape == ()
         assert got.view(torch.int32).item() == want.view(torch.int32).item(), v
 
 
 @pytest.mark.parametrize("chunk", [32, 96, 256, 2048])
 def test_nvfp4_tile_into_chunks_is_the_whole_tiling(native: None, chunk: int) -> None:
-    """Chunks of byte columns placed one by one (the streamed tiled layout) give _tile's bytes;
+    """Chunks of byte columns placed one by one (the streamed tiled layout) give tile's bytes;
     columns not in whole 16-byte runs are declined, leaving the output untouched."""
-    from hetquant.formats.nvfp4_ascend import _tile_torch
+    from hetquant.formats.nvfp4_ascend_tiles import tile_torch
 
     k, nb = 128, 1024
     kn = torch.randint(0, 256, (k, nb), generator=torch.Generator().manual_seed(chunk), dtype=torch.uint8)  # fmt: skip
     out = torch.zeros_like(kn)
     for c in range(0, nb, chunk // 2):
         assert Q.nvfp4_tile_into(kn[:, c : c + chunk // 2].contiguous(), c, out)
-    assert torch.equal(out, _tile_torch(kn))
+    assert torch.equal(out, tile_torch(kn))
     untouched = torch.zeros_like(kn)
     assert not Q.nvfp4_tile_into(kn[:, 8:28].contiguous(), 8, untouched)
     assert not untouched.any()

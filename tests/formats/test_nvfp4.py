@@ -1,8 +1,7 @@
-"""Tests of formats/nvfp4.py: golden bytes, nearest-grid rounding, ties, shapes, configs."""
+"""Tests of formats/nvfp4.py: golden bytes, nearest-grid rounding, shapes, variants (the E2M1 /
+E4M3 arithmetic: test_nvfp4_codes.py; ModelOpt's configs: test_nvfp4_config.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -14,11 +13,8 @@ from hetquant.formats.bits import pack_nibbles_u8
 from hetquant.formats.dtypes import st_dtype
 from hetquant.formats.nvfp4 import (
     BLOCK,
-    E2M1_BOUNDS,
     E2M1_VALUES,
     Nvfp4,
-    e2m1_codes,
-    hf_quant_config,
 )
 
 FMT = Nvfp4()
@@ -88,14 +84,6 @@ def test_golden_dequantize() -> None:
 
 
 # ---- rounding -----------------------------------------------------------------------------------
-def test_ties_go_to_even_and_saturate() -> None:
-    mids = torch.tensor(E2M1_BOUNDS)
-    assert e2m1_codes(mids).tolist() == [0, 2, 2, 4, 4, 6, 6]
-    assert e2m1_codes(-mids).tolist() == [8, 10, 10, 12, 12, 14, 14]
-    assert e2m1_codes(torch.tensor([5.0001, 6.0, 7.0, 1e30, -7.0])).tolist() == [7, 7, 7, 7, 15]
-    assert e2m1_codes(torch.tensor([0.0, -0.0, 0.2499, -0.1])).tolist() == [0, 0, 0, 8]
-
-
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 5), blocks=st.integers(1, 5), seed=seeds)
 def test_every_element_at_nearest_grid_point(n: int, blocks: int, seed: int) -> None:
@@ -182,24 +170,3 @@ def test_input_scale_variant() -> None:
 def test_registered() -> None:
     assert FORMATS["nvfp4"] == Nvfp4()
     assert get_format("nvfp4", with_input_scale=True).with_input_scale
-
-
-# ---- hf_quant_config ----------------------------------------------------------------------------
-def test_hf_quant_config() -> None:
-    hf, qc = hf_quant_config(["model.layers.*.self_attn*", "lm_head", "lm_head"])
-    assert hf["producer"]["name"] == "hetquant"
-    assert hf["quantization"] == {
-        "quant_algo": "W4A16_NVFP4",
-        "kv_cache_quant_algo": None,
-        "group_size": 16,
-        "exclude_modules": ["lm_head", "model.layers.*.self_attn*"],
-    }
-    assert qc == {"quant_method": "modelopt", **hf}
-    qc["quantization"]["exclude_modules"].append("x")  # independent copies
-    assert "x" not in hf["quantization"]["exclude_modules"]
-    w4a4, _ = hf_quant_config([], with_input_scale=True, kv_cache_quant_algo="FP8")
-    assert w4a4["quantization"]["quant_algo"] == "NVFP4"
-    assert w4a4["quantization"]["kv_cache_quant_algo"] == "FP8"
-    json.dumps(hf)
-    with pytest.raises(HetquantError, match="not a str"):
-        hf_quant_config("lm_head")

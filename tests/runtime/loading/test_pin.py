@@ -3,7 +3,7 @@
 
 Two tiny bf16 artifacts in 1 MB shards of the same names that differ in every quantized
 tensor's values: A, and B (the source's FP8 scales doubled). They replace each
-other in one directory through the convert's own transaction (``transaction.move_in``), from
+other in one directory through the convert's own transaction (``move.move_in``), from
 complete copies staged in its work directory — as ``convert --overwrite`` ends — with loads in
 between or at the same time.
 """
@@ -20,7 +20,7 @@ import pytest
 import torch
 from support import PARTIAL, REPO, TINY, resave_shard, run_cli
 
-from hetquant.convert.engine.transaction import move_in
+from hetquant.convert.engine.move import move_in
 from hetquant.formats import HetquantError
 from hetquant.runtime import ParallelLayout, open_artifact
 from hetquant.runtime.loading import _reader, loader

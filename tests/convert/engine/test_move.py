@@ -1,4 +1,4 @@
-"""Moving a finished artifact into OUTPUT (``convert/engine/transaction.py``): nothing of the user's is
+"""Moving a finished artifact into OUTPUT (``convert/engine/move.py``): nothing of the user's is
 lost, and nothing is destroyed before the move is known to work. (Issue 25 §4, items 2 and 3.)"""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support import MANIFEST, PARTIAL, error_line, read_json, start_hetquant, tree_hashes
 
-from hetquant.convert.engine import transaction
+from hetquant.convert.engine import move
 from hetquant.formats import HetquantError
 
 BF16 = ("--recipe", "bf16")
@@ -122,12 +122,12 @@ def test_a_rename_failing_with_exdev_at_the_move_changes_nothing(
             raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), str(dst))
         real(src, dst)
 
-    monkeypatch.setattr(transaction.os, "rename", rename)
+    monkeypatch.setattr(move.os, "rename", rename)
     with pytest.raises(HetquantError, match="on another file system than OUTPUT"):
-        transaction.move_in(out, work)
+        move.move_in(out, work)
     monkeypatch.undo()
     assert tree_hashes(out) == before
-    transaction.move_in(out, work)  # once renames work, the same move goes through
+    move.move_in(out, work)  # once renames work, the same move goes through
     assert _artifact_tree(out) == tree_hashes(tiny_artifact_1mb)
 
 
