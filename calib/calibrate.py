@@ -24,8 +24,8 @@ device allocator's peak) are in ``stats``. The multi-token-prediction layers are
 (the runtime has no MTP forward): a converter quantizes them round-to-nearest.
 
 Steps 2-5 are ``layer._LayerCalibration``, whose module docstring describes each layer's mappings
-(the linears that share one scale, where it is folded); the options, the transforms and the
-saved result are in ``transforms``.
+(the linears that share one scale, where it is folded); the searches it runs are in
+``layer_search``, the options, the transforms and the saved result in ``transforms``.
 
 ``method="rtn"`` runs the same pipeline with identity scales and no clip: the round-to-nearest
 baseline the recipe produces without calibration data.
@@ -51,7 +51,8 @@ from hetquant.formats import HetquantError
 from .data import tokens_digest
 from .forward import available_device, check_tokens, layer_names, source_tensor_fn
 from .gptq import GRIDS
-from .layer import _Context, _LayerCalibration, _QuantizedWeights, _RowsOf
+from .layer import _Context, _LayerCalibration, _RowsOf
+from .layer_search import QuantizedWeights as _QuantizedWeights
 from .loading import LayerLoader
 from .quantizer import Quantizer, quantizer_for
 from .transforms import (
