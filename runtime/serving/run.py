@@ -117,7 +117,7 @@ def _check_inputs(spec: RunSpec, world: int) -> tuple[CollectiveBackend | None, 
         raise HetquantError("run: give at least one token id (--tokens 5,17,42)")
     backend = spec.collective_backend()
     from ..experts._expert_files import _select_layers
-    from ..experts._subpool import _check_split
+    from ..experts._routing import _check_split
     from ..forward.model import check_runnable
     from ..loading.loader import open_artifact
 
