@@ -5,8 +5,9 @@
 - ``quantizer``: ``Q`` of the objective, per linear: its target format's quantize → dequantize
   (the seam a new format plugs into with nothing but its ``quantize`` / ``dequantize``).
 - ``calibrate``: ``calibrate(source, tokens) -> CalibrationResult``, one decoder layer at a time
-  (``layer``: one layer's capture, scale and clip search; ``transforms``: the options, the
-  per-tensor transforms and the saved result).
+  (``layer``: one layer's capture and mappings, ``layer_search``: its scale, clip and GPTQ
+  searches; ``transforms``: the options and the per-tensor transforms; ``result``: the saved
+  result).
 - ``eval``: ``evaluate(artifact_forward, reference_forward, tokens)`` and the forwards for it.
 - ``forward``: the layer-streamed DeepSeek-V3 forward both use.
 """

@@ -24,8 +24,9 @@ device allocator's peak) are in ``stats``. The multi-token-prediction layers are
 (the runtime has no MTP forward): a converter quantizes them round-to-nearest.
 
 Steps 2-5 are ``layer._LayerCalibration``, whose module docstring describes each layer's mappings
-(the linears that share one scale, where it is folded); the options, the transforms and the
-saved result are in ``transforms``.
+(the linears that share one scale, where it is folded); the searches it runs are in
+``layer_search``, the options and the transforms in ``transforms``, the saved result in
+``result``.
 
 ``method="rtn"`` runs the same pipeline with identity scales and no clip: the round-to-nearest
 baseline the recipe produces without calibration data.
@@ -51,21 +52,13 @@ from hetquant.formats import HetquantError
 from .data import tokens_digest
 from .forward import available_device, check_tokens, layer_names, source_tensor_fn
 from .gptq import GRIDS
-from .layer import _Context, _LayerCalibration, _QuantizedWeights, _RowsOf
+from .layer import _Context, _LayerCalibration, _RowsOf
+from .layer_search import QuantizedWeights as _QuantizedWeights
 from .loading import LayerLoader
 from .quantizer import Quantizer, quantizer_for
-from .transforms import (
-    _DTYPES,
-    RESULT_FORMAT,
-    RESULT_JSON,
-    RESULT_VERSION,
-    AwqOptions,
-    CalibrationResult,
-    Transform,
-    _StoredTransforms,
-    apply_transform,
-    is_quantized_linear,
-)
+from .result import RESULT_FORMAT, RESULT_JSON, RESULT_VERSION, CalibrationResult
+from .result import StoredTransforms as _StoredTransforms
+from .transforms import _DTYPES, AwqOptions, Transform, apply_transform, is_quantized_linear
 
 __all__ = [
     "AwqOptions",
@@ -75,7 +68,8 @@ __all__ = [
     "is_quantized_linear",
 ]
 
-# Names defined here before the split into ``transforms`` and ``layer``, still importable from
+# Names defined here before the split into ``transforms`` (since: ``result``) and ``layer``
+# (since: ``layer_search``), still importable from
 # this module (benchmarks/bench_calibration.py wraps ``_LayerCalibration`` methods through it).
 _MOVED = (
     RESULT_FORMAT, RESULT_JSON, RESULT_VERSION, _DTYPES, _StoredTransforms,

@@ -32,6 +32,10 @@ expert's W8A8 error in the objective (``convert/recipes/quantized.py``).
   objective of ``group_size`` input channels is rank-deficient) uses ALL calibration tokens
   instead (llm-compressor's calibrate-all-experts). ``stats`` records tokens per expert and
   which experts fell back.
+
+Where the code lives: this module walks the family's mappings (``_attention``, ``_mlps``);
+the searches they run — a balance's scale and fold, a clip, GPTQ codes — and the layer as the
+artifact holds it (``QuantizedWeights``) are in ``calib/layer_search.py``.
 """
 
 from __future__ import annotations
@@ -44,12 +48,12 @@ import torch
 
 from hetquant.formats.families import Balance
 from hetquant.runtime.forward.moe import swiglu
-from hetquant.runtime.forward.precision import work_dtype
 
-from . import awq, gptq, smooth
+from . import awq
+from . import layer_search as search
 from .forward import Capture, LayerRunner, LayerWeights
 from .quantizer import Quantizer
-from .transforms import AwqOptions, Transform, apply_transform
+from .transforms import AwqOptions, Transform
 
 __all__: list[str] = []  # internal to ``calibrate`` (_Context, _LayerCalibration)
 
@@ -104,7 +108,7 @@ class _LayerCalibration:
         if self.opts.method == "awq":
             self._attention(cap)
             self._mlps(cap)
-        out_q = self.ctx.runner.run(self.layer, h, _QuantizedWeights(self), self.ctx.tokens)
+        out_q = self.ctx.runner.run(self.layer, h, search.QuantizedWeights(self), self.ctx.tokens)
         delta = (out_q - out_f).to(torch.float32)
         stats["mse"] = float(delta.pow(2).mean())
         stats["rel_err"] = float(delta.norm() / (out_f - h).to(torch.float32).norm())
@@ -137,7 +141,7 @@ class _LayerCalibration:
                 self._mapping(b, cap)
         for role in mappings.clips:
             if role in self.has and f"{self._m(role)}.weight" in self.searched:
-                self._clip(self._m(role), cap.input(self._m(role)))
+                search.clip(self, self._m(role), cap.input(self._m(role)))
 
     def _mlps(self, cap: Capture) -> None:
         """The MLP input balance, then each gated MLP's up → down balance and clips."""
@@ -181,8 +185,8 @@ class _LayerCalibration:
             x, x_mean = cap.input(mods[0]), None
         fold_rows = None if b.rows is None else b.rows(self.ctx.cfg).to(self.ctx.device)
         compensate = self._m(b.compensate) if b.compensate in self.has else None
-        self._balance(b.label, self._m(b.prev), mods, x, x_mean=x_mean, rows=fold_rows,
-                      compensate=compensate)  # fmt: skip
+        search.balance(self, b.label, self._m(b.prev), mods, x, x_mean=x_mean, rows=fold_rows,
+                       compensate=compensate)  # fmt: skip
 
     def _mlp_unit(
         self, prefix: str, mods: Sequence[str], x: torch.Tensor, x_down: torch.Tensor | None
@@ -193,124 +197,21 @@ class _LayerCalibration:
             w = LayerWeights(self.state, family=self.fam)
             x_down = swiglu(w.linear(gate, x), w.linear(up, x), self.ctx.runner.limit)
         if self._searches([down]):
-            self._balance(f"down:{prefix.removeprefix(self.p)}", up, [down], x_down)
+            search.balance(self, f"down:{prefix.removeprefix(self.p)}", up, [down], x_down)
         for m in (gate, up):
-            self._clip(m, x)
-        self._clip(down, x_down)
+            search.clip(self, m, x)
+        search.clip(self, down, x_down)
         if self.opts.gptq:
-            self._gptq([gate, up], x)  # one input, one Hessian: rows are independent
+            search.gptq_codes(self, [gate, up], x)  # one input, one Hessian: rows are independent
             if self.opts.gptq_sequential:  # down's Hessian on what the quantized gate/up give
-                self._gptq([down], self._quantized_act(gate, up, x), scaled=True)
+                search.gptq_codes(
+                    self, [down], search.quantized_act(self, gate, up, x), scaled=True
+                )
             else:
-                self._gptq([down], x_down)
+                search.gptq_codes(self, [down], x_down)
 
-    # the two searches --------------------------------------------------------------------------
-    def _balance(
-        self,
-        label: str,
-        prev: str,
-        modules: list[str],
-        x: torch.Tensor | Sequence[torch.Tensor],
-        *,
-        x_mean: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
-        compensate: str | None = None,
-    ) -> None:
-        """Search the scale of ``modules`` and fold it (``prev``: a norm, or a linear's rows):
-        every one takes it, the quantized ones' errors score it."""
-        o = self.opts
-        ws = [self.state[f"{m}.weight"] for m in modules]
-        qs = [self.q.get(f"{m}.weight") for m in modules]  # None: kept in float
-        if o.act_aware and any(q is not None and q.fmt.name in smooth.ACT_QUANT for q in qs):
-            found = smooth.act_aware_search(
-                ws, x, qs, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling
-            )
-        else:
-            found = awq.search_scale(
-                ws, x, qs, o.grid, x_mean=x_mean, duo_scaling=o.duo_scaling,
-                pow2=o.pow2_scales, matmul_dtype=self.ctx.dtype,
-            )  # fmt: skip
-        s = found.scales
-        self.searches[label] = {
-            "ratio": found.ratio,
-            "loss": found.loss,
-            "identity_loss": found.identity_loss,
-        }
-        for m in modules:
-            self._tf(f"{m}.weight").col_mul = s
-        if compensate is not None:
-            self._tf(f"{compensate}.weight").col_mul = s
-        target = self._tf(f"{prev}.weight")
-        if rows is None:
-            target.row_div = s
-        else:
-            div = torch.ones(self.state[f"{prev}.weight"].shape[0], device=s.device)
-            div[rows] = s
-            target.row_div = div
-
-    def _clip(self, module: str, x: torch.Tensor) -> None:
-        o, name = self.opts, f"{module}.weight"
-        if not o.clip or module.rsplit(".", 1)[-1] in o.clip_skip or name not in self.searched:
-            return
-        t = self.tf.get(name)
-        w = apply_transform(self.state[name], t, self.ctx.factors)
-        if t is not None and t.col_mul is not None:
-            x = x / t.col_mul.to(x.dtype)
-        shrink = awq.search_clip(
-            w, x, self.q[name], grid=o.clip_grid, max_shrink=o.clip_max_shrink,
-            n_tokens=o.clip_tokens,
-        )  # fmt: skip
-        if bool(shrink.any()):
-            self._tf(name).shrink = shrink
-
-    def _quantized_act(self, gate: str, up: str, x: torch.Tensor) -> torch.Tensor:
-        """``silu(x·Q(G')ᵀ) ⊙ (x·Q(U')ᵀ)`` with the transformed, quantized gate and up (``x``
-        divided by their column scale): down's input in its own scaled space (up's rows
-        absorbed down's ``diag(s)⁻¹``), in ``work_dtype`` of ``x``."""
-        w = _QuantizedWeights(self)
-        g, u = (w.get(f"{m}.weight") for m in (gate, up))
-        col_mul = self.tf[f"{gate}.weight"].col_mul if f"{gate}.weight" in self.tf else None
-        acc = work_dtype(x.dtype)
-        xs = x.to(acc) if col_mul is None else x.to(acc) / col_mul.to(acc)
-        return swiglu(xs @ g.to(acc).T, xs @ u.to(acc).T, self.ctx.runner.limit)
-
-    def _gptq(self, modules: Sequence[str], x: torch.Tensor, *, scaled: bool = False) -> None:
-        """GPTQ codes of the searched ``modules`` that read one input ``x`` with the same column
-        scale (an MLP's gate and up: one Hessian, rows stacked), on their AWQ-scaled weights and
-        the grids of their clipped weights (``gptq.py``). ``scaled``: ``x`` is already divided
-        by that scale."""
-        o, f = self.opts, self.ctx.factors
-        names = [f"{m}.weight" for m in modules]
-        names = [n for n in names if n in self.searched and self.q[n].fmt.name in gptq.GRIDS]
-        if not names:
-            return
-        tfs = [self._tf(n) for n in names]
-        col_mul = tfs[0].col_mul
-        if any(not _same(t.col_mul, col_mul) for t in tfs[1:]):
-            for n in names:  # different inputs after the fold: one at a time
-                self._gptq([n.removesuffix(".weight")], x, scaled=scaled)
-            return
-        ws = [self.state[n] for n in names]
-        w_scaled = [apply_transform(w, Transform(t.col_mul, t.row_div), f) for w, t in zip(ws, tfs, strict=True)]  # fmt: skip
-        clipped = [apply_transform(w, t, f) for w, t in zip(ws, tfs, strict=True)]
-        if col_mul is not None and not scaled:
-            x = x / col_mul.to(x.dtype)
-        found = gptq.gptq(
-            names[0], torch.cat(w_scaled), torch.cat(clipped), gptq.hessian(x, ws[0].shape[1]),
-            self.q[names[0]], damp=o.gptq_damp, act_order=o.gptq_act_order,
-        )  # fmt: skip
-        row0 = 0
-        for t, w in zip(tfs, ws, strict=True):
-            rows = slice(row0, row0 + w.shape[0])
-            t.codes, t.qscale = found.codes[rows].clone(), found.scale[rows].clone()
-            row0 += w.shape[0]
-
-    def _tf(self, name: str) -> Transform:
+    def transform(self, name: str) -> Transform:
         return self.tf.setdefault(name, Transform())
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _parent(module: str) -> str:
@@ -335,22 +236,3 @@ class _RowsOf(Sequence[torch.Tensor]):
         if self._last[0] is not r:
             self._last = (r, self.x[r])
         return self._last[1]
-
-
-class _QuantizedWeights(LayerWeights):
-    """The layer as the artifact holds it: quantized linears fake-quantized (on use, one at a
-    time), folded norms and the compensated router cast back to their source dtype."""
-
-    def __init__(self, lc: _LayerCalibration) -> None:
-        super().__init__(lc.state, family=lc.fam)
-        self.lc = lc
-
-    def get(self, name: str) -> torch.Tensor:
-        w = super().get(name)
-        lc = self.lc
-        t = lc.tf.get(name)
-        if name in lc.q:
-            return lc.q[name](apply_transform(w, t, lc.ctx.factors))
-        if t is None:
-            return w
-        return apply_transform(w, t, lc.ctx.factors).to(w.dtype)

@@ -33,7 +33,7 @@ Each subpool has a worker thread that touches its share at open (or, with ``mate
 copies it into private memory, and the files are unmapped) and computes its partial sums, added
 up in subpool order (deterministic). ``cpus``: one CPU set per subpool, to which its worker pins
 itself (for NUMA, with ``materialize=True``); ``threads=``: the native kernel's threads per
-subpool call. Threads, touching, copying and NUMA placement: ``_subpool.py``.
+subpool call. Threads, touching, copying and NUMA placement: ``_worker.py``.
 
 Compute. Each subpool's share of ``forward`` is one native call of
 :func:`~hetquant.runtime.kernels.int4_moe.int4_moe` (per-channel layers; ``fused=True``, the
@@ -49,7 +49,7 @@ else the torch path; ``backend=`` forces one; ``precision="fast"`` rounds activa
 instead of 22-bit fixed point); a DeepSeek-V4 layer (``fp4_cpu_experts``) runs
 :mod:`hetquant.runtime.kernels.fp4_gemv` (int8 activations per token and call). Its format
 splits ``down`` by rows (``subpool_down = "rows"``), so ``split="inter"`` runs in two phases
-(``_run_rows``): every subpool's activations of each expert, joined along I, then each
+(``_subpool._run_rows``): every subpool's activations of each expert, joined along I, then each
 subpool's rows of the routed sum on all of them, joined along H — one pool's arithmetic, so
 the same bits for any number of subpools. The kernels come from the layer's format
 (``_subpool.py``). Routing weights are cast to ``x``'s dtype first, as
@@ -64,31 +64,32 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from hetquant.formats import HetquantError
 from hetquant.formats.int4_cpu import LAYER_KEYS
 
-from ..kernels.int4_gemv import BACKENDS, PRECISIONS
 from ..loading._pin import ManifestPin
 
-# ``X as X``: names defined here before the split into _expert_files.py and _subpool.py
+# ``X as X``: names defined here before the split into _expert_files.py, _subpool.py,
+# _routing.py and _worker.py
 from ._expert_files import MANIFEST as MANIFEST
 from ._expert_files import ExpertLayerInfo, _Mapping, _select_layers
 from ._expert_files import _cpu_expert_files as _cpu_expert_files
 from ._expert_files import _layers_of as _layers_of
-from ._subpool import _PAGE as _PAGE
-from ._subpool import Routing, _check_split, _cpu_sets, _expert_block, _Subpool
-from ._subpool import _init_worker as _init_worker
-from ._subpool import _omp_library as _omp_library
-from ._subpool import _private_copy as _private_copy
-from ._subpool import _touch as _touch
+from ._routing import SPLITS as SPLITS
+from ._routing import Routing, _check_options, _check_split, _expert_block, _route
+from ._subpool import _run_partials, _run_rows, _Subpool
+from ._worker import _PAGE as _PAGE
+from ._worker import _cpu_sets
+from ._worker import _init_worker as _init_worker
+from ._worker import _omp_library as _omp_library
+from ._worker import _private_copy as _private_copy
+from ._worker import _touch as _touch
 
 __all__ = ["CpuExpertPool", "ExpertLayerInfo"]
 
-SPLITS = ("inter", "experts")
 _FLOAT_IN = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -136,16 +137,7 @@ class CpuExpertPool:
         expert and projection with torch glue between them (the path before ``int4_moe``; the
         same bits, slower; for tests and A/B benchmarks).
         """
-        if isinstance(subpools, bool) or not isinstance(subpools, int) or subpools < 1:
-            raise HetquantError(f"CpuExpertPool: subpools = {subpools!r}; need an integer >= 1")
-        if split not in SPLITS:
-            raise HetquantError(f"CpuExpertPool: split {split!r} not in {SPLITS}")
-        if backend not in BACKENDS:
-            raise HetquantError(f"CpuExpertPool: backend {backend!r} not in {BACKENDS}")
-        if precision not in PRECISIONS:
-            raise HetquantError(
-                f"CpuExpertPool: precision {precision!r} not in {tuple(PRECISIONS)}"
-            )
+        _check_options(subpools, split, backend, precision)
         cpu_sets = _cpu_sets(cpus, subpools)
         artifact = Path(artifact_dir)
         pin = ManifestPin(artifact)  # the files mapped are all of one artifact (loading/_pin.py)
@@ -241,32 +233,8 @@ class CpuExpertPool:
         """``Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t])``: x [T, H] → [T, H];
         ``limit``: the SwiGLU clip (``runtime/forward/moe.py`` ``swiglu``; DeepSeek-V4)."""
         info = self._check_x(layer, x, "forward")
-        if x.ndim != 2:
-            raise HetquantError(f"forward: x must be [T, H], got {list(x.shape)}")
-        t = x.shape[0]
-        if topk_ids.ndim != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
-            raise HetquantError(
-                f"forward: topk_ids {list(topk_ids.shape)} and topk_weights "
-                f"{list(topk_weights.shape)} must both be [T={t}, k]"
-            )
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-            raise HetquantError(f"forward: topk_ids must be integers, got {topk_ids.dtype}")
-        if topk_ids.numel() and (
-            int(topk_ids.min()) < 0 or int(topk_ids.max()) >= info.num_experts
-        ):
-            raise HetquantError(
-                f"forward: topk_ids outside 0..{info.num_experts - 1} (layer {layer})"
-            )
-        x32 = x.to(torch.float32).contiguous()
-        k = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1).to(torch.int64)
-        order = torch.argsort(flat, stable=True)
-        ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        w_all = topk_weights.to(x.dtype).to(torch.float32).reshape(-1)[order]
-        offsets = torch.zeros(ids.numel() + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=offsets[1:])
-        out = self._run(layer, x32, Routing(ids, offsets, order // k, w_all), limit)
-        return out.to(x.dtype)
+        routing = _route(info, layer, x, topk_ids, topk_weights)
+        return self._run(layer, x.to(torch.float32).contiguous(), routing, limit).to(x.dtype)
 
     def expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` of ``layer`` on ``x`` [..., H] → [..., H] (x's dtype)."""
@@ -298,31 +266,9 @@ class CpuExpertPool:
         kw["fused"], kw["limit"] = self._fused and limit is None, limit  # fused MoE: no clip
         rows = self._infos[layer].fmt.subpool_down == "rows"
         if rows and self._split == "inter" and self.num_subpools > 1:
-            return self._run_rows(layer, x32, routing, kw)
-        futures = []
-        for sp in self._subpools:
-            owned = self.subpool_experts(sp.index, layer)
-            mine = routing.owned(owned.start, owned.stop)
-            if mine is not None:
-                futures.append(sp.submit(sp.partial, layer, owned.start, x32, mine, kw))
-        out: torch.Tensor | None = None
-        for f in futures:  # subpool order: the sum is deterministic
-            part = f.result()
-            out = part if out is None else out.add_(part)
-        return out if out is not None else torch.zeros_like(x32)
-
-    def _run_rows(
-        self, layer: int, x32: torch.Tensor, r: Routing, kw: dict[str, Any]
-    ) -> torch.Tensor:
-        """A layer whose subpools own rows of down (``subpool_down == "rows"``): every
-        subpool's slice of each expert's activations, joined along I in subpool order, then
-        each subpool's rows of the routed sum, joined along H: one pool's arithmetic, split."""
-        sps = self._subpools
-        parts = [f.result() for f in [sp.submit(sp.acts, layer, 0, x32, r, kw) for sp in sps]]
-        acts = [torch.cat(per_expert, dim=1) for per_expert in zip(*parts, strict=True)]
-        args = (layer, 0, acts, r, kw, x32.shape)
-        ys = [f.result() for f in [sp.submit(sp.down_rows, *args) for sp in sps]]
-        return torch.cat(ys, dim=1)
+            return _run_rows(self._subpools, layer, x32, routing, kw)
+        owned = lambda s: self.subpool_experts(s, layer)  # noqa: E731
+        return _run_partials(self._subpools, layer, x32, routing, kw, owned)
 
     # -------------------------------------------------------------------- closing
     def close(self) -> None:

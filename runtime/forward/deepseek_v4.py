@@ -108,7 +108,7 @@ class DeepseekV4Reference(DecoderReference):
     cfg: DeepseekV4Config
     composable = False  # hyper-connections, per-sequence compressors: LayerRunner runs our layer
 
-    kv_caches = tuple(KV_CACHES)  # model.DecoderReference: the KV-cache emulations it takes
+    kv_caches = tuple(KV_CACHES)  # decoder.DecoderReference: the KV-cache emulations it takes
 
     def __init__(
         self, cfg: DeepseekV4Config, weights: Weights, *, dtype: torch.dtype = torch.float32,

@@ -56,13 +56,18 @@ its int8 and int32 outputs and int64 (``npu_trans_quant_param``) scales; ``quant
 ``quint4x2`` of npu_dynamic_quant; ``div_mode=True`` and ``quint4x2`` of npu_quantize; float32 (FP4)
 input of npu_convert_weight_to_int4pack; formats other than ND and FRACTAL_NZ; NaN / Inf inputs,
 for which the documentation defines no result.
+
+Where the code lives: the two matmuls in ``runtime/kernels/npu_emulation_matmul.py``, the checks
+and limits every op shares in ``runtime/kernels/_npu_checks.py``; this module holds the
+quantization, packing and format ops and re-exports the matmuls, so that it is the whole op set.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from ._npu_checks import HALF, INT8_MAX, check, check_finite
+from .npu_emulation_matmul import npu_quant_matmul, npu_weight_quant_batchmatmul
 
 __all__ = [
     "ACL_FORMAT_FRACTAL_NZ",
@@ -79,20 +84,7 @@ __all__ = [
 
 EMULATION_DEVICE = torch.device("cpu")  # the npu backend places prepared tensors here
 ACL_FORMAT_ND, ACL_FORMAT_FRACTAL_NZ = 2, 29
-MAX_DIM = 65535
-INT8_MAX = 127
-_HALF = (torch.float16, torch.bfloat16)
 _FORMAT_ATTR = "_hetquant_npu_format"
-
-
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise RuntimeError(msg)
-
-
-def _finite(name: str, t: torch.Tensor) -> None:
-    if not bool(torch.isfinite(t.float()).all()):
-        raise NotImplementedError(f"{name} contains NaN/Inf: the documentation defines no result")
 
 
 def npu_dynamic_quant(
@@ -102,18 +94,18 @@ def npu_dynamic_quant(
     group_index: torch.Tensor | None = None,
     dst_type: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(x.dtype in _HALF, f"npu_dynamic_quant: x must be float16 or bfloat16, got {x.dtype}")
-    _check(x.dim() > 1, f"npu_dynamic_quant: x must have more than 1 dim, got {x.dim()}")
+    check(x.dtype in HALF, f"npu_dynamic_quant: x must be float16 or bfloat16, got {x.dtype}")
+    check(x.dim() > 1, f"npu_dynamic_quant: x must have more than 1 dim, got {x.dim()}")
     if group_index is not None:
         raise NotImplementedError("npu_dynamic_quant: group_index (MoE) is not emulated")
     if dst_type == torch.quint4x2:
         raise NotImplementedError("npu_dynamic_quant: dst_type quint4x2 is not emulated")
-    _check(dst_type in (None, torch.int8), f"npu_dynamic_quant: dst_type {dst_type} unsupported")
-    _finite("npu_dynamic_quant: x", x)
+    check(dst_type in (None, torch.int8), f"npu_dynamic_quant: dst_type {dst_type} unsupported")
+    check_finite("npu_dynamic_quant: x", x)
     xf = x.to(torch.float32)
     if smooth_scales is not None:
-        _check(smooth_scales.dtype in _HALF, "npu_dynamic_quant: smooth_scales must be fp16/bf16")
-        _check(
+        check(smooth_scales.dtype in HALF, "npu_dynamic_quant: smooth_scales must be fp16/bf16")
+        check(
             tuple(smooth_scales.shape) == (x.shape[-1],),
             f"npu_dynamic_quant: smooth_scales must be 1-D ({x.shape[-1]},), "
             f"got {tuple(smooth_scales.shape)}",
@@ -137,202 +129,46 @@ def npu_quantize(
         raise NotImplementedError("npu_quantize: div_mode=True is not emulated")
     if dtype == torch.quint4x2:
         raise NotImplementedError("npu_quantize: dtype quint4x2 is not emulated")
-    _check(
+    check(
         dtype == torch.qint8, f"npu_quantize: with div_mode=False dtype must be qint8, got {dtype}"
     )
-    floats = (torch.float32, *_HALF)
-    _check(input.dtype in floats, f"npu_quantize: input dtype {input.dtype} unsupported")
-    _check(scales.dtype in floats, f"npu_quantize: scales dtype {scales.dtype} unsupported")
-    _check(-2 <= axis < input.dim(), f"npu_quantize: axis {axis} outside [-2, {input.dim() - 1}]")
+    floats = (torch.float32, *HALF)
+    check(input.dtype in floats, f"npu_quantize: input dtype {input.dtype} unsupported")
+    check(scales.dtype in floats, f"npu_quantize: scales dtype {scales.dtype} unsupported")
+    check(-2 <= axis < input.dim(), f"npu_quantize: axis {axis} outside [-2, {input.dim() - 1}]")
     ax = input.dim() - 2 if axis == -2 else input.dim() - 1
     size = input.shape[ax]
     if scales.dim() == 1:
-        _check(scales.shape[0] in (1, size), f"npu_quantize: scales size must be 1 or {size}")
+        check(scales.shape[0] in (1, size), f"npu_quantize: scales size must be 1 or {size}")
         shape = [scales.shape[0]] + [1] * (input.dim() - 1 - ax)
     else:
         ok = scales.dim() == input.dim() and all(
             s == 1 or (d == ax and s == size) for d, s in enumerate(scales.shape)
         )
-        _check(ok, f"npu_quantize: scales shape {tuple(scales.shape)} does not fit input axis {ax}")
+        check(ok, f"npu_quantize: scales shape {tuple(scales.shape)} does not fit input axis {ax}")
         shape = list(scales.shape)
     if zero_points is not None:
-        _check(
+        check(
             zero_points.shape == scales.shape and zero_points.dtype == scales.dtype,
             "npu_quantize: zero_points must have the shape and dtype of scales",
         )
-    _finite("npu_quantize: input", input)
+    check_finite("npu_quantize: input", input)
     y = input.to(torch.float32) * scales.to(torch.float32).reshape(shape)
     if zero_points is not None:
         y = y + zero_points.to(torch.float32).reshape(shape)
     return torch.round(y).clamp(-128, 127).to(torch.int8)
 
 
-def npu_quant_matmul(
-    x1: torch.Tensor,
-    x2: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    offset: torch.Tensor | None = None,
-    pertoken_scale: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    output_dtype: torch.dtype | None = None,
-    group_sizes: list[int] | None = None,
-) -> torch.Tensor:
-    _check(x1.dtype == x2.dtype, f"npu_quant_matmul: x1 {x1.dtype} and x2 {x2.dtype} differ")
-    if x1.dtype == torch.int32:
-        raise NotImplementedError("npu_quant_matmul: int4 (int32-packed) inputs are not emulated")
-    _check(x1.dtype == torch.int8, f"npu_quant_matmul: x1/x2 must be int8, got {x1.dtype}")
-    _check(2 <= x1.dim() <= 6 and 2 <= x2.dim() <= 6, "npu_quant_matmul: x1, x2 need 2-6 dims")
-    _check(
-        x1.shape[-1] <= MAX_DIM and x2.shape[-1] <= MAX_DIM,
-        f"npu_quant_matmul: last dims of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} must not "
-        f"exceed {MAX_DIM}",
-    )
-    k, n = x1.shape[-1], x2.shape[-1]
-    _check(x2.shape[-2] == k, f"npu_quant_matmul: x1 k={k} != x2 k={x2.shape[-2]}")
-    _check(x1.numel() > 0 and x2.numel() > 0, "npu_quant_matmul: x1, x2 must not be empty")
-    if group_sizes is not None:
-        raise NotImplementedError("npu_quant_matmul: group_sizes is not emulated")
-    _check(
-        scale.dim() == 1 and scale.shape[0] in (1, n),
-        f"npu_quant_matmul: scale must be (1,) or ({n},)",
-    )
-    if scale.dtype == torch.int64:
-        raise NotImplementedError("npu_quant_matmul: int64 (npu_trans_quant_param) scale")
-    out = torch.int8 if output_dtype is None else output_dtype
-    if out in (torch.int8, torch.int32):
-        raise NotImplementedError(f"npu_quant_matmul: {out} output is not emulated")
-    # Table 2 (Atlas A2/A3) rows with a float output, int8 inputs, offset None:
-    if out == torch.bfloat16:
-        scales, biases, pertokens = (
-            (torch.float32, torch.bfloat16),
-            _BIAS_ANY,
-            (None, torch.float32),
-        )
-    elif out == torch.float16:
-        scales, pertokens = (torch.float32,), (None, torch.float32)
-        biases = (None, torch.int32) if pertoken_scale is None else _BIAS_ANY
-    else:
-        raise RuntimeError(f"npu_quant_matmul: output_dtype {out} unsupported")
-    _check(offset is None, f"npu_quant_matmul: offset must be None for {out} output")
-    _check(scale.dtype in scales, f"npu_quant_matmul: scale {scale.dtype} invalid for {out} output")
-    _check(_dt(bias) in biases, f"npu_quant_matmul: bias {_dt(bias)} invalid here ({out} output)")
-    _check(
-        _dt(pertoken_scale) in pertokens,
-        f"npu_quant_matmul: pertoken_scale {_dt(pertoken_scale)} invalid",
-    )
-    m = x1.shape[-2]
-    if pertoken_scale is not None:
-        _check(
-            tuple(pertoken_scale.shape) == (m,), f"npu_quant_matmul: pertoken_scale must be ({m},)"
-        )
-    out_dim = max(x1.dim(), x2.dim())
-    if bias is not None:
-        ok = tuple(bias.shape) == (n,) or (
-            out_dim == 3 and bias.dim() == 3 and bias.shape[1:] == (1, n)
-        )
-        _check(ok, f"npu_quant_matmul: bias must be ({n},) (or (batch, 1, {n}) for 3-D output)")
-    acc = torch.matmul(x1.to(torch.int64), x2.to(torch.int64))  # exact
-    if bias is not None and bias.dtype == torch.int32:
-        acc = acc + bias.to(torch.int64)
-    if acc.numel() and int(acc.abs().max()) > 2**31 - 1:
-        raise NotImplementedError("npu_quant_matmul: int32 accumulator overflow")
-    y = acc.to(torch.float32) * scale.to(torch.float32)
-    if pertoken_scale is not None:
-        y = y * pertoken_scale.unsqueeze(-1)
-    if bias is not None and bias.dtype != torch.int32:
-        y = y + bias.to(torch.float32)
-    return y.to(out)
-
-
-_BIAS_ANY = (None, torch.int32, torch.bfloat16, torch.float32)
-
-
-def _dt(t: torch.Tensor | None) -> torch.dtype | None:
-    return None if t is None else t.dtype
-
-
-def _unpack_int4(words: torch.Tensor) -> torch.Tensor:
-    """int32 [.., c] (int4pack) -> int64 [.., 8c] signed, element j of a word from bits 4j.."""
-    nib = (words.to(torch.int64)[..., None] >> torch.arange(0, 32, 4)) & 0xF
-    return (nib - ((nib & 0x8) << 1)).reshape(*words.shape[:-1], -1)
-
-
-def npu_weight_quant_batchmatmul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    antiquant_scale: torch.Tensor,
-    antiquant_offset: torch.Tensor | None = None,
-    quant_scale: torch.Tensor | None = None,
-    quant_offset: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    antiquant_group_size: int = 0,
-    inner_precise: int = 0,
-) -> torch.Tensor:
-    w_name = "npu_weight_quant_batchmatmul"
-    _check(x.dtype in _HALF, f"{w_name}: x must be float16 or bfloat16, got {x.dtype}")
-    _check(x.dim() == 2 and weight.dim() == 2, f"{w_name}: x (M, K) and weight (K, N) must be 2-D")
-    _check(weight.dtype in (torch.int8, torch.int32), f"{w_name}: weight must be int8 or int32")
-    _check(x.numel() > 0 and weight.numel() > 0, f"{w_name}: empty tensors are not supported")
-    k = x.shape[1]
-    n = weight.shape[1] * (8 if weight.dtype == torch.int32 else 1)
-    _check(weight.shape[0] == k, f"{w_name}: x K={k} != weight K={weight.shape[0]}")
-    _check(k <= MAX_DIM and n <= MAX_DIM, f"{w_name}: K={k}, N={n} must lie in [1, {MAX_DIM}]")
-    if quant_scale is not None or quant_offset is not None:
-        raise NotImplementedError(f"{w_name}: quant_scale / quant_offset are not emulated")
-    if antiquant_scale.dtype == torch.int64:
-        raise NotImplementedError(f"{w_name}: int64 antiquant_scale is not emulated")
-    _check(
-        antiquant_scale.dtype == x.dtype, f"{w_name}: antiquant_scale must have x's dtype {x.dtype}"
-    )
-    g = antiquant_group_size
-    _check(
-        g == 0 or (g % 32 == 0 and 32 <= g <= k - 1),
-        f"{w_name}: antiquant_group_size {g} must be 0 or a multiple of 32 in [32, K-1={k - 1}]",
-    )
-    shape = tuple(antiquant_scale.shape)
-    if g:
-        _check(
-            shape == (math.ceil(k / g), n),
-            f"{w_name}: per-group scale must be ({math.ceil(k / g)}, {n})",
-        )
-    else:
-        _check(shape in ((1,), (1, 1), (n,), (1, n)), f"{w_name}: scale shape {shape} invalid")
-    if antiquant_offset is not None:
-        _check(
-            tuple(antiquant_offset.shape) == shape
-            and antiquant_offset.dtype == antiquant_scale.dtype,
-            f"{w_name}: antiquant_offset must have antiquant_scale's shape and dtype",
-        )
-    if bias is not None:
-        want = torch.float32 if x.dtype == torch.bfloat16 else torch.float16
-        _check(bias.dtype == want, f"{w_name}: bias must be {want} for {x.dtype} x")
-        _check(tuple(bias.shape) in ((n,), (1, n)), f"{w_name}: bias must be ({n},) or (1, {n})")
-    _check(inner_precise in (0, 1), f"{w_name}: inner_precise must be 0 or 1")
-    _finite(f"{w_name}: x", x)
-    w = (_unpack_int4(weight) if weight.dtype == torch.int32 else weight).to(torch.float32)
-    s = antiquant_scale.to(torch.float32).reshape(-1, n if shape[-1] == n else 1)
-    off = None if antiquant_offset is None else antiquant_offset.to(torch.float32).reshape(s.shape)
-    if g:
-        s = s.repeat_interleave(g, dim=0)[:k]
-        off = None if off is None else off.repeat_interleave(g, dim=0)[:k]
-    w = ((w if off is None else w + off) * s).to(x.dtype)  # (K, N), the antiquantized weight
-    y = x.to(torch.float32) @ w.to(torch.float32)
-    if bias is not None:
-        y = y + bias.to(torch.float32).reshape(1, n)
-    return y.to(x.dtype)
-
-
 def npu_convert_weight_to_int4pack(weight: torch.Tensor, inner_k_tiles: int = 0) -> torch.Tensor:
     name = "npu_convert_weight_to_int4pack"
     if weight.dtype == torch.float32:
         raise NotImplementedError(f"{name}: float32 (FP4) input is not emulated")
-    _check(weight.dtype == torch.int32, f"{name}: weight must be int32, got {weight.dtype}")
-    _check(weight.is_contiguous(), f"{name}: weight should be contiguous")
-    _check(weight.dim() == 2, f"{name}: weight must be 2-D (k, n) or (n, k), got {weight.dim()}-D")
-    _check(min(weight.shape) > 0, f"{name}: weight dim should be greater than 0")
-    _check(weight.shape[-1] % 8 == 0, f"{name}: weight last dim should be a multiple of 8")
-    _check(
+    check(weight.dtype == torch.int32, f"{name}: weight must be int32, got {weight.dtype}")
+    check(weight.is_contiguous(), f"{name}: weight should be contiguous")
+    check(weight.dim() == 2, f"{name}: weight must be 2-D (k, n) or (n, k), got {weight.dim()}-D")
+    check(min(weight.shape) > 0, f"{name}: weight dim should be greater than 0")
+    check(weight.shape[-1] % 8 == 0, f"{name}: weight last dim should be a multiple of 8")
+    check(
         bool(((weight >= -8) & (weight <= 7)).all()),
         f"{name}: values must lie in [-8, 7] (torch_npu masks them to 4 bits unchecked)",
     )

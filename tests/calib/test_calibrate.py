@@ -169,26 +169,6 @@ def test_deterministic_and_saved_result_round_trips(tiny_source, calib_tokens, t
     assert all(loaded.quantizer(n) == a.quantizer(n) for n in a.quantized)
 
 
-def test_result_saved_with_one_quantizer_option_loads_its_targets(
-    tiny_source, calib_tokens, tmp_path
-):
-    """A result saved before targets were recorded named one format in its options
-    (``quantizer``, ct-w4a16's); loaded, every calibrated linear has that format as target."""
-    import json
-
-    a = calibrate(tiny_source, calib_tokens[:2, :32], AwqOptions(method="rtn"), device="cpu")
-    root = a.save(tmp_path / "calib")
-    doc = json.loads((root / "calibration.json").read_text())
-    del doc["targets"]
-    doc["options"].update(quantizer="ct_pack_quantized", group_size=32)
-    (root / "calibration.json").write_text(json.dumps(doc))
-    loaded = CalibrationResult.load(root)
-    assert loaded.options == dataclasses.replace(a.options, group_size=32)
-    ct = quantizer_for("ct_pack_quantized", {"group_size": 32})
-    assert loaded.quantized == a.quantized and a.quantized
-    assert all(loaded.quantizer(n) == ct for n in a.quantized)
-
-
 def test_experts_without_tokens_fall_back_to_all_tokens(tiny_source, calib_tokens):
     """Experts 6 and 7 are never routed (bias -100); they take statistics from all tokens."""
     base = tiny_source.dequantized

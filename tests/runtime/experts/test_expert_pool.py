@@ -22,7 +22,6 @@ and the routed sum ``Σ_k w_k y_k`` adds ``(k·S + 1)·2^-24·Σ|w_k y_k|`` for 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -274,14 +273,6 @@ def test_manifest_errors(hybrid, tmp_path):
     man.write_text(json.dumps(doc))
     with pytest.raises(HetquantError, match="not complete"):
         CpuExpertPool.open(art)
-
-
-def test_subpool_threads_pin_themselves(hybrid):
-    cpus = sorted(os.sched_getaffinity(0))
-    with CpuExpertPool.open(hybrid, subpools=2, cpus=[cpus[:1], cpus[-1:]]) as pool:
-        got = [sp.submit(os.sched_getaffinity, 0).result() for sp in pool._subpools]
-        assert got == [set(cpus[:1]), set(cpus[-1:])]
-    assert os.sched_getaffinity(0) == set(cpus)  # the caller is not pinned
 
 
 def test_pool_never_writes_the_files(hybrid):
