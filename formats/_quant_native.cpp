@@ -1,5 +1,5 @@
 // hetquant quantize kernels: see hetquant/formats/_quant_native.py. Every float operation mirrors
-// the torch reference in formats/nvfp4.py and formats/awq_w4a16.py; keep them in step.
+// the torch reference in formats/nvfp4_codes.py and formats/awq_w4a16.py; keep them in step.
 // Plain C++ that g++ -O3 vectorises; the same body is compiled for SSE2 (the x86-64 baseline, or
 // whatever the target's baseline is), AVX2 and AVX-512 and chosen at run time. IEEE float ops
 // round the same on every path, so every path gives the same bytes.
@@ -163,7 +163,7 @@ HQ_INLINE bool nvfp4_segment(const T* w, int64_t K, float s2, uint8_t* codes, ui
   }
   if (all >= INF_BITS) return false;
   const float denom = E2M1_MAX * s2;  // torch: E2M1_MAX * s2, a float32 0-d tensor
-  for (int64_t b = 0; b < nb; ++b) {  // _block_scales_from_amax, then _effective_scale
+  for (int64_t b = 0; b < nb; ++b) {  // block_scales_from_amax, then effective_scale
     float sb = as_f32(amax[b]) / denom;
     if (sb == 0.0f) sb = 1.0f;
     sb = sb < E4M3_MIN_SUB ? E4M3_MIN_SUB : sb;
@@ -173,7 +173,7 @@ HQ_INLINE bool nvfp4_segment(const T* w, int64_t K, float s2, uint8_t* codes, ui
     const float eff = f32_from_e4m3(e) * s2;
     for (int j = 0; j < BLOCK; ++j) step[b * BLOCK + j] = eff;
   }
-  for (int64_t k = 0; k < K; ++k) {  // _e2m1_codes(|w| / eff, w < 0)
+  for (int64_t k = 0; k < K; ++k) {  // e2m1_codes(|w| / eff, w < 0)
     const float x = load(w, k);
     const float y = __builtin_fabsf(x) / step[k];
     // bounds 0.25 0.75 1.25 1.75 2.5 3.5 5: ties go to the even code (>= below even codes)
@@ -194,7 +194,7 @@ struct Nvfp4Out {
 };
 
 // Byte (k, c) of the K-major packed codes [K, NT/2] (byte column c = n / 2) in the layout:
-// row-major, or the Ascend tile order of formats/nvfp4_ascend.py (k = 64 K3 + 16 K2 + 8 K1 + K0,
+// row-major, or the Ascend tile order of formats/nvfp4_ascend_tiles.py (k = 64 K3 + 16 K2 + 8 K1 + K0,
 // c = 128 N3 + 16 N2 + 4 N1 + N0, bytes ordered K3 > K1 > K2 > N2 > N3 > N1 > K0 > N0).
 HQ_INLINE int64_t kmajor_at(const Nvfp4Out& o, int64_t k, int64_t c) {
   const int64_t NB = o.NT / 2;
@@ -502,7 +502,7 @@ int hq_awq_quantize(const void* w, int bf16, int64_t R, int64_t K, int64_t g, in
   }
 }
 
-// NVFP4 Ascend tile order (formats/nvfp4_ascend.py ``_tile``): the packed K-major codes kn
+// NVFP4 Ascend tile order (formats/nvfp4_ascend_tiles.py ``tile``): the packed K-major codes kn
 // [K, NB] (NB = N/2 bytes, K % 64 == 0, NB % 128 == 0) rewritten as out [K, NB] in the order
 // K3 > K1 > K2 > N2 > N3 > N1 > K0 > N0 of k = 64 K3 + 16 K2 + 8 K1 + K0 and byte column
 // 128 N3 + 16 N2 + 4 N1 + N0: a pure byte permutation that moves 4-byte (N0) words. Returns

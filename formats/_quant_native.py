@@ -206,7 +206,7 @@ def nvfp4(
 
 
 def nvfp4_tile(kn: torch.Tensor) -> torch.Tensor | None:
-    """``nvfp4_ascend._tile`` of packed K-major codes ``kn`` uint8 [K, N/2] (K % 64 == 0,
+    """``nvfp4_ascend_tiles.tile`` of packed K-major codes ``kn`` uint8 [K, N/2] (K % 64 == 0,
     N % 256 == 0): the same bytes in tile order, [K, N/2]. None where the kernel does not
     apply (no library, another dtype or layout)."""
     lib = QUANT_LIBRARY.get().lib

@@ -1,8 +1,8 @@
 // hetquant row kernels: see hetquant/formats/_rows_native.py. Compiled as one translation unit
 // after _quant_native.cpp (its helpers: load, bits, as_f32, f32_from_e4m3, ROUND_MAGIC, pick).
-// Every float operation mirrors the torch reference in formats/fp8_block.py (dequantize_rows),
-// formats/w8a8_npu.py (_weight_tensors) and formats/int4_cpu.py (_quantize_rows without clip
-// search); keep them in step.
+// Every float operation mirrors the torch reference in formats/fp8_block_rows.py
+// (dequantize_rows), formats/w8a8_npu_rows.py (weight_tensors) and formats/int4_cpu_rows.py
+// (quantize_rows_torch without clip search); keep them in step.
 #include <cmath>
 #ifdef HQ_X86
 #include <immintrin.h>
@@ -56,7 +56,7 @@ HQ_INLINE int fp8_rows(const uint8_t* codes, int64_t R, int64_t C, const float* 
 }
 
 // max |bf16(f32(code) * s)| over block-FP8 codes [R, C] whose scales are s [ceil(R / block),
-// sC] (fp8_block.absmax_dequantized): the value is non-decreasing in |code|, so per block row
+// sC] (fp8_block_rows.absmax_dequantized): the value is non-decreasing in |code|, so per block row
 // only each column's largest magnitude code is dequantized. Returns 0 with the maximum in *out,
 // 1 when a NaN code is present, -2 out of memory.
 HQ_INLINE int fp8_absmax(const uint8_t* codes, int64_t R, int64_t C, const float* s, int64_t sC,
@@ -87,8 +87,9 @@ HQ_INLINE uint32_t row_amax(const T* w, int64_t K) {
 
 // ------------------------------------------------------------------- W8A8 per-row int8
 // s = up_bf16(max(amax / 127, 2^-23)) (the quotient in double, rounded UP to the nearest BF16
-// value: formats/w8a8_npu.py held_scale), q = clamp(round(w / s), -128, 127) with the quotient
-// in float for BF16 rows (exact: formats/w8a8_npu.py _NARROW) and in double for F32 rows.
+// value: formats/w8a8_npu_rows.py held_scale), q = clamp(round(w / s), -128, 127) with the
+// quotient in float for BF16 rows (exact: formats/w8a8_npu_rows.py weight_tensors, ``narrow``)
+// and in double for F32 rows.
 HQ_INLINE float up_bf16(double x) {
   float f = (float)x;
   if ((double)f < x) f = std::nextafter(f, INFINITY);
