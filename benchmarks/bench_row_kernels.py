@@ -49,13 +49,15 @@ def kernels(w: np.ndarray, isa: int) -> dict[str, Callable[[], Any]]:
 
 def measure(w: np.ndarray, repeats: int) -> dict[int, dict[str, float]]:
     """Best seconds per kernel per path, the kernels interleaved within each repeat."""
-    paths = range(qn.best_isa(), 0, -1)
-    best: dict[int, dict[str, float]] = {isa: {} for isa in paths}
+    calls = {isa: kernels(w, isa) for isa in range(qn.best_isa(), 0, -1)}
+    for isa, named in calls.items():  # once untimed: each kernel takes the weight, and is warm
+        for name, call in named.items():
+            if call() is None:
+                raise SystemExit(f"{name} at path {isa} declined the weight")
+    best: dict[int, dict[str, float]] = {isa: {} for isa in calls}
     for _ in range(repeats):
-        for isa in paths:
-            for name, call in kernels(w, isa).items():
-                if call() is None:  # the kernel declined: nothing to time
-                    raise SystemExit(f"{name} at path {isa} declined the weight")
+        for isa, named in calls.items():
+            for name, call in named.items():
                 t0 = time.perf_counter()
                 call()
                 dt = time.perf_counter() - t0
