@@ -1,11 +1,14 @@
 // hetquant quantize kernels: see hetquant/formats/_quant_native.py. Every float operation mirrors
-// the torch reference in formats/nvfp4_codes.py and formats/awq_w4a16.py; keep them in step.
+// the torch reference in formats/nvfp4_codes.py and formats/awq_w4a16.py; keep them in step (the
+// one exception, NVFP4's bound count done as a rounding, is proven equal: e2m1_magnitude).
 // Plain C++ that g++ -O3 vectorises; the same body is compiled for SSE2 (the x86-64 baseline, or
 // whatever the target's baseline is), AVX2 and AVX-512 and chosen at run time. IEEE float ops
 // round the same on every path, so every path gives the same bytes.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <type_traits>
 #if defined(__x86_64__)
 #define HQ_X86 1
 #endif
@@ -126,7 +129,16 @@ struct Scratch {  // malloc'd bytes, freed on scope exit
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+#if defined(__clang__)
+#define HQ_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define HQ_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (std::remove_cv_t<std::remove_reference_t<decltype(a)>>){__VA_ARGS__})
+#endif
 
 HQ_INLINE u32x16 load_bits(const float* p) { u32x16 v; memcpy(&v, p, 64); return v; }
 HQ_INLINE u32x16 load_bits(const uint16_t* p) {
@@ -143,16 +155,36 @@ HQ_INLINE H halves_max(const V& v) {
   return hi > lo ? hi : lo;
 }
 
+// The largest of 16 magnitudes' bits (below 2^31, so signed lanes: SSE2 has their compare),
+// halved down to one 4-lane vector, then two swaps within it: no lane goes through a scalar.
 HQ_INLINE uint32_t block_max(const u32x16& v) {
-  const u32x4 q = halves_max<u32x8, u32x4>(halves_max<u32x16, u32x8>(v));
-  const uint32_t a = q[0] > q[1] ? q[0] : q[1], b = q[2] > q[3] ? q[2] : q[3];
-  return a > b ? a : b;
+  const i32x4 q = halves_max<i32x8, i32x4>(halves_max<i32x16, i32x8>((i32x16)v));
+  const i32x4 p = HQ_SHUFFLE(q, q, 2, 3, 0, 1), a = p > q ? p : q;
+  const i32x4 r = HQ_SHUFFLE(a, a, 1, 0, 3, 2), b = r > a ? r : a;
+  return (uint32_t)b[0];
 }
 
-// Inputs [0, K) of one row: codes[K] (sign << 3 | magnitude index) and scales[K/16];
+// E2M1 magnitude index of y = |w| / step: the count of the bounds 0.25 0.75 1.25 1.75 2.5 3.5 5
+// that y passes (> below odd codes, >= below even ones: ties go to the even code), 0 for y < 0
+// or NaN. That is y rounded to the E2M1 grid (0 0.5 1 1.5 2 3 4 6) to nearest even: below 1
+// the grid step is 0.5, so y + 2^22 (ulp 0.5) rounds it; from 1 up, y's bits rounded to one
+// mantissa bit are the code (1.0 -> 2), saturating at 7. Integer masks, not branches, select,
+// so every path vectorises; tests/formats/test_native_quant.py holds it to the comparisons.
+HQ_INLINE int32_t e2m1_magnitude(float y) {
+  const int32_t yb = (int32_t)bits(y);
+  const int32_t sub = (int32_t)bits(y + 4194304.0f) - (149 << 23);
+  int32_t nrm = ((yb + 0x1FFFFF + ((yb >> 22) & 1)) >> 22) - 252;
+  nrm = nrm > 7 ? 7 : nrm;
+  const int32_t low = -(int32_t)(yb < 0x3F800000);  // all ones below 1
+  const int32_t m = (sub & low) | (nrm & ~low);
+  return m & -(int32_t)((yb >= 0) & (yb <= 0x7F800000));  // y < 0 or NaN: no bound passed
+}
+
+// Inputs [0, K) of one row: codes[K] (sign << 3 | magnitude index) and scales[b * ss] (K/16);
 // false on NaN/Inf. amax[K/16] and step[K] are scratch.
 template <typename T>
 HQ_INLINE bool nvfp4_segment(const T* w, int64_t K, float s2, uint8_t* codes, uint8_t* scales,
+                             int64_t ss,
                              uint32_t* amax, float* step) {
   const int64_t nb = K / BLOCK;
   uint32_t all = 0;
@@ -169,16 +201,14 @@ HQ_INLINE bool nvfp4_segment(const T* w, int64_t K, float s2, uint8_t* codes, ui
     sb = sb < E4M3_MIN_SUB ? E4M3_MIN_SUB : sb;
     sb = sb > E4M3_MAX ? E4M3_MAX : sb;
     const uint8_t e = e4m3_from_f32(sb);
-    scales[b] = e;
+    scales[b * ss] = e;
     const float eff = f32_from_e4m3(e) * s2;
     for (int j = 0; j < BLOCK; ++j) step[b * BLOCK + j] = eff;
   }
   for (int64_t k = 0; k < K; ++k) {  // e2m1_codes(|w| / eff, w < 0)
     const float x = load(w, k);
-    const float y = __builtin_fabsf(x) / step[k];
-    // bounds 0.25 0.75 1.25 1.75 2.5 3.5 5: ties go to the even code (>= below even codes)
-    codes[k] = (uint8_t)((y > 0.25f) + (y >= 0.75f) + (y > 1.25f) + (y >= 1.75f) + (y > 2.5f) +
-                         (y >= 3.5f) + (y > 5.0f) + (x < 0.0f) * 8);
+    const int32_t m = e2m1_magnitude(__builtin_fabsf(x) / step[k]);
+    codes[k] = (uint8_t)(m + (x < 0.0f) * 8);
   }
   return true;
 }
@@ -235,7 +265,8 @@ HQ_INLINE void nvfp4_store_runs(const Tile& t, const Nvfp4Out& o, const uint32_t
 }
 
 // The same tile K-major: weight [K, NT/2] with n even in the low nibble (row-major or in tile
-// order), weight_scale [K/16, NT]. words[ROW_TILE / 8 * KT] is scratch; rows and row0 are
+// order), weight_scale [K/16, NT]; here the tile's scales are [KT/16][ROW_TILE] (a block's
+// rows in one run). words[ROW_TILE / 8 * KT] is scratch; rows and row0 are
 // even. Eight rows make one 4-byte word per k: in tile order one N0 unit, stored whole where
 // it is aligned, and whole 128-byte runs where the tile covers them.
 HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uint8_t* scales,
@@ -244,10 +275,11 @@ HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uin
   int64_t i = 0;
   for (; i + 8 <= t.rows; i += 8) {  // 8 rows = 4 bytes of each output row
     uint32_t* __restrict w = words + (i / 8) * t.KT;
-    for (int64_t k = 0; k < t.kt; ++k) w[k] = 0;
-    for (int r = 0; r < 8; ++r) {  // row i + r in nibble r; contiguous in k: vectorised
-      const uint8_t* __restrict c = codes + (i + r) * t.KT;
-      for (int64_t k = 0; k < t.kt; ++k) w[k] |= (uint32_t)c[k] << (4 * r);
+    const uint8_t* __restrict c = codes + i * t.KT;
+    for (int64_t k = 0; k < t.kt; ++k) {  // row i + r in nibble r; contiguous in k: vectorised
+      uint32_t x = 0;
+      for (int r = 0; r < 8; ++r) x |= (uint32_t)c[r * t.KT + k] << (4 * r);
+      w[k] = x;
     }
     const int64_t col = (o.row0 + t.n0 + i) / 2;
     if (runs) {
@@ -266,9 +298,8 @@ HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uin
     for (int64_t k = 0; k < t.kt; ++k)
       o.q[kmajor_at(o, t.k0 + k, col)] = (uint8_t)(c[k] | c[t.KT + k] << 4);
   }
-  for (int64_t b = 0; b < t.kt / BLOCK; ++b)
-    for (int64_t r = 0; r < t.rows; ++r)
-      o.sc[(t.k0 / BLOCK + b) * o.NT + o.row0 + t.n0 + r] = scales[r * (t.KT / BLOCK) + b];
+  for (int64_t b = 0; b < t.kt / BLOCK; ++b)  // scales [KT/16][ROW_TILE]: one run per block
+    memcpy(o.sc + (t.k0 / BLOCK + b) * o.NT + o.row0 + t.n0, scales + b * ROW_TILE, (size_t)t.rows);
 }
 
 template <typename T>
@@ -285,7 +316,9 @@ HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4
     for (int64_t i = 0; i < t.rows; ++i) {
       const T* row = w + (t.n0 + i) * K;
       prefetch_next(row, t, KT);
-      if (!nvfp4_segment(row + t.k0, t.kt, s2, codes + i * KT, scales + i * kb, amax, step))
+      const bool rows = o.layout == NVFP4_ROWS;  // K-major: the scales K-major too
+      if (!nvfp4_segment(row + t.k0, t.kt, s2, codes + i * KT, scales + (rows ? i * kb : i),
+                         rows ? 1 : ROW_TILE, amax, step))
         return -1;
     }
     if (o.layout == NVFP4_ROWS)
@@ -315,62 +348,66 @@ HQ_INLINE int32_t order_key(uint32_t b) {
 HQ_INLINE float from_order_key(int32_t key) { return as_f32((uint32_t)order_key((uint32_t)key)); }
 
 // Scale (FP16 bits), its float32 value and the zero point of a group with extremes lo, hi
-// (finite); false when the scale overflows FP16.
-HQ_INLINE bool awq_params(float lo, float hi, uint16_t* s16, float* sf, float* z) {
+// (finite). Branch-free, so that the params of a tile's groups, computed in one loop, overlap
+// (each is a ~100-cycle chain of divides and conversions). ok &= 0 when the scale overflows FP16.
+HQ_INLINE void awq_params(float lo, float hi, uint16_t* s16, float* sf, float* z, uint32_t* ok) {
   lo = lo > 0.0f ? 0.0f : lo;  // lo.clamp(max=0), hi.clamp(min=0)
   hi = hi < 0.0f ? 0.0f : hi;
   double span = (double)hi - (double)lo;  // float64, as (hi.double() - lo.double())
   span = span < RANGE_EPS ? RANGE_EPS : span;
   const double x = span / (double)QMAX;
-  uint16_t h = f16_from_f32((float)x);  // torch: float64 -> float32 -> float16
-  if ((double)f32_from_f16(h) < x) ++h;  // _round_up_f16: nextafter towards +Inf
-  if (h >= 0x7C00) return false;
+  uint16_t h = f16_from_f32((float)x);           // torch: float64 -> float32 -> float16
+  h = (uint16_t)(h + ((double)f32_from_f16(h) < x));  // _round_up_f16: nextafter towards +Inf
+  *ok &= h < 0x7C00;
+  h = h < 0x7C00 ? h : 0x3C00;  // an overflow's scale is never used: keep the math finite
   *s16 = h;
   *sf = f32_from_f16(h);
   float t = lo / *sf;  // z = clamp(-round(lo / s), 0, 15); clamping t first is equivalent
   t = t < -16.0f ? -16.0f : t;
   const float zz = -((t + ROUND_MAGIC) - ROUND_MAGIC);
   *z = zz > QMAX ? QMAX : (zz < 0.0f ? 0.0f : zz);
-  return true;
 }
 
-// Inputs [0, K) of one row (whole groups of g): codes[K], zero points zc[K/g], FP16 scales at
-// sc[j * R]. Returns 0, -1 NaN/Inf, -3 FP16 overflow.
+// The order keys of each group's extremes over inputs [0, K) of one row (whole groups of g):
+// lo[K/g], hi[K/g]. False on NaN/Inf.
 template <typename T>
-HQ_INLINE int awq_segment(const T* w, int64_t K, int64_t g, uint8_t* codes, uint8_t* zc,
-                          uint16_t* sc, int64_t R) {
+HQ_INLINE bool awq_extremes(const T* w, int64_t K, int64_t g, int32_t* lo, int32_t* hi) {
+  uint32_t amax = 0;
   for (int64_t j = 0; j < K / g; ++j) {
     const T* p = w + j * g;
-    int32_t lo = INT32_MAX, hi = INT32_MIN;  // min/max of order keys (integer, vectorises)
-    uint32_t amax = 0;
+    int32_t l = INT32_MAX, h = INT32_MIN;  // min/max of order keys (integer, vectorises)
     for (int64_t k = 0; k < g; ++k) {
       const uint32_t b = bits(load(p, k));
       const int32_t key = order_key(b);
-      lo = key < lo ? key : lo;
-      hi = key > hi ? key : hi;
+      l = key < l ? key : l;
+      h = key > h ? key : h;
       const uint32_t a = b & ABS;
       amax = a > amax ? a : amax;
     }
-    if (amax >= INF_BITS) return -1;
-    uint16_t h;
-    float sf, z;
-    if (!awq_params(from_order_key(lo), from_order_key(hi), &h, &sf, &z)) return -3;
-    sc[j * R] = h;
-    zc[j] = (uint8_t)z;
-    uint8_t* c = codes + j * g;
-    const int32_t zi = (int32_t)z;
-    for (int64_t k = 0; k < g; ++k) {  // q = clamp(round(w / s) + z, 0, 15)
-      // fl(t + M) = M + round(t) for |t| <= 16 (M = 1.5 * 2^23, where the float step is 1), and
-      // its order key grows with t, so the key clamped to M -+ 16, minus M's, is
-      // clamp(round(t), -16, 16); that clamp does not change the clamp to 0..15 after + z.
-      int32_t r = order_key(bits(load(p, k) / sf + ROUND_MAGIC));
-      r = r < MAGIC_BITS - 16 ? MAGIC_BITS - 16 : (r > MAGIC_BITS + 16 ? MAGIC_BITS + 16 : r);
-      int32_t v = r - MAGIC_BITS + zi;
-      v = v < 0 ? 0 : (v > 15 ? 15 : v);
-      c[k] = (uint8_t)v;
-    }
+    lo[j] = l;
+    hi[j] = h;
   }
-  return 0;
+  return amax < INF_BITS;
+}
+
+// Code of t = w / s with zero point zi: clamp(round(t) + z, 0, 15).
+HQ_INLINE uint8_t awq_code(float t, int32_t zi) {
+  // fl(t + M) = M + round(t) for |t| <= 16 (M = 1.5 * 2^23, where the float step is 1), and
+  // its order key grows with t, so the key clamped to M -+ 16, minus M's, is
+  // clamp(round(t), -16, 16); that clamp does not change the clamp to 0..15 after + z.
+  int32_t r = order_key(bits(t + ROUND_MAGIC));
+  r = r < MAGIC_BITS - 16 ? MAGIC_BITS - 16 : (r > MAGIC_BITS + 16 ? MAGIC_BITS + 16 : r);
+  int32_t v = r - MAGIC_BITS + zi;
+  v = v < 0 ? 0 : (v > 15 ? 15 : v);
+  return (uint8_t)v;
+}
+
+// Codes of one group of g inputs with float scale sf and zero point z: q = clamp(round(w / s) + z,
+// 0, 15). (A product with fl(1 / s), recoded by the divide where one lands near a tie, was
+// measured slower on Zen 4.)
+template <typename T>
+HQ_INLINE void awq_codes(const T* p, int64_t g, float sf, int32_t zi, uint8_t* c) {
+  for (int64_t k = 0; k < g; ++k) c[k] = awq_code(load(p, k) / sf, zi);
 }
 
 // AutoAWQ word of 8 rows' codes: nibble i holds row AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -381,30 +418,83 @@ HQ_INLINE uint32_t awq_word(const uint8_t* c, int64_t stride, int64_t k) {
          (uint32_t)c[7 * stride + k] << 28;
 }
 
+// r[j] = (a[0][j], a[1][j], a[2][j], a[3][j]) for the rows a[i] = p + i * stride (4 words each).
+HQ_INLINE void transpose4(const uint32_t* p, int64_t stride, u32x4* r) {
+  u32x4 a[4];
+  for (int i = 0; i < 4; ++i) memcpy(&a[i], p + i * stride, 16);
+  const u32x4 lo01 = HQ_SHUFFLE(a[0], a[1], 0, 4, 1, 5), hi01 = HQ_SHUFFLE(a[0], a[1], 2, 6, 3, 7);
+  const u32x4 lo23 = HQ_SHUFFLE(a[2], a[3], 0, 4, 1, 5), hi23 = HQ_SHUFFLE(a[2], a[3], 2, 6, 3, 7);
+  r[0] = HQ_SHUFFLE(lo01, lo23, 0, 1, 4, 5);
+  r[1] = HQ_SHUFFLE(lo01, lo23, 2, 3, 6, 7);
+  r[2] = HQ_SHUFFLE(hi01, hi23, 0, 1, 4, 5);
+  r[3] = HQ_SHUFFLE(hi01, hi23, 2, 3, 6, 7);
+}
+
+// A tile's packed words, qweight [K, R/8] and qzeros [K/g, R/8]: the tile's (at most 16) words of
+// one k are one run of qweight's row k. words[c * KTP + k] is scratch (KTP = KT + 16: the c rows
+// of words do not share cache sets); stores go run by run, never down a column of stride R/2
+// bytes, whose lines would fall in a few L1 sets.
+HQ_INLINE void awq_store(const Tile& t, int64_t g, int64_t W, const uint8_t* codes,
+                         const uint8_t* zeros, uint32_t* words, int32_t* qw, int32_t* qz) {
+  const int64_t KT = t.KT, KTP = KT + 16, GT = KT / g, C = t.rows / 8, col = t.n0 / 8;
+  for (int64_t c = 0; c < C; ++c) {
+    uint32_t* __restrict wc = words + c * KTP;
+    for (int64_t k = 0; k < t.kt; ++k) wc[k] = awq_word(codes + 8 * c * KT, KT, k);
+  }
+  int64_t k = 0;
+  if (C % 4 == 0)  // 4 x 4 word transposes: vector loads of words' rows, vector stores of runs
+    for (; k + 4 <= t.kt; k += 4)
+      for (int64_t c = 0; c < C; c += 4) {
+        u32x4 r[4];
+        transpose4(words + c * KTP + k, KTP, r);
+        for (int j = 0; j < 4; ++j) memcpy(qw + (t.k0 + k + j) * W + col + c, &r[j], 16);
+      }
+  for (; k < t.kt; ++k)
+    for (int64_t c = 0; c < C; ++c) qw[(t.k0 + k) * W + col + c] = (int32_t)words[c * KTP + k];
+  for (int64_t j = 0; j < t.kt / g; ++j)
+    for (int64_t c = 0; c < C; ++c)
+      qz[(t.k0 / g + j) * W + col + c] = (int32_t)awq_word(zeros + 8 * c * GT, GT, j);
+}
+
+// A tile in four passes: each group's extremes, the params of all the tile's groups, the codes,
+// the packed stores.
 template <typename T>
 HQ_INLINE int awq_rows(const T* w, int64_t R, int64_t K, int64_t g, int32_t* qw, int32_t* qz,
-                       uint16_t* sc) {
-  const int64_t KT = g >= K_TILE ? g : K_TILE / g * g, GT = KT / g, W = R / 8;  // whole groups
-  Scratch buf(KT * 4 + ROW_TILE * (KT + GT));
+                       uint16_t* sc, int64_t NT) {
+  const int64_t KT = g >= K_TILE ? g : K_TILE / g * g, GT = KT / g, W = NT / 8;  // whole groups
+  const int64_t NG = ROW_TILE * GT;  // groups per tile
+  Scratch buf(16 * (KT + 16) * 4 + NG * 4 * 5 + ROW_TILE * (KT + GT));
   if (!buf.p) return -2;
   uint32_t* words = (uint32_t*)buf.p;
-  uint8_t* codes = (uint8_t*)(words + KT);
+  int32_t* lo = (int32_t*)(words + 16 * (KT + 16));
+  int32_t* hi = lo + NG;
+  float* sf = (float*)(hi + NG);
+  float* zf = sf + NG;
+  uint16_t* s16 = (uint16_t*)(zf + NG);
+  uint8_t* codes = (uint8_t*)(s16 + 2 * NG);
   uint8_t* zeros = codes + ROW_TILE * KT;
   for (Tile t(R, K, KT); t.next();) {
+    const int64_t gt = t.kt / g, ng = t.rows * GT;
     for (int64_t i = 0; i < t.rows; ++i) {
-      const int64_t n = t.n0 + i;
-      prefetch_next(w + n * K, t, KT);
-      const int rc = awq_segment(w + n * K + t.k0, t.kt, g, codes + i * KT, zeros + i * GT,
-                                 sc + t.k0 / g * R + n, R);
-      if (rc) return rc;
+      const T* row = w + (t.n0 + i) * K;
+      prefetch_next(row, t, KT);
+      if (!awq_extremes(row + t.k0, t.kt, g, lo + i * GT, hi + i * GT)) return -1;
     }
-    for (int64_t c = 0; c < t.rows / 8; ++c) {  // qweight [K, R/8], qzeros [K/g, R/8]
-      const int64_t col = t.n0 / 8 + c;
-      for (int64_t k = 0; k < t.kt; ++k) words[k] = awq_word(codes + 8 * c * KT, KT, k);
-      for (int64_t k = 0; k < t.kt; ++k) qw[(t.k0 + k) * W + col] = (int32_t)words[k];
-      for (int64_t j = 0; j < t.kt / g; ++j)
-        qz[(t.k0 / g + j) * W + col] = (int32_t)awq_word(zeros + 8 * c * GT, GT, j);
+    uint32_t ok = 1;
+    for (int64_t i = 0; i < ng; ++i) {
+      if (i % GT >= gt) continue;
+      awq_params(from_order_key(lo[i]), from_order_key(hi[i]), s16 + i, sf + i, zf + i, &ok);
+      zeros[i] = (uint8_t)zf[i];
     }
+    if (!ok) return -3;
+    for (int64_t j = 0; j < gt; ++j)  // scales [K/g, R]: a run of the tile's rows per group
+      for (int64_t i = 0; i < t.rows; ++i) sc[(t.k0 / g + j) * NT + t.n0 + i] = s16[i * GT + j];
+    for (int64_t i = 0; i < t.rows; ++i) {
+      const T* row = w + (t.n0 + i) * K + t.k0;
+      for (int64_t j = 0; j < gt; ++j)
+        awq_codes(row + j * g, g, sf[i * GT + j], (int32_t)zf[i * GT + j], codes + i * KT + j * g);
+    }
+    awq_store(t, g, W, codes, zeros, words, qw, qz);
   }
   return 0;
 }
@@ -417,9 +507,9 @@ HQ_INLINE int awq_rows(const T* w, int64_t R, int64_t K, int64_t g, int32_t* qw,
                 : nvfp4_rows((const float*)w, N, K, s2, o);                                  \
   }                                                                                           \
   TARGET int awq_##NAME(const void* w, int bf16, int64_t R, int64_t K, int64_t g, int32_t* qw, \
-                        int32_t* qz, uint16_t* sc) {                                          \
-    return bf16 ? awq_rows((const uint16_t*)w, R, K, g, qw, qz, sc)                          \
-                : awq_rows((const float*)w, R, K, g, qw, qz, sc);                            \
+                        int32_t* qz, uint16_t* sc, int64_t NT) {                              \
+    return bf16 ? awq_rows((const uint16_t*)w, R, K, g, qw, qz, sc, NT)                      \
+                : awq_rows((const float*)w, R, K, g, qw, qz, sc, NT);                        \
   }                                                                                           \
   TARGET float absmax_##NAME(const void* w, int bf16, int64_t count) {                        \
     return bf16 ? absmax((const uint16_t*)w, count) : absmax((const float*)w, count);         \
@@ -487,18 +577,21 @@ float hq_absmax(const void* w, int bf16, int64_t count, int isa) {
   }
 }
 
-// AWQ round-to-nearest of rows w [R, K] (R % 8 == 0, K % g == 0): qw int32 [K, R/8],
-// qz int32 [K/g, R/8], sc float16 bits [K/g, R]. Returns 0, -1 NaN/Inf, -2 out of memory or
-// bad arguments, -3 a scale beyond FP16 (outputs partly written on error).
+// AWQ round-to-nearest of rows w [R, K] (R % 8 == 0, K % g == 0), written as rows row0 .. row0 + R
+// of a weight of NT rows (NT % 8 == 0, row0 % 8 == 0): qw int32 [K, NT/8], qz int32 [K/g, NT/8],
+// sc float16 bits [K/g, NT] (the rows' columns of each). Returns 0, -1 NaN/Inf, -2 out of memory
+// or bad arguments, -3 a scale beyond FP16 (outputs partly written on error).
 int hq_awq_quantize(const void* w, int bf16, int64_t R, int64_t K, int64_t g, int32_t* qw,
-                    int32_t* qz, uint16_t* sc, int isa) {
+                    int32_t* qz, uint16_t* sc, int64_t NT, int64_t row0, int isa) {
   if (R < 0 || R % 8 || g <= 0 || K < 0 || K % g) return -2;
+  if (NT % 8 || row0 < 0 || row0 % 8 || row0 + R > NT) return -2;
+  qw += row0 / 8, qz += row0 / 8, sc += row0;
   switch (pick(isa)) {
 #ifdef HQ_X86
-    case 3: return awq_avx512(w, bf16, R, K, g, qw, qz, sc);
-    case 2: return awq_avx2(w, bf16, R, K, g, qw, qz, sc);
+    case 3: return awq_avx512(w, bf16, R, K, g, qw, qz, sc, NT);
+    case 2: return awq_avx2(w, bf16, R, K, g, qw, qz, sc, NT);
 #endif
-    default: return awq_generic(w, bf16, R, K, g, qw, qz, sc);
+    default: return awq_generic(w, bf16, R, K, g, qw, qz, sc, NT);
   }
 }
 
@@ -564,6 +657,10 @@ void hq_u8_colmax7(const uint8_t* __restrict w, int64_t R, int64_t C, int64_t st
 // Element-wise conversions, exported for the tests.
 void hq_e4m3_encode(const float* x, uint8_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = e4m3_from_f32(x[i]);
+}
+
+void hq_e2m1_magnitude(const float* y, uint8_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = (uint8_t)e2m1_magnitude(y[i]);
 }
 
 void hq_f16_encode(const float* x, uint16_t* out, int64_t n) {

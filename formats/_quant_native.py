@@ -23,7 +23,18 @@ Precision notes, each checked against the torch code (tests/formats/test_native_
   broadcast column without a reciprocal); ``E2M1_MAX * s2`` is a float32 product (a float64 one
   moves block scales that sit on an E4M3 tie, e.g. weight_amax = 448);
 * AWQ's ``round(w / s)`` is float32 ``w / s`` rounded half to even; ``hi.double() - lo.double()``
-  is float64 (exact unless one magnitude exceeds the other by more than ~2^28).
+  is float64 (exact unless one magnitude exceeds the other by more than ~2^28);
+* NVFP4's magnitude code, the count of E2M1 bounds ``|w| / step`` passes, is that same float32
+  quotient rounded to the E2M1 grid with ties to even, done on its bits (``e2m1_magnitude``:
+  no comparisons, so every path vectorises); the test holds it to the bound count on every
+  bound's neighbourhood, a sweep of all bit patterns and random quotients (and it was checked
+  on all 2^32 floats when written).
+
+Layout of the work (a tile at a time): AWQ takes each group's extremes, then the parameters of
+all the tile's groups in one branch-free loop (their divide chains overlap), then the codes,
+then packs the tile's words and stores each k's run of them as one row segment of qweight
+(never down a column of stride R/2 bytes, whose lines share a few L1 sets). With ``out`` and
+``row0`` both quantizers write a chunk of rows into the whole weight's tensors.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ __all__ = [
     "awq_rtn",
     "awq_rtn_array",
     "best_isa",
+    "e2m1_magnitude",
     "e4m3_encode",
     "f16_encode",
     "float_kind",
@@ -72,7 +84,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.hq_nvfp4_quantize.restype = ci
     lib.hq_absmax.argtypes = [vp, ci, i64, ci]
     lib.hq_absmax.restype = f32
-    lib.hq_awq_quantize.argtypes = [vp, ci, i64, i64, i64, vp, vp, vp, ci]
+    lib.hq_awq_quantize.argtypes = [vp, ci, i64, i64, i64, vp, vp, vp, i64, i64, ci]
     lib.hq_awq_quantize.restype = ci
     lib.hq_nvfp4_tile.argtypes = [vp, i64, i64, vp]
     lib.hq_nvfp4_tile.restype = ci
@@ -82,7 +94,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.hq_u8_colmax7.restype = None
     lib.hq_quant_best_isa.argtypes = []
     lib.hq_quant_best_isa.restype = ci
-    for fn in (lib.hq_e4m3_encode, lib.hq_f16_encode):
+    for fn in (lib.hq_e4m3_encode, lib.hq_f16_encode, lib.hq_e2m1_magnitude):
         fn.argtypes = [vp, vp, i64]
         fn.restype = None
     lib.hq_fp8_dequant_rows.argtypes = [vp, i64, i64, vp, i64, vp, ci]
@@ -242,22 +254,43 @@ def u8_colmax7(rows: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def awq_rtn_array(w: np.ndarray, group: int, isa: int = 0) -> dict[str, np.ndarray] | None:
+def _awq_shapes(nt: int, k: int, group: int) -> dict[str, tuple[int, int]]:
+    """The stored tensors of an AWQ weight of ``nt`` rows: qweight, qzeros, scales."""
+    return {"qweight": (k, nt // 8), "qzeros": (k // group, nt // 8), "scales": (k // group, nt)}
+
+
+_AWQ_DTYPES = {"qweight": np.int32, "qzeros": np.int32, "scales": np.float16}
+
+
+def awq_rtn_array(
+    w: np.ndarray,
+    group: int,
+    isa: int = 0,
+    out: dict[str, np.ndarray] | None = None,
+    row0: int = 0,
+) -> dict[str, np.ndarray] | None:
     """AWQ round-to-nearest of rows ``w`` [R, K] (BF16 bits or F32; shape already validated):
-    ``qweight`` I32 [K, R/8], ``qzeros`` I32 [K/g, R/8], ``scales`` F16 [K/g, R]. None where the
-    kernel does not apply, ``w`` holds NaN/Inf or a scale overflows FP16."""
+    ``qweight`` I32 [K, R/8], ``qzeros`` I32 [K/g, R/8], ``scales`` F16 [K/g, R]. With ``out``,
+    the rows are rows ``row0`` .. of the whole weight whose tensors ``out`` holds (its rows:
+    ``out["scales"]``' columns), written into their columns in place and returned. None where
+    the kernel does not apply (also ``out`` of other shapes or dtypes, a ``row0`` not a multiple
+    of 8 or past the weight), ``w`` holds NaN/Inf or a scale overflows FP16."""
     kind = float_kind(w)
     lib = None if kind is None or w.ndim != 2 else QUANT_LIBRARY.get().lib
     if lib is None:
         return None
     r, k = w.shape
-    out = {
-        "qweight": np.empty((k, r // 8), dtype=np.int32),
-        "qzeros": np.empty((k // group, r // 8), dtype=np.int32),
-        "scales": np.empty((k // group, r), dtype=np.float16),
-    }
-    ptrs = (a.ctypes.data for a in out.values())
-    rc = lib.hq_awq_quantize(w.ctypes.data, kind, r, k, group, *ptrs, isa)
+    if out is None:
+        out = {key: np.empty(s, _AWQ_DTYPES[key]) for key, s in _awq_shapes(r, k, group).items()}
+    if set(out) != set(_AWQ_DTYPES) or out["scales"].ndim != 2:
+        return None
+    shapes = _awq_shapes(out["scales"].shape[1], k, group)
+    for key, a in out.items():
+        if a.dtype != _AWQ_DTYPES[key] or a.shape != shapes[key] or not a.flags.c_contiguous:
+            return None
+    nt = out["scales"].shape[1]
+    ptrs = (out[key].ctypes.data for key in ("qweight", "qzeros", "scales"))
+    rc = lib.hq_awq_quantize(w.ctypes.data, kind, r, k, group, *ptrs, nt, row0, isa)
     return None if rc else out
 
 
@@ -281,6 +314,12 @@ def _encode(fn_name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor |
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor | None:
     """The kernels' float32 -> E4M3 bits (uint8), for tests; None without the kernels."""
     return _encode("hq_e4m3_encode", x, torch.uint8)
+
+
+def e2m1_magnitude(y: torch.Tensor) -> torch.Tensor | None:
+    """The kernels' E2M1 magnitude index (uint8, 0..7) of quotients y = |w| / step, for tests;
+    None without the kernels."""
+    return _encode("hq_e2m1_magnitude", y, torch.uint8)
 
 
 def f16_encode(x: torch.Tensor) -> torch.Tensor | None:

@@ -79,6 +79,7 @@ class AwqW4A16(WeightFormat):
 
     name: ClassVar[str] = "awq_w4a16"
     native_quantize: ClassVar[bool] = True  # quantize_array
+    native_into: ClassVar[bool] = True  # quantize_array_into: chunks into their columns
     keys: ClassVar[frozenset[str]] = frozenset({"qweight", "qzeros", "scales"})
     group_size: int = 128
 
@@ -138,6 +139,17 @@ class AwqW4A16(WeightFormat):
         self._check_shape(rows.shape)
         out = _quant_native.awq_rtn_array(rows, self.group_size)
         return native(out, f"{self.name}: rows {rows.dtype}")
+
+    def quantize_array_into(
+        self, rows: np.ndarray, row0: int, out: dict[str, np.ndarray], **options: object
+    ) -> dict[str, np.ndarray]:
+        """Rows ``row0`` .. quantized (RTN) by the kernel straight into their columns of the
+        whole weight's ``out`` (every key runs over the weight's rows along dim 1, so a chunk's
+        part is a column block: the kernel writes it, no strided copy follows)."""
+        self._check_shape(rows.shape)
+        got = _quant_native.awq_rtn_array(rows, self.group_size, out=out, row0=row0)
+        native(got, f"{self.name}: rows {row0}+ {rows.dtype}")
+        return {}
 
     def _quantize_torch(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The round-to-nearest reference (module docstring)."""

@@ -108,7 +108,7 @@ class WeightFormat(ABC):
     # declared capabilities (the native lane, ``formats/native.py``): a format that has one sets
     # its flag and overrides the method
     native_quantize: ClassVar[bool] = False  # ``quantize_array``
-    native_into: ClassVar[bool] = False  # ``quantize_array_into`` (a streaming plan's ``place``)
+    native_into: ClassVar[bool] = False  # ``quantize_array_into`` (chunks into the assembled)
     native_source: ClassVar[bool] = False  # ``source_row_arrays``
 
     @abstractmethod
@@ -148,9 +148,10 @@ class WeightFormat(ABC):
     def quantize_array_into(
         self, rows: np.ndarray, row0: int, out: dict[str, np.ndarray], **options: Any
     ) -> dict[str, np.ndarray]:
-        """The native lane's ``quantize`` + ``Streaming.place`` of a chunk format: rows
+        """The native lane's ``quantize`` + placement of a streaming plan's chunk format: rows
         ``row0`` .. of the weight quantized straight into their places in ``out`` (every
-        stored tensor along the weight's rows, whole and in the stored layout); returns the
+        stored tensor along the weight's rows, whole and in the stored layout, where the plan's
+        ``Streaming.place`` or plain copy would have put them); returns the
         values of the whole weight (keys whose axis is None). Only where ``native_into``;
         ``NotNative`` as :meth:`quantize_array`."""
         raise NotImplementedError(f"format {self.name!r} has no native quantize_array_into")

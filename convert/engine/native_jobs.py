@@ -14,9 +14,10 @@ It takes a job only where every step has a kernel: a copy of BF16/F32 (checked f
 absmax kernel) or of a dtype no check applies to; a linear weight from FP8 blocks, BF16 or a
 plain float tensor into a format that streams by rows and has ``quantize_array`` (outputs along
 the weight's rows written as they come, others assembled, as the torch code does; no finishing
-step): bf16, w8a8_dynamic, int4_cpu, awq_w4a16 (RTN), nvfp4; where the plan places chunks in the
-stored layout (``Streaming.place``: nvfp4_ascend's tile order), into a chunk format with
-``quantize_array_into``, which writes each chunk straight into the assembled tensors. A plan
+step): bf16, w8a8_dynamic, int4_cpu, nvfp4; into a chunk format with ``quantize_array_into``
+(``native_into``), which writes each chunk straight into the assembled tensors, in the stored
+layout (nvfp4_ascend's tile order, which its plan's ``Streaming.place`` also does) or as the
+column block it is (awq_w4a16 RTN: stored transposed, so no strided copy follows). A plan
 that ``needs_amax`` gets it by the kernels (``SourceCheckpoint.absmax_array``: for FP8 blocks a
 column max of the codes per block row), each weight's once per process (a gate/up pair shares
 it). Stacked experts go into a format with ``quantize_rows_array``. Anything else — a
@@ -100,7 +101,7 @@ class NativeJobs:
             raise NotNative("kept as stored, or repacked")
         plan = fmt.streaming(src.shape)  # type: ignore[arg-type]
         chunk = None if plan is None or plan.finish is not None else plan.chunk_format
-        if chunk is None or not (chunk.native_into if plan.place else chunk.native_quantize):
+        if chunk is None or not (chunk.native_into or chunk.native_quantize):
             raise NotNative(f"{fmt.name}: no native streaming")
         return plan
 
@@ -110,10 +111,11 @@ class NativeJobs:
         pieces = {p.key: p for p in job.outputs}
         opts = {"weight_amax": self._absmax(job)} if plan.needs_amax else {}
         metas = plan.chunk_format.stored(shape)
-        assembled = {k for k in metas if plan.axes[k] != 0 or plan.place}
+        into = plan.chunk_format.native_into  # chunks straight into the assembled tensors
+        assembled = {k for k in metas if plan.axes[k] != 0 or into}
         buffers = {k: np.empty(metas[k].shape, numpy_dtype(metas[k].dtype)) for k in assembled}
         for row0, rows in self.source.row_arrays(job.source):
-            if plan.place:  # the format writes each chunk into its places
+            if into:  # the format writes each chunk into its places
                 buffers.update(plan.chunk_format.quantize_array_into(rows, row0, buffers, **opts))
                 continue
             for key, part in plan.chunk_format.quantize_array(rows, **opts).items():

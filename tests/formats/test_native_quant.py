@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from hetquant.formats.awq_w4a16 import AwqW4A16
 from hetquant.formats.native import NativeLibrary
 from hetquant.formats.nvfp4 import BLOCK, E2M1_BOUNDS, E2M1_MAX, FP8_E4M3_MAX, Nvfp4
 from hetquant.formats.nvfp4_ascend import K_ALIGN, N_ALIGN, _KMajorChunks, to_tiled
+from hetquant.formats.nvfp4_codes import magnitude_codes
 
 NVFP4_FORMATS = (Nvfp4(), _KMajorChunks())
 DTYPES = (torch.bfloat16, torch.float32)
@@ -120,10 +122,18 @@ def check_awq(w: torch.Tensor, group: int) -> None:
     fmt = AwqW4A16(group_size=group)
     want = fmt._quantize_torch(w)
     assert_same(fmt.quantize(w), want)
+    rows = Q.host_array(w.contiguous())
+    assert rows is not None
     for isa in Q.ISAS.values():
         got = Q.awq_rtn(w.contiguous(), group, isa=isa)
         assert got is not None
         assert_same(got, want)
+        # chunk by chunk into the whole weight's tensors (the native lane's quantize_array_into),
+        # over bytes that are not zero: every byte must be written
+        out = {k: np.full(v.shape, -1, v.numpy().dtype) for k, v in want.items()}
+        for r0 in range(0, w.shape[0], 16):
+            assert Q.awq_rtn_array(rows[r0 : r0 + 16], group, isa, out, r0) is out
+        assert_same({k: torch.from_numpy(v) for k, v in out.items()}, want)
 
 
 def _normal(n: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -167,6 +177,30 @@ def test_e4m3_encode_matches_torch(native: None) -> None:
     saturates = torch.tensor([500.0]).to(torch.float8_e4m3fn).view(torch.uint8).item() == 0x7E
     keep = torch.ones_like(x, dtype=torch.bool) if saturates else ~(x.abs() >= 464)  # torch < 2.13
     assert torch.equal(got[keep], want[keep])
+
+
+def test_e2m1_magnitude_is_the_bound_count(native: None) -> None:
+    """The NVFP4 kernel codes y = |w| / step by rounding its bits (no comparisons): the same
+    index as ``magnitude_codes``' bound count on every bound's neighbourhood (ties included), a
+    sweep of all bit patterns (negative y, NaN and Inf among them) and random quotients."""
+    bounds = torch.tensor(E2M1_BOUNDS, dtype=torch.float32)
+    near = [bounds]
+    up, down = bounds.clone(), bounds.clone()
+    for _ in range(64):  # 64 floats either side of each bound
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, -float("inf")))
+        near += [up, down]
+    g = torch.Generator().manual_seed(3)
+    y = torch.cat(
+        [
+            *near,
+            _f32(torch.arange(0, 1 << 32, 127, dtype=torch.int64)),  # every sign and exponent
+            torch.rand(1 << 20, generator=g) * 8,
+            torch.tensor([0.0, -0.0, 6.0, 7.0, 1e38, float("inf"), -float("inf"), float("nan")]),
+        ]
+    )
+    want = magnitude_codes(y, torch.zeros_like(y, dtype=torch.bool)).to(torch.uint8)
+    assert torch.equal(Q.e2m1_magnitude(y), want)
 
 
 def test_f16_encode_matches_torch(native: None) -> None:
@@ -367,6 +401,36 @@ def test_awq_ties(native: None, s: float) -> None:
     w = torch.stack(rows * 4)  # (8, 128)
     check_awq(w, 128)
     check_awq(torch.cat([w, w], dim=1), 64)
+
+
+def test_awq_into_declines_bad_targets(native: None) -> None:
+    """``awq_rtn_array(out=, row0=)`` returns None (the caller raises NotNative, the torch code
+    runs) for a target it cannot fill exactly, and writes nothing then."""
+    rows = Q.host_array(_normal(16, 256, seed=12, dtype=torch.bfloat16))
+    assert rows is not None
+
+    def out(nt: int = 32, k: int = 256) -> dict[str, np.ndarray]:
+        shapes = {"qweight": (k, nt // 8), "qzeros": (k // 128, nt // 8), "scales": (k // 128, nt)}
+        dtypes = {"qweight": np.int32, "qzeros": np.int32, "scales": np.float16}
+        return {key: np.zeros(s, dtypes[key]) for key, s in shapes.items()}
+
+    assert Q.awq_rtn_array(rows, 128, out=out(), row0=16) is not None  # the last 16 of 32 rows
+    assert Q.awq_rtn_array(rows, 128, out=out(), row0=4) is None  # not a whole 8-row word
+    assert Q.awq_rtn_array(rows, 128, out=out(), row0=24) is None  # past the weight's rows
+    assert Q.awq_rtn_array(rows, 128, out=out(), row0=-8) is None
+    assert Q.awq_rtn_array(rows, 128, out=out(k=512)) is None  # another K
+    bad = out()
+    bad["scales"] = bad["scales"].astype(np.float32)
+    assert Q.awq_rtn_array(rows, 128, out=bad) is None
+    bad = out()
+    bad["qweight"] = np.zeros((32, 256), np.int32).T  # right shape, not C-contiguous
+    assert Q.awq_rtn_array(rows, 128, out=bad) is None
+    bad = out()
+    del bad["qzeros"]
+    assert Q.awq_rtn_array(rows, 128, out=bad) is None
+    bad = out(nt=36)  # rows not a multiple of 8
+    assert Q.awq_rtn_array(rows, 128, out=bad) is None
+    assert all(not v.any() for v in bad.values())
 
 
 def test_awq_overflow_and_nan_raise(native: None) -> None:
