@@ -430,10 +430,11 @@ HQ_INLINE void transpose4(const uint32_t* p, int64_t stride, u32x4* r) {
   r[3] = HQ_SHUFFLE(hi01, hi23, 2, 3, 6, 7);
 }
 
-// A tile's packed words, qweight [K, R/8] and qzeros [K/g, R/8]: the tile's (at most 16) words of
-// one k are one run of qweight's row k. words[c * KTP + k] is scratch (KTP = KT + 16: the c rows
-// of words do not share cache sets); stores go run by run, never down a column of stride R/2
-// bytes, whose lines would fall in a few L1 sets.
+// A tile's packed words into qweight [K, NT/8] and qzeros [K/g, NT/8] (W = NT/8 words a row, the
+// pointers already at the chunk's first column): the tile's (at most 16) words of one k are one
+// run of qweight's row k. words[c * KTP + k] is scratch (KTP = KT + 16: the c rows of words do
+// not share cache sets); stores go run by run, never down a column of stride NT/2 bytes, whose
+// lines would fall in a few L1 sets.
 HQ_INLINE void awq_store(const Tile& t, int64_t g, int64_t W, const uint8_t* codes,
                          const uint8_t* zeros, uint32_t* words, int32_t* qw, int32_t* qz) {
   const int64_t KT = t.KT, KTP = KT + 16, GT = KT / g, C = t.rows / 8, col = t.n0 / 8;
@@ -487,7 +488,7 @@ HQ_INLINE int awq_rows(const T* w, int64_t R, int64_t K, int64_t g, int32_t* qw,
       zeros[i] = (uint8_t)zf[i];
     }
     if (!ok) return -3;
-    for (int64_t j = 0; j < gt; ++j)  // scales [K/g, R]: a run of the tile's rows per group
+    for (int64_t j = 0; j < gt; ++j)  // scales [K/g, NT]: a run of the tile's rows per group
       for (int64_t i = 0; i < t.rows; ++i) sc[(t.k0 / g + j) * NT + t.n0 + i] = s16[i * GT + j];
     for (int64_t i = 0; i < t.rows; ++i) {
       const T* row = w + (t.n0 + i) * K + t.k0;
