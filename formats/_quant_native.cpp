@@ -180,37 +180,56 @@ HQ_INLINE int32_t e2m1_magnitude(float y) {
   return m & -(int32_t)((yb >= 0) & (yb <= 0x7F800000));  // y < 0 or NaN: no bound passed
 }
 
-// Inputs [0, K) of one row: codes[K] (sign << 3 | magnitude index) and scales[b * ss] (K/16);
-// false on NaN/Inf. amax[K/16] and step[K] are scratch.
+// Block maxima of inputs [0, K) of one row, as bits: amax[K/16]. False on NaN/Inf.
 template <typename T>
-HQ_INLINE bool nvfp4_segment(const T* w, int64_t K, float s2, uint8_t* codes, uint8_t* scales,
-                             int64_t ss,
-                             uint32_t* amax, float* step) {
-  const int64_t nb = K / BLOCK;
+HQ_INLINE bool nvfp4_amax(const T* w, int64_t K, uint32_t* amax) {
   uint32_t all = 0;
-  for (int64_t b = 0; b < nb; ++b) {  // block absmax as bits: integer max, NaN above Inf
+  for (int64_t b = 0; b < K / BLOCK; ++b) {  // integer max of the bits, NaN above Inf
     const uint32_t m = block_max(load_bits(w + b * BLOCK) & ABS);
     amax[b] = m;
     all = m > all ? m : all;
   }
-  if (all >= INF_BITS) return false;
+  return all < INF_BITS;
+}
+
+// e4m3_from_f32 of a block scale's bits b, a float within [2^-9, 448]: the general encode's two
+// finite cases, both computed and one chosen by an integer mask, so that loops over it vectorise.
+HQ_INLINE uint8_t e4m3_scale(int32_t b) {
+  const int32_t sub = (int32_t)bits(as_f32((uint32_t)b) + 16384.0f) - (141 << 23);  // < 2^-6
+  const int32_t nrm = (b + (7 - 127) * (1 << 23) + 0x7FFFF + ((b >> 20) & 1)) >> 20;
+  const int32_t low = -(int32_t)(b < (121 << 23));
+  return (uint8_t)((sub & low) | (nrm & ~low));
+}
+
+// block_scales_from_amax, then effective_scale, of n blocks at once (a tile's: one long loop
+// that vectorises, where one row's 16 blocks were a scalar chain each): E4M3 scales e[n] and
+// steps eff[n]. s2 > 0, so sb = amax / (6 s2) >= 0 (amax finite) and its bits order like it:
+// the clamps are integer ones.
+HQ_INLINE void nvfp4_scales(const uint32_t* __restrict amax, int64_t n, float s2,
+                            uint8_t* __restrict e, float* __restrict eff) {
   const float denom = E2M1_MAX * s2;  // torch: E2M1_MAX * s2, a float32 0-d tensor
-  for (int64_t b = 0; b < nb; ++b) {  // block_scales_from_amax, then effective_scale
-    float sb = as_f32(amax[b]) / denom;
-    if (sb == 0.0f) sb = 1.0f;
-    sb = sb < E4M3_MIN_SUB ? E4M3_MIN_SUB : sb;
-    sb = sb > E4M3_MAX ? E4M3_MAX : sb;
-    const uint8_t e = e4m3_from_f32(sb);
-    scales[b * ss] = e;
-    const float eff = f32_from_e4m3(e) * s2;
-    for (int j = 0; j < BLOCK; ++j) step[b * BLOCK + j] = eff;
+  const int32_t one = (int32_t)bits(1.0f), lo = (int32_t)bits(E4M3_MIN_SUB);
+  const int32_t hi = (int32_t)bits(E4M3_MAX);
+  for (int64_t b = 0; b < n; ++b) {
+    int32_t sb = (int32_t)bits(as_f32(amax[b]) / denom);
+    sb = sb == 0 ? one : sb;  // a zero block's scale is 1
+    sb = sb < lo ? lo : (sb > hi ? hi : sb);
+    e[b] = e4m3_scale(sb);
+    eff[b] = f32_from_e4m3(e[b]) * s2;
   }
+}
+
+// Codes of inputs [0, K) of one row (sign << 3 | magnitude index), each block's step in
+// eff[K/16]; step[K] is scratch.
+template <typename T>
+HQ_INLINE void nvfp4_codes(const T* w, int64_t K, const float* eff, uint8_t* codes, float* step) {
+  for (int64_t b = 0; b < K / BLOCK; ++b)
+    for (int j = 0; j < BLOCK; ++j) step[b * BLOCK + j] = eff[b];
   for (int64_t k = 0; k < K; ++k) {  // e2m1_codes(|w| / eff, w < 0)
     const float x = load(w, k);
     const int32_t m = e2m1_magnitude(__builtin_fabsf(x) / step[k]);
     codes[k] = (uint8_t)(m + (x < 0.0f) * 8);
   }
-  return true;
 }
 
 // Where hq_nvfp4_quantize puts its codes and scales: the rows it quantizes are rows row0 ..
@@ -302,26 +321,35 @@ HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uin
     memcpy(o.sc + (t.k0 / BLOCK + b) * o.NT + o.row0 + t.n0, scales + b * ROW_TILE, (size_t)t.rows);
 }
 
+// A tile in three passes: every row's block maxima, the scales of all the tile's blocks, the codes;
+// then its stores.
 template <typename T>
 HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4Out& o) {
-  const int64_t KT = K_TILE, kb = KT / BLOCK;
-  Scratch buf(KT * 4 + ROW_TILE / 8 * KT * 4 + kb * 4 + ROW_TILE * (KT + kb));
+  const int64_t KT = K_TILE, kb = KT / BLOCK, NB = ROW_TILE * kb;  // blocks per tile
+  Scratch buf(KT * 4 + ROW_TILE / 8 * KT * 4 + NB * 9 + ROW_TILE * (KT + kb));
   if (!buf.p) return -2;
   float* step = (float*)buf.p;
   uint32_t* words = (uint32_t*)(step + KT);
   uint32_t* amax = words + ROW_TILE / 8 * KT;
-  uint8_t* codes = (uint8_t*)(amax + kb);
-  uint8_t* scales = codes + ROW_TILE * KT;
+  float* eff = (float*)(amax + NB);
+  uint8_t* e = (uint8_t*)(eff + NB);  // [rows][kb]
+  uint8_t* codes = e + NB;
+  uint8_t* scales = codes + ROW_TILE * KT;  // rows: [rows][kb]; K-major: [kb][ROW_TILE]
+  const bool rows = o.layout == NVFP4_ROWS;
   for (Tile t(N, K, KT); t.next();) {
+    const int64_t tb = t.kt / BLOCK;  // blocks of a row in this tile
     for (int64_t i = 0; i < t.rows; ++i) {
       const T* row = w + (t.n0 + i) * K;
       prefetch_next(row, t, KT);
-      const bool rows = o.layout == NVFP4_ROWS;  // K-major: the scales K-major too
-      if (!nvfp4_segment(row + t.k0, t.kt, s2, codes + i * KT, scales + (rows ? i * kb : i),
-                         rows ? 1 : ROW_TILE, amax, step))
-        return -1;
+      if (!nvfp4_amax(row + t.k0, t.kt, amax + i * tb)) return -1;
     }
-    if (o.layout == NVFP4_ROWS)
+    nvfp4_scales(amax, t.rows * tb, s2, e, eff);
+    for (int64_t i = 0; i < t.rows; ++i) {
+      const T* row = w + (t.n0 + i) * K + t.k0;
+      nvfp4_codes(row, t.kt, eff + i * tb, codes + i * KT, step);
+      for (int64_t b = 0; b < tb; ++b) scales[rows ? i * kb + b : b * ROW_TILE + i] = e[i * tb + b];
+    }
+    if (rows)
       nvfp4_store_rows(t, codes, scales, o);
     else
       nvfp4_store_kmajor(t, codes, scales, o, words);
@@ -549,11 +577,12 @@ int hq_quant_best_isa(void) { return pick(0); }
 // s2, written as rows row0 .. row0 + N of a weight of NT rows whose stored tensors are, by
 // layout: 0 (rows) q [NT, K/2], sc [NT, K/16]; 1 (K-major) q [K, NT/2], sc [K/16, NT]; 2 (tiled)
 // the same in the Ascend tile order (K % 64 == 0, NT % 256 == 0). K-major and tiled need N and
-// row0 even. isa: 0 = best, else min(isa, best). Returns 0, -1 on NaN/Inf (outputs partly
-// written), -2 out of memory or bad arguments.
+// row0 even; s2 > 0. isa: 0 = best, else min(isa, best). Returns 0, -1 on NaN/Inf (outputs
+// partly written), -2 out of memory or bad arguments.
 int hq_nvfp4_quantize(const void* w, int bf16, int64_t N, int64_t K, float s2, uint8_t* q,
                       uint8_t* sc, int layout, int64_t NT, int64_t row0, int isa) {
   if (N < 0 || K < 0 || K % BLOCK || row0 < 0 || row0 + N > NT) return -2;
+  if (!(s2 > 0.0f)) return -2;  // a positive s2 (+Inf included), as scale_2_from_amax gives
   if (layout < NVFP4_ROWS || layout > NVFP4_TILED) return -2;
   if (layout != NVFP4_ROWS && (N % 2 || row0 % 2)) return -2;
   if (layout == NVFP4_TILED && (K % 64 || NT % 256)) return -2;

@@ -359,6 +359,8 @@ def test_nvfp4_arrays_decline_what_the_torch_code_must_do(native: None) -> None:
     assert Q.nvfp4_array(rows, 1.0, "columns") is None
     assert Q.nvfp4_array(rows.astype("float16"), 1.0) is None
     assert Q.nvfp4_array(rows.T, 1.0) is None  # not C-contiguous
+    for s2 in (0.0, -1.0, float("nan")):  # scale_2_from_amax never gives these: the torch code
+        assert Q.nvfp4_array(rows, s2) is None
     assert not out["weight"].any() and not out["weight_scale"].any()
 
 
