@@ -72,7 +72,9 @@ int main(int argc, char** argv) {
   auto fnv = [](uint64_t& d, const void* p, size_t n) {
     for (size_t i = 0; i < n; ++i) d = (d ^ ((const uint8_t*)p)[i]) * 1099511628211ull;
   };
-  fnv(da, qw.data(), qw.size() * 4); fnv(da, qz.data(), qz.size() * 4); fnv(da, sc.data(), sc.size() * 2);
+  fnv(da, qw.data(), qw.size() * 4);
+  fnv(da, qz.data(), qz.size() * 4);
+  fnv(da, sc.data(), sc.size() * 2);
   fnv(dn, q.data(), q.size()); fnv(dn, s.data(), s.size());
   printf("awq %.3f ms nvfp4 %.3f ms digest %016llx %016llx\n", ta * 1e3, tn * 1e3,
          (unsigned long long)da, (unsigned long long)dn);

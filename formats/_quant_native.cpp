@@ -137,7 +137,8 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 #if defined(__clang__)
 #define HQ_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define HQ_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (std::remove_cv_t<std::remove_reference_t<decltype(a)>>){__VA_ARGS__})
+#define HQ_SHUFFLE(a, b, ...) \
+  __builtin_shuffle(a, b, (std::remove_cv_t<std::remove_reference_t<decltype(a)>>){__VA_ARGS__})
 #endif
 
 HQ_INLINE u32x16 load_bits(const float* p) { u32x16 v; memcpy(&v, p, 64); return v; }
@@ -332,7 +333,7 @@ HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4
   uint32_t* words = (uint32_t*)(step + KT);
   uint32_t* amax = words + ROW_TILE / 8 * KT;
   float* eff = (float*)(amax + NB);
-  uint8_t* e = (uint8_t*)(eff + NB);  // [rows][kb]
+  uint8_t* e = (uint8_t*)(eff + NB);  // [rows][tb], as amax and eff
   uint8_t* codes = e + NB;
   uint8_t* scales = codes + ROW_TILE * KT;  // rows: [rows][kb]; K-major: [kb][ROW_TILE]
   const bool rows = o.layout == NVFP4_ROWS;
