@@ -37,21 +37,28 @@ HQ_INLINE float load(const uint16_t* p, int64_t i) { return as_f32((uint32_t)p[i
 
 // float32 -> float8_e4m3fn bits, exactly c10::detail::fp8e4m3fn_from_fp32_value of torch 2.13
 // (round to nearest even; finite overflow and Inf saturate to 448, NaN -> 0x7F)
+// The E4M3 code (low 8 bits) of a magnitude's float bits b: below 2^-6 (121 << 23), the smallest
+// normal, adding 2^14 (141 << 23) rounds at E4M3's 2^-9 step; from there, rounding to nearest
+// even at bit 20 and rebiasing the exponent.
+HQ_INLINE uint32_t e4m3_subnormal(uint32_t b) {
+  return bits(as_f32(b) + as_f32(141u << 23)) - (141u << 23);
+}
+HQ_INLINE uint32_t e4m3_normal(uint32_t b) {
+  return (b + (uint32_t)(7 - 127) * (1u << 23) + 0x7FFFFu + ((b >> 20) & 1)) >> 20;
+}
+
 HQ_INLINE uint8_t e4m3_from_f32(float f) {
   const uint32_t fp8_max = 1087u << 20;      // 480.0f, the first value beyond E4M3's range
-  const uint32_t denorm_mask = 141u << 23;   // 2^14: adding it rounds at E4M3's 2^-9 step
   uint32_t b = bits(f);
   const uint32_t sign = b & 0x80000000u;
   b ^= sign;
   uint8_t r;
   if (b >= fp8_max) {
     r = b > INF_BITS ? 0x7F : 0x7E;
-  } else if (b < (121u << 23)) {             // below 2^-6, the smallest normal E4M3
-    r = (uint8_t)(bits(as_f32(b) + as_f32(denorm_mask)) - denorm_mask);
+  } else if (b < (121u << 23)) {
+    r = (uint8_t)e4m3_subnormal(b);
   } else {
-    const uint32_t odd = (b >> 20) & 1;      // round to nearest even at bit 20
-    b += (uint32_t)(7 - 127) * (1u << 23) + 0x7FFFFu + odd;
-    r = (uint8_t)(b >> 20);
+    r = (uint8_t)e4m3_normal(b);
     r = r == 0x7F ? 0x7E : r;                // 464 <= |f| < 480 rounds to 480: saturate
   }
   return r | (uint8_t)(sign >> 24);
@@ -196,8 +203,7 @@ HQ_INLINE bool nvfp4_amax(const T* w, int64_t K, uint32_t* amax) {
 // e4m3_from_f32 of a block scale's bits b, a float within [2^-9, 448]: the general encode's two
 // finite cases, both computed and one chosen by an integer mask, so that loops over it vectorise.
 HQ_INLINE uint8_t e4m3_scale(int32_t b) {
-  const int32_t sub = (int32_t)bits(as_f32((uint32_t)b) + 16384.0f) - (141 << 23);  // < 2^-6
-  const int32_t nrm = (b + (7 - 127) * (1 << 23) + 0x7FFFF + ((b >> 20) & 1)) >> 20;
+  const int32_t sub = (int32_t)e4m3_subnormal((uint32_t)b), nrm = (int32_t)e4m3_normal((uint32_t)b);
   const int32_t low = -(int32_t)(b < (121 << 23));
   return (uint8_t)((sub & low) | (nrm & ~low));
 }
