@@ -1,11 +1,11 @@
 """The AWQ and NVFP4 quantize kernels of this tree against those of a base revision, side by side.
 
 ``formats/_quant_native.cpp`` as it is here and as it was at ``--base`` (a git revision), each
-compiled into a small C++ driver with the library's own flags (``formats/native.py``
-``DEFAULT_FLAGS`` and ``-ffp-contract=off``), run interleaved at every instruction path this CPU
-has (3 AVX-512, 2 AVX2, 1 generic C++), pinned to one core (``--cpu``), on the same BF16 weight
-[``--rows``, ``--cols``] (default DeepSeek's gate/up [2048, 7168], normal(0, 0.02)): AWQ RTN group
-128 and NVFP4 into the Ascend tiled layout. Best of ``--repeats`` in each process, ``--rounds``
+compiled into a small C++ driver with the library's own flags (``QUANT_LIBRARY.flags``, less
+``-shared -fPIC``), run interleaved at every instruction path this CPU has (the kernels' own
+``best_isa``: 3 AVX-512, 2 AVX2, 1 generic C++), pinned to one core (``--cpu``), on the same
+BF16 weight [``--rows``, ``--cols``] (default DeepSeek's gate/up [2048, 7168], normal(0, 0.02)):
+AWQ RTN group 128 and NVFP4 into the Ascend tiled layout. Best of ``--repeats`` in each process, ``--rounds``
 processes per kernel; the ratio is base / this tree. Each driver prints a digest of every output
 byte, and the two must agree (the kernels are bit-exact by contract): a mismatch is an error.
 
@@ -29,7 +29,8 @@ sys.path.insert(0, str(HERE))
 
 from _measure import machine_info, write_result  # noqa: E402
 
-from hetquant.formats.native import DEFAULT_FLAGS, find_compiler  # noqa: E402
+from hetquant.formats import _quant_native as qn  # noqa: E402
+from hetquant.formats.native import find_compiler  # noqa: E402
 
 SOURCE = "formats/_quant_native.cpp"
 LINE = re.compile(r"awq ([\d.]+) ms nvfp4 ([\d.]+) ms digest (\w+) (\w+)")
@@ -90,7 +91,7 @@ def build(source: str, out: Path, compiler: str) -> Path:
     driver = out.with_suffix(".cpp")
     driver.write_text(DRIVER)
     new_awq = "int64_t NT, int64_t row0, int isa) {\n  if (R < 0 || R % 8 || g <= 0" in source
-    flags = [f for f in DEFAULT_FLAGS if f not in ("-shared", "-fPIC")] + ["-ffp-contract=off"]
+    flags = [f for f in qn.QUANT_LIBRARY.flags if f not in ("-shared", "-fPIC")]
     cmd = [compiler, *flags, f'-DKERNELS="{kernels}"', f"-DNEW_AWQ={int(new_awq)}"]
     subprocess.run([*cmd, str(driver), "-o", str(out)], check=True)
     return out
@@ -108,13 +109,6 @@ def run(exe: Path, args: argparse.Namespace, isa: int) -> tuple[float, float, st
     return float(m[1]), float(m[2]), f"{m[3]} {m[4]}"
 
 
-def best_isa() -> int:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if all(f in flags for f in (" avx512f", " avx512bw", " avx512vl")):
-        return 3
-    return 2 if " avx2" in flags else 1
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="git revision whose kernels are the baseline")
@@ -126,8 +120,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     compiler = find_compiler()
-    if compiler is None:
-        raise SystemExit("no C++ compiler on PATH")
+    if compiler is None or not qn.available():
+        raise SystemExit("no C++ compiler on PATH, or the kernels do not build here")
     base_src = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{args.base}:{SOURCE}"],
         check=True, capture_output=True, text=True,
@@ -138,7 +132,7 @@ def main() -> None:
             "tree": build((ROOT / SOURCE).read_text(), Path(tmp) / "tree", compiler),
         }
         rows: list[dict[str, Any]] = []
-        for isa in range(best_isa(), 0, -1):
+        for isa in range(qn.best_isa(), 0, -1):
             best: dict[str, list[float]] = {k: [1e9, 1e9] for k in exes}
             digests: set[str] = set()
             for _ in range(args.rounds):
