@@ -8,7 +8,7 @@ its names moved under ``language_model.`` (``language_model.model.…``,
 checkpoint's original names (the sources of transformers' renames, ``conversion_mapping.py:
 658-710``: ``encoder.blocks.N.{norm0, norm1, wqkv, wo, mlp.fc0, mlp.fc1}``,
 ``patch_embed.pos_emb.weight``, ``mm_projector.proj.{0, 2}``) with values redrawn from a seeded
-generator per tensor (BF16). config.json: ``model_type kimi_k25``, the vision config in the
+generator per tensor (``tiny-tools/draw.py``: the same bytes on every CPU; BF16). config.json: ``model_type kimi_k25``, the vision config in the
 remote code's schema (``vt_*``, ``init_pos_emb_*``), the compressed-tensors
 ``quantization_config`` inside ``text_config`` (its ``ignore`` adds the vision tower and
 projector). The tokenizer is K2's with K2.5's media tokens in its first reserved slots
@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
+DRAW = SimpleNamespace(**runpy.run_path(str(HERE.parent / "tiny-tools" / "draw.py")))
 K2 = SimpleNamespace(**runpy.run_path(str(HERE.parent / "kimi-k2" / "make_tiny.py")))
 SEED = 20260127  # K2.5's release
 VISION = {"patch_size": 4, "init_pos_emb_height": 8, "init_pos_emb_width": 8, "init_pos_emb_time": 4,
@@ -85,7 +86,7 @@ def vision_tensors(text_config: dict) -> dict[str, torch.Tensor]:
     for i, (name, p) in enumerate(sorted(state.items())):
         if not name.startswith(("model.vision_tower.", "model.mm_projector.")):
             continue
-        x = torch.randn(p.shape, generator=torch.Generator().manual_seed(SEED + i))
+        x = DRAW.normal(SEED + i, p.shape)
         x = (
             0.02 * x
             if name.endswith("bias")

@@ -30,8 +30,8 @@ released V4 configs do and vLLM's V4 reads without a default (``cpu/model.py:264
 ``topk_method: noaux_tc``, without which vLLM has no parameter for the router's bias
 (``cpu/model.py:163-167``).
 
-Every tensor is drawn from one seeded ``torch.Generator`` (SEED, the tensor's position), so a run
-writes the same bytes on one platform. Usage::
+Every tensor is drawn from one seeded generator (SEED, the tensor's position;
+``tiny-tools/draw.py``), so a run writes the same bytes on every CPU. Usage::
 
     python examples/tiny-deepseek-v4/make_tiny.py OUT [--layout deepseek|transformers]
         [--dims tiny|vllm]
@@ -42,8 +42,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import runpy
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
@@ -51,6 +53,7 @@ from safetensors.torch import save_file
 from hetquant.formats import get_format
 
 HERE = Path(__file__).resolve().parent
+DRAW = SimpleNamespace(**runpy.run_path(str(HERE.parent / "tiny-tools" / "draw.py")))
 TOKENIZER_DIR = HERE.parent / "tiny-deepseek-v3"
 SEED = 20260424
 LAYERS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
@@ -120,10 +123,11 @@ def to_deepseek(name: str) -> str:
 
 
 def _draw(name: str, shape: tuple[int, ...], index: int, experts: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(SEED + index)
     if name.endswith("tid2eid"):
-        return torch.randint(0, experts, shape, generator=g)
-    w = torch.randn(shape, generator=g)
+        return torch.randint(
+            0, experts, shape, generator=torch.Generator().manual_seed(SEED + index)
+        )
+    w = DRAW.normal(SEED + index, shape)
     if re.search(r"norm\.weight$", name):
         return 1.0 + 0.1 * w
     return w * (0.5 if F32.search(name) else 0.05)

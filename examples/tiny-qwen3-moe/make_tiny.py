@@ -14,8 +14,8 @@ scale in a later shard than its weight and one weight in a later shard than its 
 tokenizer files are the tiny DeepSeek-V3 example's (a 640-token byte-level BPE: Qwen's own has
 151,936 tokens and would dwarf the model); the vocabulary size is the tokenizer's.
 
-Everything is drawn from one seeded ``torch.Generator`` per tensor (seeded by SEED and the
-tensor's position), so a run writes the same values on one platform. About 4.5 MB (FP8), 8.5 MB (BF16); every dim
+Everything is drawn from one seeded generator per tensor (seeded by SEED and the tensor's
+position; ``tiny-tools/draw.py``), so a run writes the same bytes on every CPU. About 4.5 MB (FP8), 8.5 MB (BF16); every dim
 the Ascend FP4 tiling needs (N % 256, K % 64) holds, as it does for the real models.
 
 Usage::
@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import runpy
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
@@ -37,6 +39,7 @@ from safetensors.torch import save_file
 from hetquant.formats.fp8_block import Fp8Block
 
 HERE = Path(__file__).resolve().parent
+DRAW = SimpleNamespace(**runpy.run_path(str(HERE.parent / "tiny-tools" / "draw.py")))
 TOKENIZER_DIR = HERE.parent / "tiny-deepseek-v3"
 SEED = 20250429  # Qwen3's release date
 
@@ -124,7 +127,7 @@ def build_tensors(c: dict, dtype: str) -> dict[str, torch.Tensor]:
     fp8 = Fp8Block()
     tensors: dict[str, torch.Tensor] = {}
     for i, (name, shape) in enumerate(shapes(c).items()):
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(SEED + i))
+        x = DRAW.normal(SEED + i, shape)
         if len(shape) == 1:
             tensors[name] = (1 + 0.1 * x).to(torch.bfloat16)
             continue

@@ -2,7 +2,7 @@
 
 The model is transformers' own ``Qwen3VLMoeForConditionalGeneration`` (vision tower, mergers and
 deepstack mergers included) built from a tiny ``Qwen3VLMoeConfig``; its parameters are redrawn
-from one seeded ``torch.Generator`` per tensor (norms ≈ 1, biases small, weights ~ N(0, 1/in);
+from one seeded generator per tensor (``tiny-tools/draw.py``: the same bytes on every CPU) (norms ≈ 1, biases small, weights ~ N(0, 1/in);
 transformers' own init leaves the routers at zero, which ties every expert), then written:
 
 * ``--dtype bf16`` (default): every tensor BF16, each MoE layer's experts fused as the released
@@ -31,8 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import runpy
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
@@ -40,6 +42,7 @@ from safetensors.torch import save_file
 from hetquant.formats.fp8_block import Fp8Block
 
 HERE = Path(__file__).resolve().parent
+DRAW = SimpleNamespace(**runpy.run_path(str(HERE.parent / "tiny-tools" / "draw.py")))
 TOKENIZER_DIR = HERE.parent / "tiny-deepseek-v3"
 SEED = 20251015  # Qwen3-VL-30B-A3B's release month
 
@@ -78,7 +81,7 @@ def build_model() -> torch.nn.Module:
     model = Qwen3VLMoeForConditionalGeneration(cfg).eval()
     with torch.no_grad():
         for i, (name, p) in enumerate(sorted(model.state_dict().items())):
-            x = torch.randn(p.shape, generator=torch.Generator().manual_seed(SEED + i))
+            x = DRAW.normal(SEED + i, p.shape)
             if name.endswith("bias"):
                 x = 0.02 * x
             elif p.ndim == 1:

@@ -3,7 +3,7 @@
 - ``CONFIG``, ``GENERATION_CONFIG``, ``TOKENIZER_CONFIG``: the real HF files' keys (R1's values,
   tiny dims);
 - ``train_tokenizer``: the one byte-level BPE trainer (DeepSeek's special tokens at 0, 1, 2);
-- ``noise``: platform-independent initial values (integer draws only);
+- ``noise``: platform-independent initial values (``draw.py``: integer draws only);
 - ``shard_name`` / ``write_checkpoint_files``: shards, index and JSON files as DeepSeek names them.
 
 The scripts load their siblings with ``sibling(name)`` (``runpy``: no ``__pycache__`` is
@@ -12,9 +12,7 @@ written into this folder, which the tests read file by file).
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import runpy
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -169,15 +167,9 @@ def sibling(name: str) -> SimpleNamespace:
 
 
 def noise(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Zero-mean, unit-variance float64 noise for tensor ``name``, identical on every platform.
-
-    Sum of four uniform integers in [0, 2**24) (Irwin-Hall, range ±2·sqrt(3)); only integer draws
-    and correctly rounded float64 arithmetic, so no vectorized transcendental can change a bit.
-    """
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    draws = torch.randint(0, 1 << 24, (4, *shape), generator=gen, dtype=torch.int64)
-    return (draws.sum(0).to(torch.float64) / (1 << 24) - 2.0) * math.sqrt(3.0)
+    """Zero-mean, unit-variance float64 noise for tensor ``name``, identical on every platform
+    (``draw.seeded``: integer draws and correctly rounded float64 arithmetic only)."""
+    return sibling("draw").seeded(seed, name, shape)
 
 
 def train_tokenizer(documents: Iterable[str], vocab_size: int) -> str:

@@ -8,10 +8,20 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from golden_artifacts import CALIBRATED, CASE_SOURCES, CASES, GOLDEN, convert
+from golden_artifacts import (
+    CALIBRATED,
+    CASE_SOURCES,
+    CASES,
+    GENERATED,
+    GOLDEN,
+    _example,
+    convert,
+    file_digests,
+)
 
 GOLDEN_DOC = json.loads(GOLDEN.read_text())
 
@@ -88,3 +98,40 @@ def test_calibrated_bytes_equal_golden_on_other_cpu_paths(paths: str, tmp_path: 
     assert got["capability"] == OTHER_CPUS[paths]["ATEN_CPU_CAPABILITY"].upper()  # took effect
     for case in CALIBRATED:
         assert got["files"][case] == GOLDEN_DOC[case]["files"], case
+
+
+# Every tiny generator writes the same bytes under every ATen kernel (examples/tiny-tools/draw.py:
+# torch.randn did not): the goldens' generated sources, and the generators only other tests use.
+SOURCES: dict[str, Callable[[Path], Path]] = {
+    **GENERATED,
+    "tiny-qwen3-moe-fp8": lambda d: _example("tiny-qwen3-moe")["write_checkpoint"](d, "fp8"),
+    "tiny-deepseek-v4": lambda d: _example("tiny-deepseek-v4")["write_checkpoint"](d),
+}
+_SOURCE_CHILD = """
+import json, sys
+from pathlib import Path
+import torch
+from test_golden_artifacts import SOURCES, file_digests
+out = {n: file_digests(SOURCES[n](Path(sys.argv[1]) / n), skip="") for n in SOURCES}
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "files": out}))
+"""
+
+
+def test_generated_sources_equal_on_scalar_aten_kernels(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        **OTHER_CPUS["scalar-sse42-1thread"],
+        "PYTHONPATH": str(Path(__file__).parent),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _SOURCE_CHILD, str(tmp_path / "child")],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["capability"] == "DEFAULT"  # took effect
+    golden = {CASE_SOURCES[c]: GOLDEN_DOC[c]["source_files"] for c in CASE_SOURCES}
+    for name, write in SOURCES.items():
+        here = file_digests(write(tmp_path / name), skip="")
+        assert got["files"][name] == here, name
+        assert name not in golden or here == golden[name], name
