@@ -10,11 +10,15 @@ processes per kernel; the ratio is base / this tree. Each driver prints a digest
 byte, and the two must agree (the kernels are bit-exact by contract): a mismatch is an error.
 
     python benchmarks/bench_quant_kernels_ab.py --base 272cfb1 [--cpu 3] [--json PATH]
+
+``--base`` may also be a copy of the kernel file (on a machine whose clone lacks the revision);
+the result records the sha256 of both sources.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import subprocess
@@ -97,6 +101,16 @@ def build(source: str, out: Path, compiler: str) -> Path:
     return out
 
 
+def base_source(base: str) -> str:
+    """The baseline kernel source: the file ``base``, else ``SOURCE`` at git revision ``base``."""
+    if Path(base).is_file():
+        return Path(base).read_text()
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{base}:{SOURCE}"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+
+
 def run(exe: Path, args: argparse.Namespace, isa: int) -> tuple[float, float, str]:
     """One process: (awq ms, nvfp4 ms, digest)."""
     cmd = [str(exe), str(args.rows), str(args.cols), str(isa), str(args.repeats)]
@@ -111,7 +125,9 @@ def run(exe: Path, args: argparse.Namespace, isa: int) -> tuple[float, float, st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="git revision whose kernels are the baseline")
+    ap.add_argument("--base", required=True,
+                    help="git revision whose kernels are the baseline, or a copy of that file "
+                         "(a machine whose clone lacks the revision)")  # fmt: skip
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--cols", type=int, default=7168)
     ap.add_argument("--repeats", type=int, default=7)
@@ -122,10 +138,7 @@ def main() -> None:
     compiler = find_compiler()
     if compiler is None or not qn.available():
         raise SystemExit("no C++ compiler on PATH, or the kernels do not build here")
-    base_src = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{args.base}:{SOURCE}"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
+    base_src = base_source(args.base)
     with tempfile.TemporaryDirectory() as tmp:
         exes = {
             "base": build(base_src, Path(tmp) / "base", compiler),
@@ -155,6 +168,8 @@ def main() -> None:
         "benchmark": "bench_quant_kernels_ab",
         "machine": machine_info(),
         "base": args.base,
+        "base_sha256": hashlib.sha256(base_src.encode()).hexdigest(),
+        "tree_sha256": hashlib.sha256((ROOT / SOURCE).read_bytes()).hexdigest(),
         "shape": [args.rows, args.cols],
         "unit": "ms, best of repeats and rounds, one pinned thread; [awq g128, nvfp4 tiled]",
         "paths": rows,

@@ -239,6 +239,59 @@ HQ_INLINE void nvfp4_codes(const T* w, int64_t K, const float* eff, uint8_t* cod
   }
 }
 
+typedef float f32x16 __attribute__((vector_size(64)));
+
+// e2m1_magnitude of a block's 16 quotients: the same integer masks, on vector lanes.
+HQ_INLINE i32x16 e2m1_magnitude16(const f32x16& y) {
+  const i32x16 yb = (i32x16)y;
+  const i32x16 sub = (i32x16)(y + 4194304.0f) - (149 << 23);
+  i32x16 nrm = ((yb + 0x1FFFFF + ((yb >> 22) & 1)) >> 22) - 252;
+  const i32x16 big = nrm > 7;
+  nrm = (nrm & ~big) | (7 & big);
+  const i32x16 low = yb < 0x3F800000;
+  const i32x16 m = (sub & low) | (nrm & ~low);
+  return m & (i32x16)((u32x16)yb <= INF_BITS);  // y < 0 (sign bit set) or NaN: 0
+}
+
+// Codes of 8 rows of a tile (inputs [0, kt) of rows w, w + K, ...; row r's block steps at
+// eff[r * tb ..]) as K-major words: words[k] holds row r's code in nibble r. Codes stay in
+// 32-bit lanes from load to word (a loop that writes them as bytes vectorises into byte
+// narrowing shuffles, all on one port of Intel's AVX-512 cores). Two bodies, the same bytes:
+// - Block (AVX-512): a block is one register, ORed over the 8 rows in place. A 16-lane vector
+//   is split on narrower targets, and its compares then go lane by lane.
+// - otherwise a loop over each row's inputs that the compiler vectorises at its own width,
+//   ORing into the words (AVX2 and SSE2 measure faster so).
+template <bool Block, typename T>
+HQ_INLINE void nvfp4_words8(const T* w, int64_t K, int64_t kt, const float* eff, int64_t tb,
+                            uint32_t* __restrict words) {
+  if constexpr (Block) {
+    for (int64_t b = 0; b < kt / BLOCK; ++b) {
+      u32x16 acc = {};
+      for (int r = 0; r < 8; ++r) {
+        const u32x16 x = load_bits(w + r * K + b * BLOCK);
+        const f32x16 q = (f32x16)(x & ABS) / eff[r * tb + b];  // e2m1_codes(|w| / eff, w < 0)
+        const i32x16 neg = (f32x16)x < 0.0f;
+        acc |= (u32x16)(e2m1_magnitude16(q) + (neg & 8)) << (4 * r);
+      }
+      memcpy(words + b * BLOCK, &acc, sizeof acc);
+    }
+    return;
+  }
+  for (int r = 0; r < 8; ++r) {
+    const T* __restrict x = w + r * K;
+    const uint32_t keep = r ? ~0u : 0u;  // the first row starts the words
+    for (int64_t b = 0; b < kt / BLOCK; ++b) {
+      const float s = eff[r * tb + b];
+      for (int j = 0; j < BLOCK; ++j) {  // e2m1_codes(|w| / eff, w < 0), in nibble r
+        const int64_t k = b * BLOCK + j;
+        const float v = load(x, k);
+        const int32_t m = e2m1_magnitude(__builtin_fabsf(v) / s) + (v < 0.0f) * 8;
+        words[k] = (words[k] & keep) | (uint32_t)m << (4 * r);
+      }
+    }
+  }
+}
+
 // Where hq_nvfp4_quantize puts its codes and scales: the rows it quantizes are rows row0 ..
 // of a weight of NT rows, whose stored tensors q and sc are in ``layout``.
 enum { NVFP4_ROWS = 0, NVFP4_KMAJOR = 1, NVFP4_TILED = 2 };
@@ -292,37 +345,38 @@ HQ_INLINE void nvfp4_store_runs(const Tile& t, const Nvfp4Out& o, const uint32_t
 
 // The same tile K-major: weight [K, NT/2] with n even in the low nibble (row-major or in tile
 // order), weight_scale [K/16, NT]; here the tile's scales are [KT/16][ROW_TILE] (a block's
-// rows in one run). words[ROW_TILE / 8 * KT] is scratch; rows and row0 are
-// even. Eight rows make one 4-byte word per k: in tile order one N0 unit, stored whole where
-// it is aligned, and whole 128-byte runs where the tile covers them.
-HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uint8_t* scales,
-                                  const Nvfp4Out& o, uint32_t* words) {
+// rows in one run). Eight rows make one 4-byte word per k (nvfp4_words8, from the tile's rows
+// w and their steps eff[rows][tb]): in tile order one N0 unit, stored whole where it is
+// aligned, and whole 128-byte runs where the tile covers them. A last pair of rows (rows and
+// row0 are even) goes through codes[2][KT]. words[ROW_TILE / 8 * KT] and step[KT] are scratch.
+template <bool Block, typename T>
+HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const T* w, const float* eff, uint8_t* codes,
+                                  const uint8_t* scales, const Nvfp4Out& o, uint32_t* words,
+                                  float* step) {
   const bool runs = o.layout == NVFP4_TILED && (o.row0 + t.n0) % 32 == 0 && t.rows % 32 == 0;
+  const int64_t tb = t.kt / BLOCK;
   int64_t i = 0;
   for (; i + 8 <= t.rows; i += 8) {  // 8 rows = 4 bytes of each output row
-    uint32_t* __restrict w = words + (i / 8) * t.KT;
-    const uint8_t* __restrict c = codes + i * t.KT;
-    for (int64_t k = 0; k < t.kt; ++k) {  // row i + r in nibble r; contiguous in k: vectorised
-      uint32_t x = 0;
-      for (int r = 0; r < 8; ++r) x |= (uint32_t)c[r * t.KT + k] << (4 * r);
-      w[k] = x;
-    }
+    uint32_t* __restrict wd = words + (i / 8) * t.KT;
+    nvfp4_words8<Block>(w + i * t.K, t.K, t.kt, eff + i * tb, tb, wd);
     const int64_t col = (o.row0 + t.n0 + i) / 2;
     if (runs) {
       continue;  // stored below, run by run
     } else if (o.layout != NVFP4_TILED || col % 4 == 0) {
-      for (int64_t k = 0; k < t.kt; ++k) memcpy(o.q + kmajor_at(o, t.k0 + k, col), w + k, 4);
+      for (int64_t k = 0; k < t.kt; ++k) memcpy(o.q + kmajor_at(o, t.k0 + k, col), wd + k, 4);
     } else {
       for (int64_t k = 0; k < t.kt; ++k)
-        for (int b = 0; b < 4; ++b) o.q[kmajor_at(o, t.k0 + k, col + b)] = (uint8_t)(w[k] >> (8 * b));
+        for (int b = 0; b < 4; ++b)
+          o.q[kmajor_at(o, t.k0 + k, col + b)] = (uint8_t)(wd[k] >> (8 * b));
     }
   }
   if (runs) nvfp4_store_runs(t, o, words);
   for (; i < t.rows; i += 2) {
-    const uint8_t* c = codes + i * t.KT;
+    for (int r = 0; r < 2; ++r)
+      nvfp4_codes(w + (i + r) * t.K, t.kt, eff + (i + r) * tb, codes + r * t.KT, step);
     const int64_t col = (o.row0 + t.n0 + i) / 2;
     for (int64_t k = 0; k < t.kt; ++k)
-      o.q[kmajor_at(o, t.k0 + k, col)] = (uint8_t)(c[k] | c[t.KT + k] << 4);
+      o.q[kmajor_at(o, t.k0 + k, col)] = (uint8_t)(codes[k] | codes[t.KT + k] << 4);
   }
   for (int64_t b = 0; b < t.kt / BLOCK; ++b)  // scales [KT/16][ROW_TILE]: one run per block
     memcpy(o.sc + (t.k0 / BLOCK + b) * o.NT + o.row0 + t.n0, scales + b * ROW_TILE, (size_t)t.rows);
@@ -330,7 +384,7 @@ HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const uint8_t* codes, const uin
 
 // A tile in three passes: every row's block maxima, the scales of all the tile's blocks, the codes;
 // then its stores.
-template <typename T>
+template <bool Block, typename T>
 HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4Out& o) {
   const int64_t KT = K_TILE, kb = KT / BLOCK, NB = ROW_TILE * kb;  // blocks per tile
   Scratch buf(KT * 4 + ROW_TILE / 8 * KT * 4 + NB * 9 + ROW_TILE * (KT + kb));
@@ -351,15 +405,16 @@ HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4
       if (!nvfp4_amax(row + t.k0, t.kt, amax + i * tb)) return -1;
     }
     nvfp4_scales(amax, t.rows * tb, s2, e, eff);
-    for (int64_t i = 0; i < t.rows; ++i) {
-      const T* row = w + (t.n0 + i) * K + t.k0;
-      nvfp4_codes(row, t.kt, eff + i * tb, codes + i * KT, step);
+    for (int64_t i = 0; i < t.rows; ++i)
       for (int64_t b = 0; b < tb; ++b) scales[rows ? i * kb + b : b * ROW_TILE + i] = e[i * tb + b];
-    }
-    if (rows)
+    const T* tile = w + t.n0 * K + t.k0;
+    if (rows) {
+      for (int64_t i = 0; i < t.rows; ++i)
+        nvfp4_codes(tile + i * K, t.kt, eff + i * tb, codes + i * KT, step);
       nvfp4_store_rows(t, codes, scales, o);
-    else
-      nvfp4_store_kmajor(t, codes, scales, o, words);
+    } else {
+      nvfp4_store_kmajor<Block>(t, tile, eff, codes, scales, o, words, step);
+    }
   }
   return 0;
 }
@@ -426,23 +481,38 @@ HQ_INLINE bool awq_extremes(const T* w, int64_t K, int64_t g, int32_t* lo, int32
 }
 
 // Code of t = w / s with zero point zi: clamp(round(t) + z, 0, 15).
-HQ_INLINE uint8_t awq_code(float t, int32_t zi) {
+HQ_INLINE int32_t awq_code(float t, int32_t zi) {
   // fl(t + M) = M + round(t) for |t| <= 16 (M = 1.5 * 2^23, where the float step is 1), and
   // its order key grows with t, so the key clamped to M -+ 16, minus M's, is
   // clamp(round(t), -16, 16); that clamp does not change the clamp to 0..15 after + z.
   int32_t r = order_key(bits(t + ROUND_MAGIC));
   r = r < MAGIC_BITS - 16 ? MAGIC_BITS - 16 : (r > MAGIC_BITS + 16 ? MAGIC_BITS + 16 : r);
   int32_t v = r - MAGIC_BITS + zi;
-  v = v < 0 ? 0 : (v > 15 ? 15 : v);
-  return (uint8_t)v;
+  return v < 0 ? 0 : (v > 15 ? 15 : v);
 }
 
-// Codes of one group of g inputs with float scale sf and zero point z: q = clamp(round(w / s) + z,
-// 0, 15). (A product with fl(1 / s), recoded by the divide where one lands near a tie, was
-// measured slower on Zen 4.)
+// Codes of a tile's rows (the tile's first input of its first row at w, rows K apart) straight
+// into their AutoAWQ words: words[c * KTP + k] (KTP = KT + 16) holds rows 8c .. 8c+7 at input k,
+// row 8c + r in nibble (r >> 1) + 4 (r & 1), the inverse of AWQ_ORDER. Group j of row i has
+// float scale sf[i * GT + j] and zero point zf[i * GT + j]: q = clamp(round(w / s) + z, 0, 15).
+// Codes stay in 32-bit lanes, as in nvfp4_words8. (A product with fl(1 / s), recoded by the
+// divide where one lands near a tie, was measured slower on Zen 4.)
 template <typename T>
-HQ_INLINE void awq_codes(const T* p, int64_t g, float sf, int32_t zi, uint8_t* c) {
-  for (int64_t k = 0; k < g; ++k) c[k] = awq_code(load(p, k) / sf, zi);
+HQ_INLINE void awq_words(const Tile& t, const T* w, int64_t g, const float* sf, const float* zf,
+                         int64_t GT, uint32_t* words) {
+  const int64_t KTP = t.KT + 16;
+  for (int64_t i = 0; i < t.rows; ++i) {
+    const T* __restrict row = w + i * t.K;
+    uint32_t* __restrict wc = words + (i / 8) * KTP;
+    const int r = (int)(i % 8), shift = 4 * ((r >> 1) + 4 * (r & 1));
+    const uint32_t keep = r ? ~0u : 0u;  // row 8c starts the words
+    for (int64_t j = 0; j < t.kt / g; ++j) {
+      const float s = sf[i * GT + j];
+      const int32_t z = (int32_t)zf[i * GT + j];
+      for (int64_t k = j * g; k < (j + 1) * g; ++k)
+        wc[k] = (wc[k] & keep) | (uint32_t)awq_code(load(row, k) / s, z) << shift;
+    }
+  }
 }
 
 // AutoAWQ word of 8 rows' codes: nibble i holds row AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -465,18 +535,14 @@ HQ_INLINE void transpose4(const uint32_t* p, int64_t stride, u32x4* r) {
   r[3] = HQ_SHUFFLE(hi01, hi23, 2, 3, 6, 7);
 }
 
-// A tile's packed words into qweight [K, NT/8] and qzeros [K/g, NT/8] (W = NT/8 words a row, the
-// pointers already at the chunk's first column): the tile's (at most 16) words of one k are one
-// run of qweight's row k. words[c * KTP + k] is scratch (KTP = KT + 16: the c rows of words do
-// not share cache sets); stores go run by run, never down a column of stride NT/2 bytes, whose
-// lines would fall in a few L1 sets.
-HQ_INLINE void awq_store(const Tile& t, int64_t g, int64_t W, const uint8_t* codes,
-                         const uint8_t* zeros, uint32_t* words, int32_t* qw, int32_t* qz) {
+// A tile's packed words (awq_words) into qweight [K, NT/8] and qzeros [K/g, NT/8] (W = NT/8
+// words a row, the pointers already at the chunk's first column): the tile's (at most 16) words
+// of one k are one run of qweight's row k. (KTP = KT + 16: the c rows of words do not share cache
+// sets); stores go run by run, never down a column of stride NT/2 bytes, whose lines would fall
+// in a few L1 sets.
+HQ_INLINE void awq_store(const Tile& t, int64_t g, int64_t W, const uint8_t* zeros,
+                         const uint32_t* words, int32_t* qw, int32_t* qz) {
   const int64_t KT = t.KT, KTP = KT + 16, GT = KT / g, C = t.rows / 8, col = t.n0 / 8;
-  for (int64_t c = 0; c < C; ++c) {
-    uint32_t* __restrict wc = words + c * KTP;
-    for (int64_t k = 0; k < t.kt; ++k) wc[k] = awq_word(codes + 8 * c * KT, KT, k);
-  }
   int64_t k = 0;
   if (C % 4 == 0)  // 4 x 4 word transposes: vector loads of words' rows, vector stores of runs
     for (; k + 4 <= t.kt; k += 4)
@@ -492,14 +558,14 @@ HQ_INLINE void awq_store(const Tile& t, int64_t g, int64_t W, const uint8_t* cod
       qz[(t.k0 / g + j) * W + col + c] = (int32_t)awq_word(zeros + 8 * c * GT, GT, j);
 }
 
-// A tile in four passes: each group's extremes, the params of all the tile's groups, the codes,
-// the packed stores.
+// A tile in four passes: each group's extremes, the params of all the tile's groups, the codes
+// into packed words, the stores.
 template <typename T>
 HQ_INLINE int awq_rows(const T* w, int64_t R, int64_t K, int64_t g, int32_t* qw, int32_t* qz,
                        uint16_t* sc, int64_t NT) {
   const int64_t KT = g >= K_TILE ? g : K_TILE / g * g, GT = KT / g, W = NT / 8;  // whole groups
   const int64_t NG = ROW_TILE * GT;  // groups per tile
-  Scratch buf(16 * (KT + 16) * 4 + NG * 4 * 5 + ROW_TILE * (KT + GT));
+  Scratch buf(16 * (KT + 16) * 4 + NG * 4 * 5 + ROW_TILE * GT);
   if (!buf.p) return -2;
   uint32_t* words = (uint32_t*)buf.p;
   int32_t* lo = (int32_t*)(words + 16 * (KT + 16));
@@ -507,8 +573,7 @@ HQ_INLINE int awq_rows(const T* w, int64_t R, int64_t K, int64_t g, int32_t* qw,
   float* sf = (float*)(hi + NG);
   float* zf = sf + NG;
   uint16_t* s16 = (uint16_t*)(zf + NG);
-  uint8_t* codes = (uint8_t*)(s16 + 2 * NG);
-  uint8_t* zeros = codes + ROW_TILE * KT;
+  uint8_t* zeros = (uint8_t*)(s16 + 2 * NG);
   for (Tile t(R, K, KT); t.next();) {
     const int64_t gt = t.kt / g, ng = t.rows * GT;
     for (int64_t i = 0; i < t.rows; ++i) {
@@ -525,22 +590,18 @@ HQ_INLINE int awq_rows(const T* w, int64_t R, int64_t K, int64_t g, int32_t* qw,
     if (!ok) return -3;
     for (int64_t j = 0; j < gt; ++j)  // scales [K/g, NT]: a run of the tile's rows per group
       for (int64_t i = 0; i < t.rows; ++i) sc[(t.k0 / g + j) * NT + t.n0 + i] = s16[i * GT + j];
-    for (int64_t i = 0; i < t.rows; ++i) {
-      const T* row = w + (t.n0 + i) * K + t.k0;
-      for (int64_t j = 0; j < gt; ++j)
-        awq_codes(row + j * g, g, sf[i * GT + j], (int32_t)zf[i * GT + j], codes + i * KT + j * g);
-    }
-    awq_store(t, g, W, codes, zeros, words, qw, qz);
+    awq_words(t, w + t.n0 * K + t.k0, g, sf, zf, GT, words);
+    awq_store(t, g, W, zeros, words, qw, qz);
   }
   return 0;
 }
 
 // ------------------------------------------------------------------ instruction paths
-#define HQ_ENTRY(NAME, TARGET)                                                                \
+#define HQ_ENTRY(NAME, TARGET, BLOCK_WORDS)                                                   \
   TARGET int nvfp4_##NAME(const void* w, int bf16, int64_t N, int64_t K, float s2,          \
                           const Nvfp4Out& o) {                                                \
-    return bf16 ? nvfp4_rows((const uint16_t*)w, N, K, s2, o)                                \
-                : nvfp4_rows((const float*)w, N, K, s2, o);                                  \
+    return bf16 ? nvfp4_rows<BLOCK_WORDS>((const uint16_t*)w, N, K, s2, o)                   \
+                : nvfp4_rows<BLOCK_WORDS>((const float*)w, N, K, s2, o);                     \
   }                                                                                           \
   TARGET int awq_##NAME(const void* w, int bf16, int64_t R, int64_t K, int64_t g, int32_t* qw, \
                         int32_t* qz, uint16_t* sc, int64_t NT) {                              \
@@ -551,10 +612,10 @@ HQ_INLINE int awq_rows(const T* w, int64_t R, int64_t K, int64_t g, int32_t* qw,
     return bf16 ? absmax((const uint16_t*)w, count) : absmax((const float*)w, count);         \
   }
 
-HQ_ENTRY(generic, )
+HQ_ENTRY(generic, , false)  // nvfp4_words8's Block: AVX-512's
 #ifdef HQ_X86
-HQ_ENTRY(avx2, __attribute__((target("avx2"))))
-HQ_ENTRY(avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))))
+HQ_ENTRY(avx2, __attribute__((target("avx2"))), false)
+HQ_ENTRY(avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))), true)
 #endif
 
 int best_isa() {

@@ -31,10 +31,14 @@ Precision notes, each checked against the torch code (tests/formats/test_native_
   on all 2^32 floats when written).
 
 Layout of the work (a tile at a time): AWQ takes each group's extremes, then the parameters of
-all the tile's groups in one branch-free loop (their divide chains overlap), then the codes,
-then packs the tile's words and stores each k's run of them as one row segment of qweight
-(never down a column of stride R/2 bytes, whose lines share a few L1 sets). With ``out`` and
-``row0`` both quantizers write a chunk of rows into the whole weight's tensors.
+all the tile's groups in one branch-free loop (their divide chains overlap), then the codes
+straight into the tile's packed words, then stores each k's run of words as one row segment of
+qweight (never down a column of stride R/2 bytes, whose lines share a few L1 sets). NVFP4
+takes every row's block maxima, then the scales of all the tile's blocks in one loop, then,
+K-major, each 8 rows' codes straight into their 4-byte words. Both keep codes in 32-bit lanes:
+codes stored as bytes made the vectoriser narrow them through shuffles, which run on one port
+of Intel's AVX-512 cores (NVFP4 was 1.4× slower so).
+With ``out`` and ``row0`` both quantizers write a chunk of rows into the whole weight's tensors.
 """
 
 from __future__ import annotations
