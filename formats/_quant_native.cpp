@@ -253,6 +253,14 @@ HQ_INLINE i32x16 e2m1_magnitude16(const f32x16& y) {
   return m & (i32x16)((u32x16)yb <= INF_BITS);  // y < 0 (sign bit set) or NaN: 0
 }
 
+// The codes of one block of 16 inputs (bits x) with step s, in 32-bit lanes:
+// e2m1_codes(|w| / s, w < 0) = sign << 3 | magnitude index.
+HQ_INLINE i32x16 block_codes16(const u32x16& x, float s) {
+  const f32x16 q = (f32x16)(x & ABS) / s;
+  const i32x16 neg = (f32x16)x < 0.0f;
+  return e2m1_magnitude16(q) + (neg & 8);
+}
+
 // Codes of 8 rows of a tile (inputs [0, kt) of rows w, w + K, ...; row r's block steps at
 // eff[r * tb ..]) as K-major words: words[k] holds row r's code in nibble r. Codes stay in
 // 32-bit lanes from load to word (a loop that writes them as bytes vectorises into byte
@@ -268,10 +276,7 @@ HQ_INLINE void nvfp4_words8(const T* w, int64_t K, int64_t kt, const float* eff,
     for (int64_t b = 0; b < kt / BLOCK; ++b) {
       u32x16 acc = {};
       for (int r = 0; r < 8; ++r) {
-        const u32x16 x = load_bits(w + r * K + b * BLOCK);
-        const f32x16 q = (f32x16)(x & ABS) / eff[r * tb + b];  // e2m1_codes(|w| / eff, w < 0)
-        const i32x16 neg = (f32x16)x < 0.0f;
-        acc |= (u32x16)(e2m1_magnitude16(q) + (neg & 8)) << (4 * r);
+        acc |= (u32x16)block_codes16(load_bits(w + r * K + b * BLOCK), eff[r * tb + b]) << (4 * r);
       }
       memcpy(words + b * BLOCK, &acc, sizeof acc);
     }
@@ -312,21 +317,38 @@ HQ_INLINE int64_t kmajor_at(const Nvfp4Out& o, int64_t k, int64_t c) {
   return ((slab * (NB >> 7) + (c >> 7)) << 7) + ((((c >> 2) & 3) * 8 + (k & 7)) << 2) + (c & 3);
 }
 
-// Stores a tile of codes [rows][KT] / scales [rows][KT/16] (inputs k0 .. k0+kt of rows n0 ..)
-// in the canonical layout: weight [NT, K/2] with k = 2j in the low nibble, weight_scale [NT, K/16].
-HQ_INLINE void nvfp4_store_rows(const Tile& t, const uint8_t* codes, const uint8_t* scales,
-                                const Nvfp4Out& o) {
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+
+// Stores a tile (inputs k0 .. k0+kt of rows n0 .., the first at w, rows K apart; steps
+// eff[rows][kt/16], scales [rows][KT/16]) in the canonical layout: weight [NT, K/2] with k = 2j
+// in the low nibble, weight_scale [NT, K/16]. With Block (AVX-512) a block's codes go from
+// 32-bit lanes to bytes directly: lanes 2j and 2j + 1 read as one 64-bit lane c, c | c >> 28
+// holds their byte in its low 8 bits (one narrowing, vpmovqb). Otherwise a row's codes go
+// through codes[KT] and are paired from there. step[KT] is scratch.
+template <bool Block, typename T>
+HQ_INLINE void nvfp4_store_rows(const Tile& t, const T* w, const float* eff, uint8_t* codes,
+                                const uint8_t* scales, const Nvfp4Out& o, float* step) {
+  const int64_t tb = t.kt / BLOCK;
   for (int64_t i = 0; i < t.rows; ++i) {
-    const uint8_t* c = codes + i * t.KT;
+    const T* x = w + i * t.K;
     const int64_t n = o.row0 + t.n0 + i;
     uint8_t* out = o.q + n * (t.K / 2) + t.k0 / 2;
-    for (int64_t j = 0; j < t.kt / 2; ++j) {
-      uint16_t pair;
-      memcpy(&pair, c + 2 * j, 2);  // code 2j in the low byte (little-endian)
-      out[j] = (uint8_t)((pair & 0x0F) | ((pair >> 4) & 0xF0));
+    if constexpr (Block) {
+      for (int64_t b = 0; b < tb; ++b) {
+        const u64x8 c = (u64x8)block_codes16(load_bits(x + b * BLOCK), eff[i * tb + b]);
+        const u8x8 pairs = __builtin_convertvector(c | c >> 28, u8x8);
+        memcpy(out + b * (BLOCK / 2), &pairs, BLOCK / 2);
+      }
+    } else {
+      nvfp4_codes(x, t.kt, eff + i * tb, codes, step);
+      for (int64_t j = 0; j < t.kt / 2; ++j) {
+        uint16_t pair;
+        memcpy(&pair, codes + 2 * j, 2);  // code 2j in the low byte (little-endian)
+        out[j] = (uint8_t)((pair & 0x0F) | ((pair >> 4) & 0xF0));
+      }
     }
-    memcpy(o.sc + n * (t.K / BLOCK) + t.k0 / BLOCK, scales + i * (t.KT / BLOCK),
-           (size_t)(t.kt / BLOCK));
+    memcpy(o.sc + n * (t.K / BLOCK) + t.k0 / BLOCK, scales + i * (t.KT / BLOCK), (size_t)tb);
   }
 }
 
@@ -387,15 +409,15 @@ HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const T* w, const float* eff, u
 template <bool Block, typename T>
 HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4Out& o) {
   const int64_t KT = K_TILE, kb = KT / BLOCK, NB = ROW_TILE * kb;  // blocks per tile
-  Scratch buf(KT * 4 + ROW_TILE / 8 * KT * 4 + NB * 9 + ROW_TILE * (KT + kb));
+  Scratch buf(KT * 4 + ROW_TILE / 8 * KT * 4 + NB * 9 + 2 * KT + ROW_TILE * kb);
   if (!buf.p) return -2;
   float* step = (float*)buf.p;
   uint32_t* words = (uint32_t*)(step + KT);
   uint32_t* amax = words + ROW_TILE / 8 * KT;
   float* eff = (float*)(amax + NB);
   uint8_t* e = (uint8_t*)(eff + NB);  // [rows][tb], as amax and eff
-  uint8_t* codes = e + NB;
-  uint8_t* scales = codes + ROW_TILE * KT;  // rows: [rows][kb]; K-major: [kb][ROW_TILE]
+  uint8_t* codes = e + NB;  // [2][KT]: one row's codes, or the last pair of rows'
+  uint8_t* scales = codes + 2 * KT;  // rows: [rows][kb]; K-major: [kb][ROW_TILE]
   const bool rows = o.layout == NVFP4_ROWS;
   for (Tile t(N, K, KT); t.next();) {
     const int64_t tb = t.kt / BLOCK;  // blocks of a row in this tile
@@ -409,9 +431,7 @@ HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4
       for (int64_t b = 0; b < tb; ++b) scales[rows ? i * kb + b : b * ROW_TILE + i] = e[i * tb + b];
     const T* tile = w + t.n0 * K + t.k0;
     if (rows) {
-      for (int64_t i = 0; i < t.rows; ++i)
-        nvfp4_codes(tile + i * K, t.kt, eff + i * tb, codes + i * KT, step);
-      nvfp4_store_rows(t, codes, scales, o);
+      nvfp4_store_rows<Block>(t, tile, eff, codes, scales, o, step);
     } else {
       nvfp4_store_kmajor<Block>(t, tile, eff, codes, scales, o, words, step);
     }
