@@ -268,7 +268,7 @@ HQ_INLINE i32x16 block_codes16(const u32x16& x, float s) {
 // - Block (AVX-512): a block is one register, ORed over the 8 rows in place. A 16-lane vector
 //   is split on narrower targets, and its compares then go lane by lane.
 // - otherwise a loop over each row's inputs that the compiler vectorises at its own width,
-//   ORing into the words (AVX2 and SSE2 measure faster so).
+//   ORing into the zeroed words (AVX2 and SSE2 measure faster so).
 template <bool Block, typename T>
 HQ_INLINE void nvfp4_words8(const T* w, int64_t K, int64_t kt, const float* eff, int64_t tb,
                             uint32_t* __restrict words) {
@@ -282,16 +282,16 @@ HQ_INLINE void nvfp4_words8(const T* w, int64_t K, int64_t kt, const float* eff,
     }
     return;
   }
+  memset(words, 0, (size_t)kt * 4);
   for (int r = 0; r < 8; ++r) {
     const T* __restrict x = w + r * K;
-    const uint32_t keep = r ? ~0u : 0u;  // the first row starts the words
     for (int64_t b = 0; b < kt / BLOCK; ++b) {
       const float s = eff[r * tb + b];
       for (int j = 0; j < BLOCK; ++j) {  // e2m1_codes(|w| / eff, w < 0), in nibble r
         const int64_t k = b * BLOCK + j;
         const float v = load(x, k);
         const int32_t m = e2m1_magnitude(__builtin_fabsf(v) / s) + (v < 0.0f) * 8;
-        words[k] = (words[k] & keep) | (uint32_t)m << (4 * r);
+        words[k] |= (uint32_t)m << (4 * r);
       }
     }
   }
@@ -515,22 +515,22 @@ HQ_INLINE int32_t awq_code(float t, int32_t zi) {
 // into their AutoAWQ words: words[c * KTP + k] (KTP = KT + 16) holds rows 8c .. 8c+7 at input k,
 // row 8c + r in nibble (r >> 1) + 4 (r & 1), the inverse of AWQ_ORDER. Group j of row i has
 // float scale sf[i * GT + j] and zero point zf[i * GT + j]: q = clamp(round(w / s) + z, 0, 15).
-// Codes stay in 32-bit lanes, as in nvfp4_words8. (A product with fl(1 / s), recoded by the
+// Codes stay in 32-bit lanes, as in nvfp4_words8; each row ORs its nibble into zeroed words. (A product with fl(1 / s), recoded by the
 // divide where one lands near a tie, was measured slower on Zen 4.)
 template <typename T>
 HQ_INLINE void awq_words(const Tile& t, const T* w, int64_t g, const float* sf, const float* zf,
                          int64_t GT, uint32_t* words) {
   const int64_t KTP = t.KT + 16;
+  memset(words, 0, (size_t)(t.rows / 8 * KTP) * 4);
   for (int64_t i = 0; i < t.rows; ++i) {
     const T* __restrict row = w + i * t.K;
     uint32_t* __restrict wc = words + (i / 8) * KTP;
     const int r = (int)(i % 8), shift = 4 * ((r >> 1) + 4 * (r & 1));
-    const uint32_t keep = r ? ~0u : 0u;  // row 8c starts the words
     for (int64_t j = 0; j < t.kt / g; ++j) {
       const float s = sf[i * GT + j];
       const int32_t z = (int32_t)zf[i * GT + j];
       for (int64_t k = j * g; k < (j + 1) * g; ++k)
-        wc[k] = (wc[k] & keep) | (uint32_t)awq_code(load(row, k) / s, z) << shift;
+        wc[k] |= (uint32_t)awq_code(load(row, k) / s, z) << shift;
     }
   }
 }
