@@ -202,18 +202,19 @@ HQ_INLINE bool nvfp4_amax(const T* w, int64_t K, uint32_t* amax) {
 
 // e4m3_from_f32 of a block scale's bits b, a float within [2^-9, 448]: the general encode's two
 // finite cases, both computed and one chosen by an integer mask, so that loops over it vectorise.
-HQ_INLINE uint8_t e4m3_scale(int32_t b) {
+HQ_INLINE uint32_t e4m3_scale(int32_t b) {
   const int32_t sub = (int32_t)e4m3_subnormal((uint32_t)b), nrm = (int32_t)e4m3_normal((uint32_t)b);
   const int32_t low = -(int32_t)(b < (121 << 23));
-  return (uint8_t)((sub & low) | (nrm & ~low));
+  return (uint32_t)((sub & low) | (nrm & ~low));
 }
 
 // block_scales_from_amax, then effective_scale, of n blocks at once (a tile's: one long loop
 // that vectorises, where one row's 16 blocks were a scalar chain each): E4M3 scales e[n] and
 // steps eff[n]. s2 > 0, so sb = amax / (6 s2) >= 0 (amax finite) and its bits order like it:
-// the clamps are integer ones.
+// the clamps are integer ones. The codes stay in 32-bit lanes (e: bytes would make the loop
+// narrow through shuffles, as the codes loops did).
 HQ_INLINE void nvfp4_scales(const uint32_t* __restrict amax, int64_t n, float s2,
-                            uint8_t* __restrict e, float* __restrict eff) {
+                            uint32_t* __restrict e, float* __restrict eff) {
   const float denom = E2M1_MAX * s2;  // torch: E2M1_MAX * s2, a float32 0-d tensor
   const int32_t one = (int32_t)bits(1.0f), lo = (int32_t)bits(E4M3_MIN_SUB);
   const int32_t hi = (int32_t)bits(E4M3_MAX);
@@ -221,8 +222,9 @@ HQ_INLINE void nvfp4_scales(const uint32_t* __restrict amax, int64_t n, float s2
     int32_t sb = (int32_t)bits(as_f32(amax[b]) / denom);
     sb = sb == 0 ? one : sb;  // a zero block's scale is 1
     sb = sb < lo ? lo : (sb > hi ? hi : sb);
-    e[b] = e4m3_scale(sb);
-    eff[b] = f32_from_e4m3(e[b]) * s2;
+    const uint32_t code = e4m3_scale(sb);  // below 0x80: positive
+    e[b] = code;
+    eff[b] = as_f32(code << 20) * 0x1p120f * s2;  // f32_from_e4m3
   }
 }
 
@@ -409,14 +411,14 @@ HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const T* w, const float* eff, u
 template <bool Block, typename T>
 HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4Out& o) {
   const int64_t KT = K_TILE, kb = KT / BLOCK, NB = ROW_TILE * kb;  // blocks per tile
-  Scratch buf(KT * 4 + ROW_TILE / 8 * KT * 4 + NB * 9 + 2 * KT + ROW_TILE * kb);
+  Scratch buf(KT * 4 + ROW_TILE / 8 * KT * 4 + NB * 12 + 2 * KT + ROW_TILE * kb);
   if (!buf.p) return -2;
   float* step = (float*)buf.p;
   uint32_t* words = (uint32_t*)(step + KT);
   uint32_t* amax = words + ROW_TILE / 8 * KT;
   float* eff = (float*)(amax + NB);
-  uint8_t* e = (uint8_t*)(eff + NB);  // [rows][tb], as amax and eff
-  uint8_t* codes = e + NB;  // [2][KT]: one row's codes, or the last pair of rows'
+  uint32_t* e = (uint32_t*)(eff + NB);  // [rows][tb], as amax and eff
+  uint8_t* codes = (uint8_t*)(e + NB);  // [2][KT]: one row's codes, or the last pair of rows'
   uint8_t* scales = codes + 2 * KT;  // rows: [rows][kb]; K-major: [kb][ROW_TILE]
   const bool rows = o.layout == NVFP4_ROWS;
   for (Tile t(N, K, KT); t.next();) {
@@ -428,7 +430,8 @@ HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4
     }
     nvfp4_scales(amax, t.rows * tb, s2, e, eff);
     for (int64_t i = 0; i < t.rows; ++i)
-      for (int64_t b = 0; b < tb; ++b) scales[rows ? i * kb + b : b * ROW_TILE + i] = e[i * tb + b];
+      for (int64_t b = 0; b < tb; ++b)
+        scales[rows ? i * kb + b : b * ROW_TILE + i] = (uint8_t)e[i * tb + b];
     const T* tile = w + t.n0 * K + t.k0;
     if (rows) {
       nvfp4_store_rows<Block>(t, tile, eff, codes, scales, o, step);
@@ -515,8 +518,9 @@ HQ_INLINE int32_t awq_code(float t, int32_t zi) {
 // into their AutoAWQ words: words[c * KTP + k] (KTP = KT + 16) holds rows 8c .. 8c+7 at input k,
 // row 8c + r in nibble (r >> 1) + 4 (r & 1), the inverse of AWQ_ORDER. Group j of row i has
 // float scale sf[i * GT + j] and zero point zf[i * GT + j]: q = clamp(round(w / s) + z, 0, 15).
-// Codes stay in 32-bit lanes, as in nvfp4_words8; each row ORs its nibble into zeroed words. (A product with fl(1 / s), recoded by the
-// divide where one lands near a tie, was measured slower on Zen 4.)
+// Codes stay in 32-bit lanes, as in nvfp4_words8; each row ORs its nibble into zeroed words.
+// (A product with fl(1 / s), recoded by the divide where one lands near a tie, was measured
+// slower on Zen 4.)
 template <typename T>
 HQ_INLINE void awq_words(const Tile& t, const T* w, int64_t g, const float* sf, const float* zf,
                          int64_t GT, uint32_t* words) {
