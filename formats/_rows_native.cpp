@@ -23,6 +23,20 @@ HQ_INLINE uint16_t bf16_from_f32(float f) {
 // x rounded half to even for |x| <= 2^22 (fl(x + M) - M with M = 1.5 * 2^23)
 HQ_INLINE float round_even(float x) { return (x + ROUND_MAGIC) - ROUND_MAGIC; }
 
+// Block (the AVX-512 bodies): 16 BF16 inputs at a time in 32-bit lanes, narrowed once at the
+// store. Loops that store bytes element by element vectorise into narrowing shuffle chains, which
+// all run on one port of Intel's AVX-512 cores; a 16-lane vector type is split on narrower
+// targets (its compares then go lane by lane), so AVX2 and SSE2 keep the element loops.
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+// clamp(round_even(w / s), lo, hi) of 16 BF16 inputs, as the scalar code computes it.
+HQ_INLINE i32x16 round_clamp16(const uint16_t* p, float s, float lo, float hi) {
+  const f32x16 q = ((f32x16)load_bits(p) / s + ROUND_MAGIC) - ROUND_MAGIC;
+  const f32x16 vlo = (f32x16){} + lo, vhi = (f32x16){} + hi;
+  const f32x16 c = q < vlo ? vlo : (q > vhi ? vhi : q);
+  return __builtin_convertvector(c, i32x16);
+}
+
 // --------------------------------------------------------------------- FP8 block -> BF16
 // Rows [R, C] of E4M3 codes whose block row has the scales srow[ceil(C / block)]:
 // out = bf16(f32(code) * s) as torch computes it (e4m3_to_f32, one multiply, RNE cast), read
@@ -118,7 +132,7 @@ HQ_INLINE int8_t w8a8_code<uint16_t>(const uint16_t* p, int64_t k, float s) {
   return (int8_t)(int32_t)t;
 }
 
-template <typename T>
+template <bool Block, typename T>
 HQ_INLINE int w8a8_rows(const T* w, int64_t R, int64_t K, int8_t* q, float* scale) {
   for (int64_t r = 0; r < R; ++r) {
     const T* p = w + r * K;
@@ -129,7 +143,14 @@ HQ_INLINE int w8a8_rows(const T* w, int64_t R, int64_t K, int8_t* q, float* scal
     const float s = up_bf16(x);
     scale[r] = s;
     int8_t* o = q + r * K;
-    for (int64_t k = 0; k < K; ++k) o[k] = w8a8_code(p, k, s);
+    int64_t k = 0;
+    if constexpr (Block && std::is_same_v<T, uint16_t>) {
+      for (const int64_t end = K / 16 * 16; k < end; k += 16) {  // w8a8_code, 16 a vpmovdb
+        const i8x16 b = __builtin_convertvector(round_clamp16(p + k, s, -128.0f, 127.0f), i8x16);
+        memcpy(o + k, &b, 16);
+      }
+    }
+    for (; k < K; ++k) o[k] = w8a8_code(p, k, s);
   }
   return 0;
 }
@@ -138,9 +159,18 @@ HQ_INLINE int w8a8_rows(const T* w, int64_t R, int64_t K, int8_t* q, float* scal
 // s = amax / 7 (1 for an all-zero row), c = clamp(round(w / s), -7, 7) + 8, two codes a byte
 // (element 2j in the low nibble). Row i of the output is row i of a, or with b given, rows
 // interleave: 2i from a[i], 2i + 1 from b[i]. -1 on NaN/Inf.
-template <typename T>
+template <bool Block, typename T>
 HQ_INLINE void int4_row(const T* p, int64_t K, float s, uint8_t* o) {
-  for (int64_t j = 0; j < K / 2; ++j) {
+  int64_t j = 0;
+  if constexpr (Block && std::is_same_v<T, uint16_t>) {
+    for (const int64_t end = K / 16 * 8; j < end; j += 8) {  // 16 codes: lanes 2i, 2i + 1 as one
+      const i32x16 c = round_clamp16(p + 2 * j, s, -INT4_QMAX, INT4_QMAX) + 8;
+      const u64x8 pair = (u64x8)c;  // 64-bit lane x, x | x >> 28 holds byte i in its low bits
+      const u8x8 b = __builtin_convertvector(pair | pair >> 28, u8x8);
+      memcpy(o + j, &b, 8);
+    }
+  }
+  for (; j < K / 2; ++j) {
     float lo = round_even(load(p, 2 * j) / s), hi = round_even(load(p, 2 * j + 1) / s);
     lo = lo < -INT4_QMAX ? -INT4_QMAX : (lo > INT4_QMAX ? INT4_QMAX : lo);
     hi = hi < -INT4_QMAX ? -INT4_QMAX : (hi > INT4_QMAX ? INT4_QMAX : hi);
@@ -148,7 +178,7 @@ HQ_INLINE void int4_row(const T* p, int64_t K, float s, uint8_t* o) {
   }
 }
 
-template <typename T>
+template <bool Block, typename T>
 HQ_INLINE int int4_rows(const T* a, const T* b, int64_t R, int64_t K, uint8_t* packed,
                         float* scale) {
   const int64_t out_rows = b ? 2 * R : R;
@@ -159,7 +189,7 @@ HQ_INLINE int int4_rows(const T* a, const T* b, int64_t R, int64_t K, uint8_t* p
     const float amax = as_f32(m);
     const float s = amax > 0.0f ? amax / INT4_QMAX : 1.0f;  // amax * 1.0 (ratio) is exact
     scale[i] = s;
-    int4_row(p, K, s, packed + i * (K / 2));
+    int4_row<Block>(p, K, s, packed + i * (K / 2));
   }
   return 0;
 }
@@ -228,21 +258,21 @@ __attribute__((target("avx2"))) int fp8_avx2(const uint8_t* c, int64_t R, int64_
 }
 #endif
 
-#define HQ_ROWS_ENTRY(NAME, TARGET)                                                             \
+#define HQ_ROWS_ENTRY(NAME, TARGET, BLOCK)                                                      \
   TARGET int w8a8_##NAME(const void* w, int bf16, int64_t R, int64_t K, int8_t* q, float* s) {   \
-    return bf16 ? w8a8_rows((const uint16_t*)w, R, K, q, s)                                     \
-                : w8a8_rows((const float*)w, R, K, q, s);                                       \
+    return bf16 ? w8a8_rows<BLOCK>((const uint16_t*)w, R, K, q, s)                              \
+                : w8a8_rows<BLOCK>((const float*)w, R, K, q, s);                                \
   }                                                                                             \
   TARGET int int4_##NAME(const void* a, const void* b, int bf16, int64_t R, int64_t K,           \
                          uint8_t* p, float* s) {                                                \
-    return bf16 ? int4_rows((const uint16_t*)a, (const uint16_t*)b, R, K, p, s)                 \
-                : int4_rows((const float*)a, (const float*)b, R, K, p, s);                      \
+    return bf16 ? int4_rows<BLOCK>((const uint16_t*)a, (const uint16_t*)b, R, K, p, s)          \
+                : int4_rows<BLOCK>((const float*)a, (const float*)b, R, K, p, s);               \
   }
 
-HQ_ROWS_ENTRY(generic, )
+HQ_ROWS_ENTRY(generic, , false)
 #ifdef HQ_X86
-HQ_ROWS_ENTRY(avx2, __attribute__((target("avx2"))))
-HQ_ROWS_ENTRY(avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))))
+HQ_ROWS_ENTRY(avx2, __attribute__((target("avx2"))), false)
+HQ_ROWS_ENTRY(avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))), true)
 #endif
 
 }  // namespace
