@@ -5,7 +5,7 @@ and the ``quantization_config`` of config.json, as vLLM's ModelOpt support reads
 from __future__ import annotations
 
 import copy
-import importlib.metadata
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,10 +14,18 @@ from .nvfp4_codes import BLOCK
 
 __all__ = ["hf_quant_config"]
 
-try:
-    _HETQUANT_VERSION = importlib.metadata.version("hetquant")
-except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-    _HETQUANT_VERSION = "0+unknown"
+
+@functools.cache
+def _hetquant_version() -> str:
+    """The installed distribution's version, "0+unknown" from a source tree. Looked up on first
+    use, not at import: ``importlib.metadata`` and its scan of ``sys.path`` cost every command
+    ~12 ms of start-up."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("hetquant")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def hf_quant_config(
@@ -53,7 +61,7 @@ def hf_quant_config(
         "exclude_modules": sorted(set(exclude_modules)),
     }
     hf = {
-        "producer": {"name": "hetquant", "version": _HETQUANT_VERSION},
+        "producer": {"name": "hetquant", "version": _hetquant_version()},
         "quantization": quantization,
     }
     return hf, {"quant_method": "modelopt", **copy.deepcopy(hf)}
