@@ -229,15 +229,15 @@ HQ_INLINE void nvfp4_scales(const uint32_t* __restrict amax, int64_t n, float s2
 }
 
 // Codes of inputs [0, K) of one row (sign << 3 | magnitude index), each block's step in
-// eff[K/16]; step[K] is scratch.
+// eff[K/16], in 32-bit lanes (stored as bytes, the vectoriser narrowed them through shuffles).
 template <typename T>
-HQ_INLINE void nvfp4_codes(const T* w, int64_t K, const float* eff, uint8_t* codes, float* step) {
-  for (int64_t b = 0; b < K / BLOCK; ++b)
-    for (int j = 0; j < BLOCK; ++j) step[b * BLOCK + j] = eff[b];
-  for (int64_t k = 0; k < K; ++k) {  // e2m1_codes(|w| / eff, w < 0)
-    const float x = load(w, k);
-    const int32_t m = e2m1_magnitude(__builtin_fabsf(x) / step[k]);
-    codes[k] = (uint8_t)(m + (x < 0.0f) * 8);
+HQ_INLINE void nvfp4_codes(const T* w, int64_t K, const float* eff, uint32_t* __restrict codes) {
+  for (int64_t b = 0; b < K / BLOCK; ++b) {
+    const float s = eff[b];
+    for (int j = 0; j < BLOCK; ++j) {  // e2m1_codes(|w| / eff, w < 0)
+      const float x = load(w, b * BLOCK + j);
+      codes[b * BLOCK + j] = (uint32_t)(e2m1_magnitude(__builtin_fabsf(x) / s) + (x < 0.0f) * 8);
+    }
   }
 }
 
@@ -327,10 +327,10 @@ typedef uint8_t u8x8 __attribute__((vector_size(8)));
 // in the low nibble, weight_scale [NT, K/16]. With Block (AVX-512) a block's codes go from
 // 32-bit lanes to bytes directly: lanes 2j and 2j + 1 read as one 64-bit lane c, c | c >> 28
 // holds their byte in its low 8 bits (one narrowing, vpmovqb). Otherwise a row's codes go
-// through codes[KT] and are paired from there. step[KT] is scratch.
+// through codes[KT] and are paired from there.
 template <bool Block, typename T>
-HQ_INLINE void nvfp4_store_rows(const Tile& t, const T* w, const float* eff, uint8_t* codes,
-                                const uint8_t* scales, const Nvfp4Out& o, float* step) {
+HQ_INLINE void nvfp4_store_rows(const Tile& t, const T* w, const float* eff, uint32_t* codes,
+                                const uint8_t* scales, const Nvfp4Out& o) {
   const int64_t tb = t.kt / BLOCK;
   for (int64_t i = 0; i < t.rows; ++i) {
     const T* x = w + i * t.K;
@@ -343,12 +343,9 @@ HQ_INLINE void nvfp4_store_rows(const Tile& t, const T* w, const float* eff, uin
         memcpy(out + b * (BLOCK / 2), &pairs, BLOCK / 2);
       }
     } else {
-      nvfp4_codes(x, t.kt, eff + i * tb, codes, step);
-      for (int64_t j = 0; j < t.kt / 2; ++j) {
-        uint16_t pair;
-        memcpy(&pair, codes + 2 * j, 2);  // code 2j in the low byte (little-endian)
-        out[j] = (uint8_t)((pair & 0x0F) | ((pair >> 4) & 0xF0));
-      }
+      nvfp4_codes(x, t.kt, eff + i * tb, codes);
+      for (int64_t j = 0; j < t.kt / 2; ++j)
+        out[j] = (uint8_t)(codes[2 * j] | codes[2 * j + 1] << 4);
     }
     memcpy(o.sc + n * (t.K / BLOCK) + t.k0 / BLOCK, scales + i * (t.KT / BLOCK), (size_t)tb);
   }
@@ -372,11 +369,10 @@ HQ_INLINE void nvfp4_store_runs(const Tile& t, const Nvfp4Out& o, const uint32_t
 // rows in one run). Eight rows make one 4-byte word per k (nvfp4_words8, from the tile's rows
 // w and their steps eff[rows][tb]): in tile order one N0 unit, stored whole where it is
 // aligned, and whole 128-byte runs where the tile covers them. A last pair of rows (rows and
-// row0 are even) goes through codes[2][KT]. words[ROW_TILE / 8 * KT] and step[KT] are scratch.
+// row0 are even) goes through codes[2][KT]. words[ROW_TILE / 8 * KT] is scratch.
 template <bool Block, typename T>
-HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const T* w, const float* eff, uint8_t* codes,
-                                  const uint8_t* scales, const Nvfp4Out& o, uint32_t* words,
-                                  float* step) {
+HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const T* w, const float* eff, uint32_t* codes,
+                                  const uint8_t* scales, const Nvfp4Out& o, uint32_t* words) {
   const bool runs = o.layout == NVFP4_TILED && (o.row0 + t.n0) % 32 == 0 && t.rows % 32 == 0;
   const int64_t tb = t.kt / BLOCK;
   int64_t i = 0;
@@ -397,7 +393,7 @@ HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const T* w, const float* eff, u
   if (runs) nvfp4_store_runs(t, o, words);
   for (; i < t.rows; i += 2) {
     for (int r = 0; r < 2; ++r)
-      nvfp4_codes(w + (i + r) * t.K, t.kt, eff + (i + r) * tb, codes + r * t.KT, step);
+      nvfp4_codes(w + (i + r) * t.K, t.kt, eff + (i + r) * tb, codes + r * t.KT);
     const int64_t col = (o.row0 + t.n0 + i) / 2;
     for (int64_t k = 0; k < t.kt; ++k)
       o.q[kmajor_at(o, t.k0 + k, col)] = (uint8_t)(codes[k] | codes[t.KT + k] << 4);
@@ -411,15 +407,14 @@ HQ_INLINE void nvfp4_store_kmajor(const Tile& t, const T* w, const float* eff, u
 template <bool Block, typename T>
 HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4Out& o) {
   const int64_t KT = K_TILE, kb = KT / BLOCK, NB = ROW_TILE * kb;  // blocks per tile
-  Scratch buf(KT * 4 + ROW_TILE / 8 * KT * 4 + NB * 12 + 2 * KT + ROW_TILE * kb);
+  Scratch buf(ROW_TILE / 8 * KT * 4 + NB * 12 + 2 * KT * 4 + ROW_TILE * kb);
   if (!buf.p) return -2;
-  float* step = (float*)buf.p;
-  uint32_t* words = (uint32_t*)(step + KT);
+  uint32_t* words = (uint32_t*)buf.p;
   uint32_t* amax = words + ROW_TILE / 8 * KT;
   float* eff = (float*)(amax + NB);
   uint32_t* e = (uint32_t*)(eff + NB);  // [rows][tb], as amax and eff
-  uint8_t* codes = (uint8_t*)(e + NB);  // [2][KT]: one row's codes, or the last pair of rows'
-  uint8_t* scales = codes + 2 * KT;  // rows: [rows][kb]; K-major: [kb][ROW_TILE]
+  uint32_t* codes = e + NB;  // [2][KT]: one row's codes, or the last pair of rows'
+  uint8_t* scales = (uint8_t*)(codes + 2 * KT);  // rows: [rows][kb]; K-major: [kb][ROW_TILE]
   const bool rows = o.layout == NVFP4_ROWS;
   for (Tile t(N, K, KT); t.next();) {
     const int64_t tb = t.kt / BLOCK;  // blocks of a row in this tile
@@ -434,9 +429,9 @@ HQ_INLINE int nvfp4_rows(const T* w, int64_t N, int64_t K, float s2, const Nvfp4
         scales[rows ? i * kb + b : b * ROW_TILE + i] = (uint8_t)e[i * tb + b];
     const T* tile = w + t.n0 * K + t.k0;
     if (rows) {
-      nvfp4_store_rows<Block>(t, tile, eff, codes, scales, o, step);
+      nvfp4_store_rows<Block>(t, tile, eff, codes, scales, o);
     } else {
-      nvfp4_store_kmajor<Block>(t, tile, eff, codes, scales, o, words, step);
+      nvfp4_store_kmajor<Block>(t, tile, eff, codes, scales, o, words);
     }
   }
   return 0;
