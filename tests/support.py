@@ -60,6 +60,31 @@ PARTIAL = ".hetquant-partial"
 # files and trees
 
 
+# The cross-ISA tests (aarch64 under qemu user mode, x86 paths on SIMDe): their tools, which
+# ``.ci/run`` installs; it sets HETQUANT_REQUIRE_CROSS=1, under which a missing one fails the test.
+CROSS = "aarch64-linux-gnu-g++"
+QEMUS = ("qemu-aarch64", "qemu-aarch64-static")
+
+
+def missing_cross_tool(msg: str) -> None:
+    """Skip the test for a missing cross-ISA tool, or fail it under HETQUANT_REQUIRE_CROSS=1."""
+    msg += "; .ci/run installs it"
+    if os.environ.get("HETQUANT_REQUIRE_CROSS") == "1":
+        pytest.fail(msg + " (HETQUANT_REQUIRE_CROSS=1: this test must run)")
+    pytest.skip(msg)
+
+
+def aarch64_tools() -> tuple[str, str]:
+    """(cross g++, qemu-aarch64): the tools that build and run aarch64 programs here."""
+    cxx = shutil.which(CROSS)
+    qemu = next((q for q in map(shutil.which, QEMUS) if q), None)
+    if cxx is None or qemu is None:
+        missing_cross_tool(
+            f"needs {CROSS} and qemu-aarch64 (Debian: g++-aarch64-linux-gnu, qemu-user)"
+        )
+    return str(cxx), str(qemu)
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

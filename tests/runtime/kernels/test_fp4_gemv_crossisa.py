@@ -14,15 +14,14 @@ Needs ``g++-aarch64-linux-gnu``, ``qemu-user`` and ``libsimde-dev``; ``HETQUANT_
 
 from __future__ import annotations
 
-import shutil
 import struct
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from support import aarch64_tools, missing_cross_tool
 from test_fp4_gemv import SHAPES, data
-from test_int4_gemv_crossisa import CROSS, QEMUS, _missing
 
 from hetquant.formats.fp4_cpu import fp4_gemv_int8
 from hetquant.formats.native import DEFAULT_FLAGS, find_compiler
@@ -35,10 +34,7 @@ GENERIC, AVX2, VNNI, NEON = 1, 2, 3, 4  # the kernel's codes for its paths
 @pytest.fixture(scope="module")
 def aarch64(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(qemu, driver): the aarch64 driver, statically linked, and qemu user mode to run it."""
-    cxx = shutil.which(CROSS)
-    qemu = next((q for q in map(shutil.which, QEMUS) if q), None)
-    if cxx is None or qemu is None:
-        _missing(f"needs {CROSS} and qemu-aarch64 (Debian: g++-aarch64-linux-gnu, qemu-user)")
+    cxx, qemu = aarch64_tools()
     flags = [f for f in DEFAULT_FLAGS if f not in ("-shared", "-fPIC")]
     return qemu, _build(cxx, tmp_path_factory.mktemp("fp4-aarch64"), *flags, "-static")
 
@@ -54,7 +50,7 @@ def simde(tmp_path_factory: pytest.TempPathFactory) -> str:
         text=True,
     )
     if cxx is None or probe.returncode != 0:
-        _missing("needs a C++ compiler and SIMDe's headers (Debian: libsimde-dev)")
+        missing_cross_tool("needs a C++ compiler and SIMDe's headers (Debian: libsimde-dev)")
     return _build(cxx, tmp_path_factory.mktemp("fp4-simde"), "-O0", "-std=c++17", "-DHQ_SIMDE")
 
 

@@ -23,9 +23,7 @@ missing tool fails the test instead of skipping it. Emulation says nothing about
 
 from __future__ import annotations
 
-import os
 import platform
-import shutil
 import struct
 import subprocess
 from dataclasses import dataclass
@@ -34,14 +32,13 @@ from pathlib import Path
 import pytest
 import torch
 from gemv_reference import grouped_native_order, order_sensitive_grouped
+from support import aarch64_tools, missing_cross_tool
 
 from hetquant.formats.native import DEFAULT_FLAGS, find_compiler
 from hetquant.runtime.kernels import int4_gemv as G
 from hetquant.runtime.kernels.int4_moe import int4_moe
 
 HERE = Path(__file__).resolve().parent
-CROSS = "aarch64-linux-gnu-g++"
-QEMUS = ("qemu-aarch64", "qemu-aarch64-static")
 GENERIC, AVX2, VNNI, NEON, AMX = 1, 2, 3, 4, 5  # the kernel's codes for its paths
 BF16_HALF, BF16_TWO = 0x3F00, 0x4000
 
@@ -56,13 +53,6 @@ class Case:
     rs_pad: int = 0  # extra bytes per weight row (strided rows, as a subpool's down slice)
     ss_pad: int = 0  # extra scales per row (strided scale rows)
     seed: int = 0
-
-
-def _missing(msg: str) -> None:
-    msg += "; .ci/run installs it"
-    if os.environ.get("HETQUANT_REQUIRE_CROSS") == "1":
-        pytest.fail(msg + " (HETQUANT_REQUIRE_CROSS=1: this test must run)")
-    pytest.skip(msg)
 
 
 def _build(cxx: str, out: Path, *flags: str) -> Path:
@@ -86,10 +76,7 @@ def _x86_host() -> None:
 @pytest.fixture(scope="module")
 def aarch64(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(qemu, driver): the aarch64 driver, statically linked, and qemu user mode to run it."""
-    cxx = shutil.which(CROSS)
-    qemu = next((q for q in map(shutil.which, QEMUS) if q), None)
-    if cxx is None or qemu is None:
-        _missing(f"needs {CROSS} and qemu-aarch64 (Debian: g++-aarch64-linux-gnu, qemu-user)")
+    cxx, qemu = aarch64_tools()
     flags = [f for f in DEFAULT_FLAGS if f not in ("-shared", "-fPIC")]
     exe = _build(cxx, tmp_path_factory.mktemp("aarch64") / "driver", *flags, "-static")
     return qemu, str(exe)
@@ -106,7 +93,7 @@ def simde(tmp_path_factory: pytest.TempPathFactory) -> tuple[str]:
         text=True,
     )
     if cxx is None or probe.returncode != 0:
-        _missing("needs a C++ compiler and SIMDe's headers (Debian: libsimde-dev)")
+        missing_cross_tool("needs a C++ compiler and SIMDe's headers (Debian: libsimde-dev)")
     exe = _build(
         cxx, tmp_path_factory.mktemp("simde") / "driver", "-O0", "-std=c++17", "-DHQ_SIMDE"
     )
