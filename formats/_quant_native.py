@@ -36,10 +36,10 @@ straight into the tile's packed words, then stores each k's run of words as one 
 qweight (never down a column of stride R/2 bytes, whose lines share a few L1 sets). NVFP4
 takes every row's block maxima, then the scales of all the tile's blocks in one loop, then,
 K-major, each 8 rows' codes straight into their 4-byte words (row-major, on AVX-512, each
-block's codes straight into its 8 bytes). Both keep codes in 32-bit lanes:
-codes stored as bytes made the vectoriser narrow them through shuffles, which run on one port
-of Intel's AVX-512 cores (NVFP4 was 1.4× slower so).
-With ``out`` and ``row0`` both quantizers write a chunk of rows into the whole weight's tensors.
+block's codes straight into its 8 bytes). Codes and block scales stay in 32-bit lanes: stored
+as bytes, they made the vectoriser narrow them through shuffles, which run on one port of
+Intel's AVX-512 cores (NVFP4 took 1.8× its time now there). With ``out`` and ``row0`` both
+quantizers write a chunk of rows into the whole weight's tensors.
 """
 
 from __future__ import annotations
