@@ -222,22 +222,26 @@ HQ_INLINE void nvfp4_scales(const uint32_t* __restrict amax, int64_t n, float s2
     int32_t sb = (int32_t)bits(as_f32(amax[b]) / denom);
     sb = sb == 0 ? one : sb;  // a zero block's scale is 1
     sb = sb < lo ? lo : (sb > hi ? hi : sb);
-    const uint32_t code = e4m3_scale(sb);  // below 0x80: positive
+    const uint32_t code = e4m3_scale(sb);
     e[b] = code;
-    eff[b] = as_f32(code << 20) * 0x1p120f * s2;  // f32_from_e4m3
+    // f32_from_e4m3 of a positive code, without its sign masks (which cost AVX2 6 % here)
+    eff[b] = as_f32(code << 20) * 0x1p120f * s2;
   }
 }
 
-// Codes of inputs [0, K) of one row (sign << 3 | magnitude index), each block's step in
-// eff[K/16], in 32-bit lanes (stored as bytes, the vectoriser narrowed them through shuffles).
+// e2m1_codes(|x| / s, x < 0): the code of input x with step s, sign << 3 | magnitude index.
+HQ_INLINE int32_t e2m1_code(float x, float s) {
+  return e2m1_magnitude(__builtin_fabsf(x) / s) + (x < 0.0f) * 8;
+}
+
+// Codes of inputs [0, K) of one row, each block's step in eff[K/16], in 32-bit lanes (stored
+// as bytes, the vectoriser narrowed them through shuffles).
 template <typename T>
 HQ_INLINE void nvfp4_codes(const T* w, int64_t K, const float* eff, uint32_t* __restrict codes) {
   for (int64_t b = 0; b < K / BLOCK; ++b) {
     const float s = eff[b];
-    for (int j = 0; j < BLOCK; ++j) {  // e2m1_codes(|w| / eff, w < 0)
-      const float x = load(w, b * BLOCK + j);
-      codes[b * BLOCK + j] = (uint32_t)(e2m1_magnitude(__builtin_fabsf(x) / s) + (x < 0.0f) * 8);
-    }
+    for (int j = 0; j < BLOCK; ++j)
+      codes[b * BLOCK + j] = (uint32_t)e2m1_code(load(w, b * BLOCK + j), s);
   }
 }
 
@@ -289,12 +293,8 @@ HQ_INLINE void nvfp4_words8(const T* w, int64_t K, int64_t kt, const float* eff,
     const T* __restrict x = w + r * K;
     for (int64_t b = 0; b < kt / BLOCK; ++b) {
       const float s = eff[r * tb + b];
-      for (int j = 0; j < BLOCK; ++j) {  // e2m1_codes(|w| / eff, w < 0), in nibble r
-        const int64_t k = b * BLOCK + j;
-        const float v = load(x, k);
-        const int32_t m = e2m1_magnitude(__builtin_fabsf(v) / s) + (v < 0.0f) * 8;
-        words[k] |= (uint32_t)m << (4 * r);
-      }
+      for (int j = 0; j < BLOCK; ++j)  // in nibble r
+        words[b * BLOCK + j] |= (uint32_t)e2m1_code(load(x, b * BLOCK + j), s) << (4 * r);
     }
   }
 }
