@@ -8,14 +8,14 @@ its names moved under ``language_model.`` (``language_model.model.…``,
 checkpoint's original names (the sources of transformers' renames, ``conversion_mapping.py:
 658-710``: ``encoder.blocks.N.{norm0, norm1, wqkv, wo, mlp.fc0, mlp.fc1}``,
 ``patch_embed.pos_emb.weight``, ``mm_projector.proj.{0, 2}``) with values redrawn from a seeded
-generator per tensor (``tiny-tools/draw.py``: the same bytes on every CPU; BF16). config.json: ``model_type kimi_k25``, the vision config in the
-remote code's schema (``vt_*``, ``init_pos_emb_*``), the compressed-tensors
-``quantization_config`` inside ``text_config`` (its ``ignore`` adds the vision tower and
-projector). The tokenizer is K2's with K2.5's media tokens in its first reserved slots
-(``MEDIA``; ``media_placeholder_token_id`` is ``<|media_pad|>``'s), and preprocessor_config.json
-holds K2.5's ``media_proc_cfg`` (the released values, as RTP-LLM's and vLLM's defaults for K2.5
-list them, with the tiny patch size): vLLM reads both to profile its vision encoder
-(``kimi_k25_vision_fused.py``, ``KimiK25ProcessingInfo``).
+generator per tensor (``tiny-tools/draw.py``: the same bytes on every CPU; BF16). config.json:
+``model_type kimi_k25``, the vision config in the remote code's schema (``vt_*``,
+``init_pos_emb_*``), the compressed-tensors ``quantization_config`` inside ``text_config`` (its
+``ignore`` adds the vision tower and projector). The tokenizer is K2's with K2.5's media tokens in
+its first reserved slots (``MEDIA``; ``media_placeholder_token_id`` is ``<|media_pad|>``'s), and
+preprocessor_config.json holds K2.5's ``media_proc_cfg`` (the released values, as RTP-LLM's and
+vLLM's defaults for K2.5 list them, with the tiny patch size): vLLM reads both to profile its
+vision encoder (``kimi_k25_vision_fused.py``, ``KimiK25ProcessingInfo``).
 
     python examples/kimi-k25/make_tiny.py OUT
 """

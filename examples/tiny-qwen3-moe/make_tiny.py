@@ -14,9 +14,10 @@ scale in a later shard than its weight and one weight in a later shard than its 
 tokenizer files are the tiny DeepSeek-V3 example's (a 640-token byte-level BPE: Qwen's own has
 151,936 tokens and would dwarf the model); the vocabulary size is the tokenizer's.
 
-Everything is drawn from one seeded generator per tensor (seeded by SEED and the tensor's
-position; ``tiny-tools/draw.py``), so a run writes the same bytes on every CPU. About 4.5 MB (FP8), 8.5 MB (BF16); every dim
-the Ascend FP4 tiling needs (N % 256, K % 64) holds, as it does for the real models.
+Everything is drawn from one seeded generator per tensor (seeded by SEED and the tensor's position;
+``tiny-tools/draw.py``), so a run writes the same bytes on every CPU. About 4.5 MB (FP8), 8.5 MB
+(BF16); every dim the Ascend FP4 tiling needs (N % 256, K % 64) holds, as it does for the real
+models.
 
 Usage::
 

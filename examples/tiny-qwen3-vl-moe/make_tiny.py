@@ -2,8 +2,9 @@
 
 The model is transformers' own ``Qwen3VLMoeForConditionalGeneration`` (vision tower, mergers and
 deepstack mergers included) built from a tiny ``Qwen3VLMoeConfig``; its parameters are redrawn
-from one seeded generator per tensor (``tiny-tools/draw.py``: the same bytes on every CPU) (norms ≈ 1, biases small, weights ~ N(0, 1/in);
-transformers' own init leaves the routers at zero, which ties every expert), then written:
+from one seeded generator per tensor (``tiny-tools/draw.py``: the same bytes on every CPU; norms
+≈ 1, biases small, weights ~ N(0, 1/in); transformers' own init leaves the routers at zero, which
+ties every expert), then written:
 
 * ``--dtype bf16`` (default): every tensor BF16, each MoE layer's experts fused as the released
   checkpoints store them — ``mlp.experts.gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]``,

@@ -29,10 +29,11 @@ from hetquant.formats import _quant_native as Q
 from hetquant.formats import _rows_native as R
 
 HERE = Path(__file__).resolve().parent
+Driver = tuple[str, str, Path]  # qemu, the aarch64 driver, its scratch directory
 
 
 @pytest.fixture(scope="module")
-def driver(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, Path]:
+def driver(tmp_path_factory: pytest.TempPathFactory) -> Driver:
     """(qemu, the aarch64 driver, a scratch directory)."""
     if platform.machine() != "x86_64" or not Q.available():
         pytest.skip("compares against the x86 kernels: run on an x86-64 host that builds them")
@@ -61,9 +62,7 @@ def _bf16_rows(rows: int, cols: int, seed: int) -> np.ndarray:
     return (x.view(np.uint32) >> 16).astype(np.uint16)  # truncated: any BF16 value will do
 
 
-def _run(
-    driver: tuple[str, str, Path], *args: object, dtypes: tuple[type, ...]
-) -> list[np.ndarray]:
+def _run(driver: Driver, *args: object, dtypes: tuple[type, ...]) -> list[np.ndarray]:
     qemu, exe, tmp = driver
     out = tmp / "out"
     res = subprocess.run([qemu, exe, *map(str, args), str(out)], capture_output=True, timeout=600)
@@ -77,7 +76,7 @@ def _same(aarch64: list[np.ndarray], x86: tuple[np.ndarray, ...]) -> bool:
     )
 
 
-def _write(driver: tuple[str, str, Path], name: str, a: np.ndarray) -> Path:
+def _write(driver: Driver, name: str, a: np.ndarray) -> Path:
     path = driver[2] / name
     a.tofile(path)
     return path
@@ -86,7 +85,7 @@ def _write(driver: tuple[str, str, Path], name: str, a: np.ndarray) -> Path:
 @pytest.mark.parametrize(
     ("rows", "cols", "group"), [(16, 256, 128), (24, 384, 64), (136, 640, 128)]
 )
-def test_awq(driver, rows: int, cols: int, group: int) -> None:  # type: ignore[no-untyped-def]
+def test_awq(driver: Driver, rows: int, cols: int, group: int) -> None:
     w = _bf16_rows(rows, cols, rows + cols)
     x86 = Q.awq_rtn_array(w, group)
     assert x86 is not None
@@ -100,7 +99,7 @@ def test_awq(driver, rows: int, cols: int, group: int) -> None:  # type: ignore[
     [("rows", 130, 528), ("rows", 3, 48), ("kmajor", 130, 528), ("kmajor", 10, 96),
      ("tiled", 256, 320), ("tiled", 512, 576)],
 )  # fmt: skip
-def test_nvfp4(driver, layout: str, rows: int, cols: int) -> None:  # type: ignore[no-untyped-def]
+def test_nvfp4(driver: Driver, layout: str, rows: int, cols: int) -> None:
     w = _bf16_rows(rows, cols, 7 * rows + cols)
     amax = float(np.abs((w.astype(np.uint32) << 16).view(np.float32)).max())
     s2 = np.float32(amax / (6.0 * 448.0))
@@ -113,7 +112,7 @@ def test_nvfp4(driver, layout: str, rows: int, cols: int) -> None:  # type: igno
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(7, 130), (33, 2048), (1, 2)])
-def test_w8a8(driver, rows: int, cols: int) -> None:  # type: ignore[no-untyped-def]
+def test_w8a8(driver: Driver, rows: int, cols: int) -> None:
     w = _bf16_rows(rows, cols, 3 * rows + cols)
     x86 = R.w8a8_rows_array(w)
     assert x86 is not None
@@ -124,7 +123,7 @@ def test_w8a8(driver, rows: int, cols: int) -> None:  # type: ignore[no-untyped-
 @pytest.mark.parametrize(
     ("rows", "cols", "pair"), [(9, 130, False), (33, 2048, False), (10, 64, True)]
 )
-def test_int4(driver, rows: int, cols: int, pair: bool) -> None:  # type: ignore[no-untyped-def]
+def test_int4(driver: Driver, rows: int, cols: int, pair: bool) -> None:
     w = _bf16_rows(rows, cols, 5 * rows + cols)
     half = rows // 2
     x86 = R.int4_rows_array(w[:half], w[half:]) if pair else R.int4_rows_array(w)
@@ -135,7 +134,7 @@ def test_int4(driver, rows: int, cols: int, pair: bool) -> None:  # type: ignore
 
 
 @pytest.mark.parametrize(("rows", "cols", "block"), [(72, 1000, 128), (5, 300, 64)])
-def test_fp8_dequant(driver, rows: int, cols: int, block: int) -> None:  # type: ignore[no-untyped-def]
+def test_fp8_dequant(driver: Driver, rows: int, cols: int, block: int) -> None:
     rng = np.random.default_rng(rows + cols)
     codes = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes (their path is the caller's error)
