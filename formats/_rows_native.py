@@ -54,11 +54,14 @@ def _ptr(a: np.ndarray) -> int:
 
 
 def fp8_dequant_rows_array(
-    codes: np.ndarray, scale_row: np.ndarray, block: int, isa: int = 0
-) -> np.ndarray | None:
+    codes: np.ndarray, scale_row: np.ndarray, block: int, isa: int = 0,
+    out: np.ndarray | None = None,
+) -> np.ndarray | None:  # fmt: skip
     """BF16 bits (``uint16`` [r, in]) of E4M3 codes ``codes`` (``uint8`` [r, in]) lying in one
-    block row whose scales are ``scale_row`` (F32 [ceil(in / block)]); None where the kernel
-    does not apply or a code is NaN (the caller's torch path then raises)."""
+    block row whose scales are ``scale_row`` (F32 [ceil(in / block)]), written into ``out``
+    where it is such an array (C-contiguous), else into a new one; None where the kernel
+    does not apply or a code is NaN (the caller's torch path then raises; ``out`` then holds
+    partial rows)."""
     if (
         codes.dtype != np.uint8
         or codes.ndim != 2
@@ -71,7 +74,8 @@ def fp8_dequant_rows_array(
     if lib is None:
         return None
     s = np.ascontiguousarray(scale_row)
-    out = np.empty(codes.shape, dtype=np.uint16)
+    if out is None or out.shape != codes.shape or out.dtype != np.uint16 or not out.flags.c_contiguous:  # fmt: skip
+        out = np.empty(codes.shape, dtype=np.uint16)
     rc = lib.hq_fp8_dequant_rows(
         _ptr(codes), codes.shape[0], codes.shape[1], _ptr(s), block, _ptr(out), isa
     )

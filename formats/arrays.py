@@ -5,8 +5,11 @@ For that a format may offer, beside its torch methods, the same operation on num
 and FP8 as their bits, ``dtypes.numpy_dtype``), computed by the kernels of ``_rows_native`` and
 ``_quant_native`` — the C++ is the one rule; nothing here re-states a quantization in numpy:
 
-* a source format: ``source_row_arrays(name, arrays, shape)`` → (first row, BF16 bits ``uint16``
-  [r, in]) as its ``source_rows`` gives them, validated;
+* a source format: ``source_row_arrays(name, arrays, shape, into=None)`` → (first row, BF16 bits
+  ``uint16`` [r, in]) as its ``source_rows`` gives them, validated; a format that computes its
+  rows may compute them straight into ``into(first row, rows)`` where that gives an array
+  (:data:`RowsInto`: the conversion's mapped output, when the target stores BF16 rows as they
+  come), sparing a copy of every byte;
 * a streaming target format: ``quantize_array(rows)`` → stored arrays, as ``quantize(rows)``;
 * an expert-layer format: ``quantize_rows_array(a, b=None)`` → (packed, scale) of rows ``a``
   (with ``b``: ``a`` and ``b`` rows interleaved), as ``quantize_rows``.
@@ -19,7 +22,7 @@ ranges, so a redo is safe), which gives the same bytes or raises the format's ow
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import numpy as np
@@ -27,9 +30,13 @@ import numpy as np
 from ._quant_native import absmax_array
 from .base import float_row_step
 
-__all__ = ["NotNative", "float_row_arrays", "native", "require_finite"]
+__all__ = ["NotNative", "RowsInto", "float_row_arrays", "native", "require_finite"]
 
 T = TypeVar("T")
+
+RowsInto = Callable[[int, int], "np.ndarray | None"]
+"""``into(r, n)``: where rows ``r .. r + n`` of a source weight are to be computed — a
+C-contiguous ``uint16`` [n, in] array (BF16 bits) to write into, or None (allocate)."""
 
 
 class NotNative(Exception):

@@ -30,6 +30,8 @@ from ._lazy import torch
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from .arrays import RowsInto
 from .dtypes import itemsize
 from .errors import HetquantError
 from .source_rows import (
@@ -110,6 +112,9 @@ class WeightFormat(ABC):
     native_quantize: ClassVar[bool] = False  # ``quantize_array``
     native_into: ClassVar[bool] = False  # ``quantize_array_into`` (chunks into the assembled)
     native_source: ClassVar[bool] = False  # ``source_row_arrays``
+    # ``quantize_array`` stores BF16 rows as given (key "weight", along the rows): a source
+    # format's kernel may compute them in place in the output (``arrays.RowsInto``)
+    stores_bf16_rows: ClassVar[bool] = False
 
     @abstractmethod
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[WeightFormat, tuple[int, int]]:
@@ -157,9 +162,12 @@ class WeightFormat(ABC):
         raise NotImplementedError(f"format {self.name!r} has no native quantize_array_into")
 
     def source_row_arrays(
-        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
-    ) -> Iterator[tuple[int, np.ndarray]]:
-        """``source_rows`` over numpy arrays, without torch; only where ``native_source``."""
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int],
+        into: RowsInto | None = None,
+    ) -> Iterator[tuple[int, np.ndarray]]:  # fmt: skip
+        """``source_rows`` over numpy arrays, without torch; only where ``native_source``. A
+        format that computes its rows may compute them into ``into(r, n)``'s array where it
+        gives one (``arrays.RowsInto``); the rows it yields are then that array."""
         raise NotImplementedError(f"format {self.name!r} has no native source_row_arrays")
 
     def source_absmax_array(

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ._lazy import torch
-from .arrays import NotNative, float_row_arrays
+from .arrays import NotNative, RowsInto, float_row_arrays
 from .base import Streaming, TensorMeta, WeightFormat, float_rows, register
 
 __all__ = ["Bf16"]
@@ -25,6 +25,7 @@ class Bf16(WeightFormat):
     name: ClassVar[str] = "bf16"
     native_quantize: ClassVar[bool] = True  # quantize_array
     native_source: ClassVar[bool] = True  # source_row_arrays
+    stores_bf16_rows: ClassVar[bool] = True  # quantize_array: the rows as given
     keys: ClassVar[frozenset[str]] = frozenset({"weight"})
 
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[Bf16, tuple[int, int]]:
@@ -40,9 +41,10 @@ class Bf16(WeightFormat):
         return float_rows(name, tensors["weight"])
 
     def source_row_arrays(
-        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
-    ) -> Iterator[tuple[int, np.ndarray]]:
-        return float_row_arrays(name, arrays["weight"])
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int],
+        into: RowsInto | None = None,
+    ) -> Iterator[tuple[int, np.ndarray]]:  # fmt: skip
+        return float_row_arrays(name, arrays["weight"])  # views of the source: nothing computed
 
     def stored(self, shape: tuple[int, int]) -> dict[str, TensorMeta]:
         return {"weight": TensorMeta("BF16", tuple(shape))}

@@ -42,7 +42,7 @@ import numpy as np
 
 from ._lazy import torch
 from ._rows_native import fp8_absmax_array, fp8_dequant_rows, fp8_dequant_rows_array
-from .arrays import native
+from .arrays import RowsInto, native
 from .base import TensorMeta, WeightFormat, register
 from .errors import HetquantError
 from .fp8_block_rows import (
@@ -115,13 +115,17 @@ class Fp8Block(WeightFormat):
             yield r, self._block_row(f"{name}.weight", w[r : r + self.block], s, r)
 
     def source_row_arrays(
-        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
-    ) -> Iterator[tuple[int, np.ndarray]]:
-        """:meth:`source_rows` on numpy arrays (``arrays``): BF16 bits, by the kernel alone."""
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int],
+        into: RowsInto | None = None,
+    ) -> Iterator[tuple[int, np.ndarray]]:  # fmt: skip
+        """:meth:`source_rows` on numpy arrays (``arrays``): BF16 bits, by the kernel alone,
+        each block row dequantized into ``into``'s array where it gives one."""
         w, s = arrays["weight"], arrays["weight_scale_inv"]
         self._check_scales(f"{name}.weight_scale_inv", s)
         for r in range(0, shape[0], self.block):
-            rows = fp8_dequant_rows_array(w[r : r + self.block], s[r // self.block], self.block)
+            codes = w[r : r + self.block]  # [n <= block, in]
+            out = into(r, codes.shape[0]) if into is not None else None
+            rows = fp8_dequant_rows_array(codes, s[r // self.block], self.block, out=out)
             yield r, native(rows, f"{name}.weight: FP8 rows {r}+")
 
     def _block_row(

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ._lazy import torch
+from .arrays import RowsInto
 from .base import TensorMeta, register
 from .errors import HetquantError
 from .fp4_e2m1 import UE8M0_BIAS, UE8M0_NAN, check_ue8m0, ue8m0_to_f32
@@ -127,9 +128,10 @@ class Fp8BlockScale(Fp8Block):
         return {"weight": arrays["weight"], "weight_scale_inv": s}
 
     def source_row_arrays(
-        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
-    ) -> Iterator[tuple[int, np.ndarray]]:
-        return self._base().source_row_arrays(name, self._v3_arrays(name, arrays), shape)
+        self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int],
+        into: RowsInto | None = None,
+    ) -> Iterator[tuple[int, np.ndarray]]:  # fmt: skip
+        return self._base().source_row_arrays(name, self._v3_arrays(name, arrays), shape, into)
 
     def source_absmax_array(
         self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from hetquant.formats.arrays import NotNative, require_finite
+from hetquant.formats.arrays import NotNative, RowsInto, require_finite
 from hetquant.formats.dtypes import numpy_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
@@ -114,7 +114,7 @@ class NativeJobs:
         into = plan.chunk_format.native_into  # chunks straight into the assembled tensors
         assembled = {k for k in metas if plan.axes[k] != 0 or into}
         buffers = {k: np.empty(metas[k].shape, numpy_dtype(metas[k].dtype)) for k in assembled}
-        for row0, rows in self.source.row_arrays(job.source):
+        for row0, rows in self.source.row_arrays(job.source, self._in_place(plan, pieces)):
             if into:  # the format writes each chunk into its places
                 buffers.update(plan.chunk_format.quantize_array_into(rows, row0, buffers, **opts))
                 continue
@@ -132,6 +132,17 @@ class NativeJobs:
                     buffers[key][tuple(index)] = part
         for key, data in buffers.items():
             self._write(pieces[key], data)
+
+    def _in_place(self, plan: Any, pieces: dict[str, OutPiece]) -> RowsInto | None:
+        """Where the target stores BF16 rows as they come (``stores_bf16_rows``) and the
+        writer maps the output: the source's kernel computes each block of rows straight into
+        the output's pages (``PieceWriter.destination``), and their write copies nothing."""
+        if not plan.chunk_format.stores_bf16_rows or plan.axes.get("weight") != 0:
+            return None
+        piece = pieces["weight"]
+        n, k = piece.meta.shape  # [out, in] BF16
+        row_bytes = piece.meta.nbytes // n
+        return lambda r, rows: self.out.destination(piece.tensor, piece.offset + r * row_bytes, (rows, k), np.uint16)  # fmt: skip
 
     def _absmax(self, job: Job) -> float:
         """``max |W|`` over the job's weight and the others of its merged module (their shared

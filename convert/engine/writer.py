@@ -13,15 +13,24 @@ exist and writable in one call — cheaper than a page fault per 4 KiB, and wher
 raise SIGBUS (the file system is full: tmpfs, or blocks ext4 could not reserve) it returns
 EFAULT, reported as ENOSPC, the engine's disk-full error. Where the kernel cannot populate
 (older kernels, other systems) the writer falls back to ``pwrite`` for good.
+
+Where a kernel computes the stored bytes themselves (FP8 blocks dequantized to a BF16 target),
+:meth:`PieceWriter.destination` lends it the mapped pages to compute into, and the write of that
+array copies nothing: the copy was a quarter of the CPU time of a ``bf16`` conversion onto tmpfs
+(benchmarks/notes/convert-scaling.md, seventh round).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import math
 import mmap
 import os
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from hetquant.formats.safetensors_io import byte_view, write_at
 
@@ -46,30 +55,59 @@ class PieceWriter:
         self._size = {f.name: f.size for f in files}
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
+        self._addr: dict[str, int] = {}  # file → its mapping's address (``destination``)
         forced = os.environ.get(WRITE_ENV, "").lower()  # "mmap" / "pwrite": A/B runs
         memory = forced == "mmap" or (forced != "pwrite" and memory_backed(work_dir))
         self.mapped = mapped and hasattr(mmap.mmap, "madvise") and memory
 
     def write(self, tensor: str, offset: int, data: Any) -> None:
         """Write ``data`` (bytes, a numpy array or a CPU tensor: ``safetensors_io.byte_view``)
-        at ``offset`` bytes past the start of output tensor ``tensor``."""
+        at ``offset`` bytes past the start of output tensor ``tensor``; nothing where ``data``
+        is the :meth:`destination` of those bytes."""
         file, start = self._where[tensor]
+        pos = start + offset
+        if isinstance(data, np.ndarray) and data.size and file in self._addr:
+            if data.ctypes.data == self._addr[file] + pos:  # computed in place
+                return
         with naming(self.work_dir / file):  # ENOMEM (mmap), EFBIG (ulimit -f), EMFILE: no path
-            fd = self._fds.get(file)
-            if fd is None:
-                fd = self._fds[file] = os.open(self.work_dir / file, os.O_RDWR)
-            pos = start + offset
+            fd = self._fd(file)
             src = byte_view(data)
-            if self.mapped and src.nbytes and self._store(file, fd, pos, src):
+            if self.mapped and src.nbytes and self._populate(file, fd, pos, src.nbytes):
+                self._maps[file][pos : pos + src.nbytes] = src  # one memcpy; no export outlives it
                 return
             write_at(fd, pos, src)
 
-    def _store(self, file: str, fd: int, pos: int, src: memoryview) -> bool:
-        """Copy ``src`` into the mapping of ``file`` at ``pos``; False where it cannot."""
+    def destination(self, tensor: str, offset: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:  # fmt: skip
+        """The output bytes of ``tensor`` from ``offset`` on as a writable C-contiguous array
+        of ``shape`` and ``dtype`` over the file's mapping, its pages made to exist (as
+        :meth:`write` does), for a kernel to compute into; None where the writer does not map.
+        The array must not be used after :meth:`close` (it holds no reference to the map)."""
+        if not self.mapped:
+            return None
+        file, start = self._where[tensor]
+        pos = start + offset
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        with naming(self.work_dir / file):
+            if not n or not self._populate(file, self._fd(file), pos, n):
+                return None
+        raw = (ctypes.c_char * n).from_address(self._addr[file] + pos)  # no export of the map
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+    def _fd(self, file: str) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = os.open(self.work_dir / file, os.O_RDWR)
+        return fd
+
+    def _populate(self, file: str, fd: int, pos: int, n: int) -> bool:
+        """Map ``file`` (once) and make its pages ``pos .. pos + n`` exist and writable; False
+        where this kernel cannot populate (the writer then ``pwrite``s for good)."""
         m = self._maps.get(file)
         if m is None:
             m = self._maps[file] = mmap.mmap(fd, self._size[file], mmap.MAP_SHARED)
-        n = src.nbytes
+            held = ctypes.c_char.from_buffer(m)  # an export while the address is read
+            self._addr[file] = ctypes.addressof(held)
+            del held
         first = pos // _PAGE * _PAGE
         try:
             m.madvise(_MADV_POPULATE_WRITE, first, pos + n - first)
@@ -78,13 +116,13 @@ class PieceWriter:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.work_dir / file)) from None  # fmt: skip
             self.mapped = False  # EINVAL: this kernel cannot populate; pwrite from now on
             return False
-        m[pos : pos + n] = src  # one memcpy; no buffer export outlives it (close() unmaps)
         return True
 
     def close(self) -> None:
         for m in self._maps.values():
             m.close()
         self._maps.clear()
+        self._addr.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -28,7 +28,7 @@ import numpy as np
 from hetquant.formats import HetquantError, WeightFormat
 from hetquant.formats._lazy import torch
 from hetquant.formats._quant_native import absmax_array
-from hetquant.formats.arrays import NotNative, float_row_arrays, native
+from hetquant.formats.arrays import NotNative, RowsInto, float_row_arrays, native
 from hetquant.formats.base import float_rows
 from hetquant.formats.families import ModelConfig, TensorRole, check_index_holds, load_json
 from hetquant.formats.filenames import INDEX_NAME, SINGLE_NAME
@@ -143,15 +143,16 @@ class SourceCheckpoint:
         file, entry = t.parts.get("weight", next(iter(t.parts.values())))
         return entry.dtype, self.array(file, entry)
 
-    def row_arrays(self, name: str) -> Iterator[tuple[int, np.ndarray]]:
+    def row_arrays(self, name: str, into: RowsInto | None = None) -> Iterator[tuple[int, np.ndarray]]:  # fmt: skip
         """:meth:`rows` as numpy arrays, by the formats' native kernels
-        (``formats/arrays.py``); raises ``NotNative`` where they cannot."""
+        (``formats/arrays.py``; computed rows into ``into``'s arrays where it gives them);
+        raises ``NotNative`` where they cannot."""
         t = self.tensors[name]
         if t.fmt is None:
             return float_row_arrays(name, self.weight_array(name)[1])
         if not t.fmt.native_source:
             raise NotNative(f"{name}: source format {t.fmt.name} has no native rows")
-        return t.fmt.source_row_arrays(t.prefix, self.arrays(name), t.shape)  # type: ignore[arg-type]
+        return t.fmt.source_row_arrays(t.prefix, self.arrays(name), t.shape, into)  # type: ignore[arg-type]
 
     def stored(self, name: str) -> dict[str, torch.Tensor]:
         """The stored tensors of role ``name`` by key, zero-copy."""

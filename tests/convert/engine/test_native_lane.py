@@ -19,7 +19,10 @@ import pytest
 from golden_artifacts import CASES, GOLDEN, TINY, artifact_digest
 
 from hetquant.convert import SourceCheckpoint, get_recipe, plan_for
+from hetquant.convert.engine import writer
 from hetquant.convert.engine.native_jobs import NativeJobs, needs_torch
+from hetquant.convert.engine.writer import PieceWriter
+from hetquant.convert.planning.plan import JobKind
 from hetquant.formats import _quant_native as Q
 
 GOLDEN_FILES = {case: doc["files"] for case, doc in json.loads(GOLDEN.read_text()).items()}
@@ -130,3 +133,51 @@ def test_the_lane_absmax_is_the_torch_absmax() -> None:
         for name in group:
             assert real(name) == source.absmax(name), name
     assert len(calls) == len(set(calls)) == len({n for j in jobs for n in j.amax_group})
+
+
+def _lane_files(source, plan, work: Path, mapped: bool, fp8: set[int]) -> dict[str, bytes]:
+    """Every job of ``plan`` through the lane into ``work``; the kernels' destinations are the
+    mapped output exactly for the FP8-sourced jobs, and no destination is copied again."""
+    work.mkdir()
+    for f in plan.files:
+        f.create(work / f.name)
+    out = PieceWriter(plan.files, work, mapped=mapped)
+    lane, given, copied = NativeJobs(source, out), [], []
+    real_dest, real_view = out.destination, writer.byte_view
+
+    def destination(*args):
+        given.append(real_dest(*args))
+        return given[-1]
+
+    def byte_view(data):
+        copied.append(data.ctypes.data if hasattr(data, "ctypes") else None)
+        return real_view(data)
+
+    out.destination = destination  # type: ignore[method-assign]
+    writer.byte_view = byte_view
+    try:
+        for job in plan.jobs:
+            n = len(given)
+            assert lane.run(job), job
+            assert any(a is not None for a in given[n:]) is (mapped and job.id in fp8), job
+    finally:
+        writer.byte_view = real_view
+    in_place = {a.ctypes.data for a in given if a is not None}
+    assert len(in_place) == len(given) if mapped else not in_place  # each block row its own
+    assert not in_place & set(copied)
+    given.clear()
+    out.close()
+    return {f.name: (work / f.name).read_bytes() for f in plan.files}
+
+
+def test_bf16_rows_from_fp8_are_dequantized_in_place_in_a_mapped_output(tmp_path: Path, monkeypatch) -> None:  # fmt: skip
+    """bf16 through a mapped writer: every FP8 weight's block rows are computed straight into
+    the output's pages (``PieceWriter.destination``), none of them is copied afterwards, and
+    the files are byte for byte the ``pwrite`` ones."""
+    monkeypatch.setenv(writer.WRITE_ENV, "mmap")
+    source = SourceCheckpoint.open(TINY)
+    plan = plan_for(source, get_recipe("bf16"), 1 << 40)
+    fp8 = {j.id for j in plan.jobs if j.kind is JobKind.LINEAR and source.tensors[j.source].fmt}
+    assert fp8
+    mapped = _lane_files(source, plan, tmp_path / "mapped", True, fp8)
+    assert mapped == _lane_files(source, plan, tmp_path / "pwrite", False, fp8)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from support import tmpfs
@@ -91,3 +92,37 @@ def test_workers_writing_through_maps_or_pwrite_give_the_same_artifact(cli, tiny
     assert files == sorted(p.relative_to(outs["pwrite"]) for p in outs["pwrite"].rglob("*") if p.is_file())  # fmt: skip
     for rel in files:  # the manifests too: the same digests
         assert (outs["mmap"] / rel).read_bytes() == (outs["pwrite"] / rel).read_bytes(), rel
+
+
+def test_a_destination_is_the_mapped_bytes_and_its_write_copies_nothing(tmp_path: Path, monkeypatch, maps) -> None:  # fmt: skip
+    """A kernel computes into ``destination``'s array: the bytes land in the file, and the
+    write of that very array copies nothing (``byte_view`` is never reached); another
+    array at the same place is still copied."""
+    f = _file()
+    f.create(tmp_path / f.name)
+    w = PieceWriter([f], tmp_path, mapped=True)
+    dest = w.destination("b", 4093, (3, 1000), np.uint16)  # straddles pages, unaligned
+    assert dest is not None and dest.shape == (3, 1000) and dest.flags.writeable
+    want = np.arange(3000, dtype=np.uint16).reshape(3, 1000) * 7
+    dest[:] = want
+    copied: list[int] = []
+    real = writer.byte_view
+    monkeypatch.setattr(writer, "byte_view", lambda d: copied.append(1) or real(d))
+    w.write("b", 4093, dest)
+    assert not copied
+    w.write("a", 0, np.array([5, 6, 7], dtype=np.int32))  # an ordinary array: copied
+    assert copied == [1]
+    del dest
+    w.close()
+    raw = (tmp_path / f.name).read_bytes()
+    b0, a0 = f.offsets()["b"], f.offsets()["a"]
+    assert raw[b0 + 4093 : b0 + 4093 + 6000] == want.tobytes()
+    assert raw[a0 : a0 + 12] == np.array([5, 6, 7], dtype=np.int32).tobytes()
+
+
+def test_no_destination_where_the_writer_does_not_map(tmp_path: Path) -> None:
+    f = _file()
+    f.create(tmp_path / f.name)
+    w = PieceWriter([f], tmp_path, mapped=False)
+    assert w.destination("b", 0, (4, 4), np.uint16) is None
+    w.close()
