@@ -3,6 +3,7 @@
 // Every float operation mirrors the torch reference in formats/fp8_block_rows.py
 // (dequantize_rows), formats/w8a8_npu_rows.py (weight_tensors) and formats/int4_cpu_rows.py
 // (quantize_rows_torch without clip search); keep them in step.
+#include <algorithm>
 #include <cmath>
 #ifdef HQ_X86
 #include <immintrin.h>
@@ -69,25 +70,39 @@ HQ_INLINE int fp8_rows(const uint8_t* codes, int64_t R, int64_t C, const float* 
   return bad ? 1 : 0;
 }
 
-// max |bf16(f32(code) * s)| over block-FP8 codes [R, C] whose scales are s [ceil(R / block),
-// sC] (fp8_block_rows.absmax_dequantized): the value is non-decreasing in |code|, so per block row
-// only each column's largest magnitude code is dequantized. Returns 0 with the maximum in *out,
-// 1 when a NaN code is present, -2 out of memory.
+// max |bf16(f32(c) * s)| over block-FP8 codes [R, C] with scales s [ceil(R / block), sC],
+// reading only the blocks that can hold it. In one block every value is at most the block's
+// bound |bf16(448 * s)| (0x7E is E4M3's largest finite magnitude; the product and the rounding
+// are monotone), so blocks are visited from the largest bound down and the walk stops at the
+// first bound not above the largest value found: exact, and on checkpoints whose scales are
+// each block's absmax / 448 (DeepSeek's), one or a few blocks are read instead of all. A NaN code
+// (magnitude 0x7F) in a visited block returns 1; one in a skipped block is the caller's
+// dequantizing pass to refuse (formats/_rows_native.py fp8_absmax_array).
 HQ_INLINE int fp8_absmax(const uint8_t* codes, int64_t R, int64_t C, const float* s, int64_t sC,
                          int64_t block, float* out) {
-  Scratch buf(C > 0 ? C : 1);
+  const int64_t nr = (R + block - 1) / block, nc = (C + block - 1) / block, n = nr * nc;
+  if (n >= ((int64_t)1 << 32)) return -2;
+  Scratch buf(n * 8 + block + 1);
   if (!buf.p) return -2;
-  uint8_t* mags = (uint8_t*)buf.p;
-  uint32_t best = 0;  // BF16 bits of the largest magnitude so far (non-negative: ordered as ints)
-  for (int64_t r0 = 0; r0 < R; r0 += block) {
-    const int64_t rows = R - r0 < block ? R - r0 : block;
-    hq_u8_colmax7(codes + r0 * C, rows, C, C, mags);
-    const float* srow = s + (r0 / block) * sC;
-    for (int64_t c = 0; c < C; ++c) {
-      if (mags[c] == 0x7F) return 1;
-      const uint32_t v = bf16_from_f32(f32_from_e4m3(mags[c]) * srow[c / block]) & 0x7FFFu;
-      best = v > best ? v : best;
+  uint64_t* order = (uint64_t*)buf.p;  // bound << 32 | block index, largest bound first
+  uint8_t* mags = (uint8_t*)(order + n);
+  for (int64_t i = 0; i < nr; ++i)
+    for (int64_t j = 0; j < nc; ++j) {
+      const uint64_t bound = bf16_from_f32(f32_from_e4m3(0x7E) * s[i * sC + j]) & 0x7FFFu;
+      order[i * nc + j] = bound << 32 | (uint64_t)(i * nc + j);
     }
+  std::sort(order, order + n, [](uint64_t a, uint64_t b) { return a > b; });
+  uint32_t best = 0;  // BF16 bits of the largest magnitude so far (non-negative: ordered as ints)
+  for (int64_t t = 0; t < n && (uint32_t)(order[t] >> 32) > best; ++t) {
+    const int64_t idx = (int64_t)(order[t] & 0xFFFFFFFFu), i = idx / nc, j = idx % nc;
+    const int64_t r0 = i * block, c0 = j * block;
+    const int64_t rows = R - r0 < block ? R - r0 : block, cols = C - c0 < block ? C - c0 : block;
+    hq_u8_colmax7(codes + r0 * C + c0, rows, cols, C, mags);
+    uint8_t m = 0;
+    for (int64_t c = 0; c < cols; ++c) m = mags[c] > m ? mags[c] : m;
+    if (m == 0x7F) return 1;
+    const uint32_t v = bf16_from_f32(f32_from_e4m3(m) * s[i * sC + j]) & 0x7FFFu;
+    best = v > best ? v : best;
   }
   *out = as_f32(best << 16);
   return 0;
@@ -322,7 +337,8 @@ int hq_int4_rows(const void* a, const void* b, int bf16, int64_t R, int64_t K, u
 }
 
 // max |dequantized| of block-FP8 codes [R, C] with scales s [ceil(R / block), sC] (see
-// fp8_absmax). Returns 0 with *out set, 1 when a NaN code is present, -2 on bad arguments.
+// fp8_absmax). Returns 0 with *out set, 1 when a visited block holds a NaN code, -2 on bad
+// arguments.
 int hq_fp8_absmax(const uint8_t* codes, int64_t R, int64_t C, const float* s, int64_t sC,
                   int64_t block, float* out) {
   if (R < 0 || C < 0 || block <= 0 || sC < (C + block - 1) / block) return -2;

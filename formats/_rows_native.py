@@ -84,8 +84,12 @@ def fp8_dequant_rows_array(
 
 def fp8_absmax_array(codes: np.ndarray, scale: np.ndarray, block: int) -> float | None:
     """``fp8_block.absmax_dequantized`` of E4M3 codes ``codes`` (``uint8`` [R, C]) with block
-    scales ``scale`` (F32 [ceil(R / block), >= ceil(C / block)], already checked): one pass
-    of the kernel. None where it does not apply or a code is NaN (the torch path then raises)."""
+    scales ``scale`` (F32 [ceil(R / block), >= ceil(C / block)], already checked), reading
+    only the blocks whose bound ``|bf16(448 · scale)|`` lies above the largest value found
+    (largest bound first: exact; one or a few blocks of a checkpoint whose scales are each
+    block's absmax / 448). None where it does not apply or a block it reads holds a NaN code
+    (the torch path then raises); a NaN code in a block it skips is left to the dequantizing
+    pass every caller makes next (``fp8_dequant_rows_array`` refuses it)."""
     if (
         codes.dtype != np.uint8
         or codes.ndim != 2

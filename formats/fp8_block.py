@@ -181,8 +181,9 @@ class Fp8Block(WeightFormat):
     def source_absmax_array(
         self, name: str, arrays: Mapping[str, np.ndarray], shape: tuple[int, int]
     ) -> float:
-        """:meth:`source_absmax` on numpy arrays, by the kernel alone (NotNative on NaN codes:
-        the torch code then names them)."""
+        """:meth:`source_absmax` on numpy arrays, by the kernel alone, which reads only the
+        blocks that can hold it (NotNative on a NaN code there: the torch code then names it;
+        one elsewhere is refused by :meth:`source_row_arrays`, which reads every code)."""
         s = arrays["weight_scale_inv"]
         self._check_scales(f"{name}.weight_scale_inv", s)
         got = fp8_absmax_array(arrays["weight"], s, self.block)

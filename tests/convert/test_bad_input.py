@@ -25,6 +25,8 @@ from support import (
     write_json,
 )
 
+from hetquant.formats.fp8_block_rows import absmax_dequantized
+
 SHARD1, SHARD2, SHARD3, SHARD5 = (f"model-0000{i}-of-000005.safetensors" for i in (1, 2, 3, 5))
 KV_A = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # [160, 256]: scale in SHARD2
 O_PROJ = "model.layers.1.self_attn.o_proj.weight"
@@ -265,6 +267,27 @@ def test_corrupt_source_is_refused(
     out = tmp_path / "out"
     res = cli("convert", tiny_src, out, "--recipe", "bf16")
     assert_refused(res, tiny_src, out, before, *needles)
+
+
+def test_fp4_refuses_a_nan_code_its_absmax_does_not_read(cli, tiny_src: Path, tmp_path: Path) -> None:  # fmt: skip
+    """fp4's per-tensor amax reads only the FP8 blocks that can hold it (``fp8_absmax``): a NaN
+    code in a block whose bound lies below the weight's maximum is not seen there, and the
+    dequantizing pass still refuses it, naming the weight, in the pool's workers too."""
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+
+    def mutate(tensors: dict[str, torch.Tensor]) -> None:
+        codes, scale = tensors[name].view(torch.uint8), tensors[name + "_scale_inv"]
+        bounds = (448.0 * scale).to(torch.bfloat16).float()  # [rows / 128, cols / 128]
+        i, j = divmod(int(bounds.argmin()), scale.shape[1])
+        assert float(bounds[i, j]) < absmax_dequantized(tensors[name], scale), "pick another"
+        codes[i * 128, j * 128] = 0xFF
+
+    resave_shard(shard_of(tiny_src, name), mutate)
+    before = tree_hashes(tiny_src)
+    for workers in ("1", "2"):
+        out = tmp_path / f"out{workers}"
+        res = cli("convert", tiny_src, out, "--recipe", "fp4", "--workers", workers)
+        assert_refused(res, tiny_src, out, before, name, "NaN")
 
 
 def test_header_rewrite_helper_keeps_the_length(tiny_src: Path) -> None:

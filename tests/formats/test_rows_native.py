@@ -185,13 +185,40 @@ def test_fp8_absmax_every_code_and_tie_scales() -> None:
             assert R.fp8_absmax_array(_np(w), s.numpy(), 128) == want, scale
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_fp8_absmax_reads_only_blocks_that_can_hold_it_and_stays_exact(seed: int) -> None:
+    """The walk from the largest block bound down is the full reduction, whatever the codes:
+    blocks whose codes are small under large scales (the walk must go on past them), scales
+    repeated (equal bounds), a block holding only zeros; and it stops early: a NaN code in a
+    block whose bound is below the maximum is never read (the dequantizing pass refuses it)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, cols, block = 3 * 128 + 17, 5 * 128 + 9, 128
+    codes = _codes(rows, cols, seed=seed).view(torch.uint8).clone()
+    top = torch.randint(1, 0x7F, (4, 6), generator=g, dtype=torch.int32)  # each block's largest
+    for i in range(4):
+        for j in range(6):
+            blk = codes[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            blk.copy_(blk % (int(top[i, j]) + 1) | (blk & 0x80))  # magnitudes <= top[i, j]
+    codes[:block, :block] = 0
+    s = _scales((4, 6), -14, -6, seed=seed + 50)
+    s[1, :3] = s[2, 2]  # equal bounds
+    want = absmax_dequantized(codes.view(torch.float8_e4m3fn), s, block)
+    assert R.fp8_absmax_array(codes.numpy(), s.numpy(), block) == want
+    bounds = (torch.tensor(448.0) * s).to(torch.bfloat16).float()
+    i, j = divmod(int(bounds.argmin()), 6)
+    if float(bounds[i, j]) < want:  # that block cannot hold the maximum: it is not read
+        codes[i * block, j * block] = 0xFF
+        assert R.fp8_absmax_array(codes.numpy(), s.numpy(), block) == want
+
+
 def test_fp8_absmax_refuses_nan_codes_and_bad_scales() -> None:
-    """A NaN code: None from the kernel, NotNative from the format (the torch code then raises);
-    a bad scale: the format's own error before the kernel runs."""
+    """A NaN code in a block that may hold the maximum: None from the kernel, NotNative from the
+    format (the torch code then raises); a bad scale: the format's own error first."""
     fmt, shape = Fp8Block(), (256, 256)
     w = _codes(*shape, seed=7).view(torch.uint8).clone()
-    w[255, 0] = 0xFF
     s = _scales((2, 2), -12, -10, seed=8)
+    i, j = divmod(int(s.argmax()), 2)  # the largest bound: always read
+    w[i * 128 + 127, j * 128] = 0xFF
     assert R.fp8_absmax_array(w.numpy(), s.numpy(), 128) is None
     with pytest.raises(NotNative):
         fmt.source_absmax_array("m", {"weight": w.numpy(), "weight_scale_inv": s.numpy()}, shape)
