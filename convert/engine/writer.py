@@ -16,8 +16,8 @@ EFAULT, reported as ENOSPC, the engine's disk-full error. Where the kernel canno
 
 Where a kernel computes the stored bytes themselves (FP8 blocks dequantized to a BF16 target),
 :meth:`PieceWriter.destination` lends it the mapped pages to compute into, and the write of that
-array copies nothing: the copy was a quarter of the CPU time of a ``bf16`` conversion onto tmpfs
-(benchmarks/notes/convert-scaling.md, seventh round).
+array copies nothing: a ``bf16`` conversion writes twice its source, so that copy was its largest
+one (benchmarks/notes/convert-scaling.md, seventh round).
 """
 
 from __future__ import annotations
