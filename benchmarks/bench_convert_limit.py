@@ -47,7 +47,7 @@ sys.path.insert(0, str(HERE))
 import make_synthetic  # noqa: E402
 from _measure import machine_info, run_measured, warm_page_cache, write_result  # noqa: E402
 from bench_convert_bf16 import HETQUANT  # noqa: E402
-from bench_convert_scaling import BUILD_KERNELS, STARTUP, _summarize  # noqa: E402
+from bench_convert_scaling import BUILD_KERNELS, COMPILE_DEPS, STARTUP, _summarize  # noqa: E402
 from dry_run_671b import load_make_layout  # noqa: E402
 
 RESULT = HERE / "results" / "bench_convert_limit.json"
@@ -231,9 +231,16 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=cores(), help="threads of the limit's read/write"
     )
+    ap.add_argument(
+        "--compile-deps", action="store_true",
+        help="first write the bytecode of the third-party packages a conversion imports, in "
+        "place, as pip install does (hosts whose venv lacks it compile numpy in every run)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=RESULT)
     args = ap.parse_args()
     src = make_source(args)
+    if args.compile_deps:
+        subprocess.run([sys.executable, "-c", COMPILE_DEPS], check=True)
     with tempfile.TemporaryDirectory() as tmp:
         layout = load_make_layout().write_layout(Path(tmp) / "DeepSeek-R1")
         r1_start = {r: min(r1_startup(layout, r) for _ in range(2)) for r in args.recipes}
@@ -256,6 +263,7 @@ def main() -> None:
         s.pop("busy_cores_trace", None)
     doc = {"benchmark": "bench_convert_limit", "machine": machine_info(), "cores": cores(),
            "moe_layers": args.moe_layers, "experts": args.experts, "runs": rows,
+           "compiled_deps": args.compile_deps,
            "fp4_over_awq_jobs": ratio}  # fmt: skip
     write_result(args.json, doc)
 
