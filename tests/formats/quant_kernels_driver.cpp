@@ -9,6 +9,8 @@
 //   driver int4  R K pair          w.bin  out   ->  out.0 packed, out.1 scale (pair: rows of
 //                                                    w.bin's two halves interleaved)
 //   driver fp8   R C block         codes.bin scales.bin out  ->  out.0 BF16 bits
+//   driver fp8max R C block        codes.bin scales.bin out  ->  out.0 max |dequantized| (F32;
+//                                                    scales [ceil(R / block), ceil(C / block)])
 //
 // w.bin: BF16 bits [rows, K]. Exit status: the kernel's return code (0 ok), 9 on bad usage.
 #include <cstdint>
@@ -28,6 +30,8 @@ int hq_int4_rows(const void* a, const void* b, int bf16, int64_t R, int64_t K, u
                  float* s, int isa);
 int hq_fp8_dequant_rows(const uint8_t* codes, int64_t R, int64_t C, const float* s,
                         int64_t block, uint16_t* out, int isa);
+int hq_fp8_absmax(const uint8_t* codes, int64_t R, int64_t C, const float* s, int64_t sC,
+                  int64_t block, float* out);
 }
 
 namespace {
@@ -106,6 +110,16 @@ int main(int argc, char** argv) {
     const auto scales = read_file<float>(argv[6], (C + block - 1) / block);
     std::vector<uint16_t> out(R * C);
     const int rc = hq_fp8_dequant_rows(codes.data(), R, C, scales.data(), block, out.data(), 0);
+    write_file(std::string(argv[7]) + ".0", out);
+    return rc;
+  }
+  if (op == "fp8max" && argc == 8) {
+    const int64_t R = arg(argv, 2), C = arg(argv, 3), block = arg(argv, 4);
+    const int64_t nc = (C + block - 1) / block;
+    const auto codes = read_file<uint8_t>(argv[5], R * C);
+    const auto scales = read_file<float>(argv[6], ((R + block - 1) / block) * nc);
+    std::vector<float> out(1);
+    const int rc = hq_fp8_absmax(codes.data(), R, C, scales.data(), nc, block, out.data());
     write_file(std::string(argv[7]) + ".0", out);
     return rc;
   }

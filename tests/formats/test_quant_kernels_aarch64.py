@@ -144,3 +144,20 @@ def test_fp8_dequant(driver: Driver, rows: int, cols: int, block: int) -> None:
     got = _run(driver, "fp8", rows, cols, block, _write(driver, "codes.bin", codes),
                _write(driver, "scales.bin", scales), dtypes=(np.uint16,))  # fmt: skip
     assert _same(got, (x86,))
+
+
+@pytest.mark.parametrize(("rows", "cols", "block", "spread"), [(300, 1000, 128, 8.0), (5, 300, 64, 0.0), (256, 384, 128, 2.0)])  # fmt: skip
+def test_fp8_absmax(driver: Driver, rows: int, cols: int, block: int, spread: float) -> None:
+    """The block walk (largest bound first, stop at the first bound not above the maximum): the
+    same float on aarch64, with scales spread over ``spread`` octaves (0: every bound tied)."""
+    rng = np.random.default_rng(rows + cols + block)
+    codes = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E
+    codes &= rng.integers(0, 256, (rows, cols), dtype=np.uint8) | 0x80  # magnitudes thinned
+    grid = (-(-rows // block), -(-cols // block))
+    scales = (2.0 ** (rng.uniform(0, spread, grid) - 12)).astype(np.float32)
+    x86 = R.fp8_absmax_array(codes, scales, block)
+    assert x86 is not None
+    got = _run(driver, "fp8max", rows, cols, block, _write(driver, "codes.bin", codes),
+               _write(driver, "scales.bin", scales), dtypes=(np.float32,))  # fmt: skip
+    assert _same(got, (np.array([x86], dtype=np.float32),))
