@@ -91,7 +91,10 @@ class TreeDigest:
 
     def add(self, start: int, end: int) -> None:
         """Bytes ``[start, end)`` are final: hash the tree nodes inside them."""
-        first, k, cv = self.nodes(start, end)
+        self.add_nodes(*self.nodes(start, end))
+
+    def add_nodes(self, first: np.ndarray, k: np.ndarray, cv: np.ndarray) -> None:
+        """Take nodes :meth:`nodes` gave, here or in another process over the same bytes."""
         nbytes = int(np.minimum((first + k) * CHUNK, self.size).sum() - (first * CHUNK).sum())
         with self._lock:
             self._parts.append((first, k, cv))

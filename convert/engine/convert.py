@@ -166,11 +166,13 @@ class _Run:
             t0 = time.perf_counter()
             self.timings["jobs_started"] = time.time()
             order = fill_order(self.plan, todo, width)
-            jobs = run_jobs(self.source, self.plan, self.work, order, workers, guard, progress, calibration, hashes.start, self.timings)  # fmt: skip
+            jobs = run_jobs(self.source, self.plan, self.work, order, workers, guard, progress, calibration, hashes.start, self.timings, hashes.hashed_elsewhere)  # fmt: skip
             for job_id in self.tx.journal(jobs):
                 hashes.written(by_id[job_id])
             t1 = time.perf_counter()
-            self.timings["hashed_at_jobs_end"] = hashes.hashed_bytes() / max(1, sum(f.size for f in self.plan.files))  # fmt: skip
+            total = max(1, sum(f.size for f in self.plan.files))
+            self.timings["hashed_at_jobs_end"] = hashes.hashed_bytes() / total
+            self.timings["hashed_by_workers"] = hashes.worker_bytes / total
             digests = hashes.finish()
             self.timings.update(jobs_s=t1 - t0, hash_tail_s=time.perf_counter() - t1)
             self.timings.update(hashes.writeback_stats())

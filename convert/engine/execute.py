@@ -59,8 +59,10 @@ def run_jobs(
     source: SourceCheckpoint, plan: Plan, work: Path, todo: list[Job], workers: int,
     guard: SourceGuard, progress: Callable[[int], None] | None = None, calibration: Any = None,
     on_start: Callable[[], None] | None = None, stats: dict[str, Any] | None = None,
+    on_nodes: Callable[[int, Any], None] | None = None,
 ) -> Iterator[int]:  # fmt: skip
-    """Run ``todo`` (in that order), yielding each job's id as it finishes (in any order)."""
+    """Run ``todo`` (in that order), yielding each job's id as it finishes (in any order); a
+    pool worker's tree nodes of what it wrote go to ``on_nodes(job id, nodes)`` first."""
     stats = {} if stats is None else stats
     if workers <= 1 or len(todo) <= 1:
         stats["start_method"] = "in-process"
@@ -68,7 +70,7 @@ def run_jobs(
             on_start()
         yield from _run_here(source, plan, work, todo, guard, progress, calibration)
     else:
-        yield from _run_pool(source, plan, work, todo, workers, guard, progress, calibration, on_start, stats)  # fmt: skip
+        yield from _run_pool(source, plan, work, todo, workers, guard, progress, calibration, on_start, stats, on_nodes)  # fmt: skip
 
 
 def _run_here(
@@ -90,6 +92,7 @@ def _run_pool(
     source: SourceCheckpoint, plan: Plan, work: Path, todo: list[Job], workers: int,
     guard: SourceGuard, progress: Callable[[int], None] | None, calibration: Any,
     on_start: Callable[[], None] | None, stats: dict[str, Any],
+    on_nodes: Callable[[int, Any], None] | None,
 ) -> Iterator[int]:  # fmt: skip
     method = stats["start_method"] = W.start_method()
     if method == "fork":
@@ -116,8 +119,10 @@ def _run_pool(
         if on_start:
             on_start()
         for fut in as_completed(futures):  # journaled as they finish
-            job_id, nbytes, ready_at = fut.result()
+            job_id, nbytes, ready_at, nodes = fut.result()
             stats["workers_ready_s"] = round(max(stats.get("workers_ready_s", 0), ready_at - t0), 3)
+            if on_nodes:
+                on_nodes(job_id, nodes)
             if progress:
                 progress(nbytes)
             yield job_id

@@ -26,9 +26,13 @@ class HashPool:
         self._queued: list[Any] = []
         self._futures: list[Future[None]] = []
         self._lock = threading.Lock()
+        self.worker_bytes = 0  # bytes whose hashing the workers did (``hashed_elsewhere``)
 
     def _task(self, item: Any) -> None:
         raise NotImplementedError
+
+    def hashed_elsewhere(self, job_id: int, nodes: Any) -> None:
+        """A worker hashed job ``job_id``'s ranges itself (``tree_hashing``); others ignore it."""
 
     def start(self) -> None:
         """Start hashing (after worker processes are forked: no thread may run during a fork)."""

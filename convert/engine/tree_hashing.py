@@ -12,6 +12,12 @@ hashes the chunks that straddle two pieces, merges the nodes to each file's dige
 The digest is the standard BLAKE3 of the file, the same string ``FileHashes`` gives
 (tests/convert/engine/test_hashing.py runs both).
 
+A pool worker that stored its pieces through a map of the output (tmpfs: ``writer.py``) hashes
+their nodes itself, from that map, right after the job (:func:`hashed_in_worker`), and sends
+them with the job's result: no ``pread`` copy into a buffer and no second pass over memory
+(the copies were 4-6 % of a conversion's CPU there: benchmarks/notes/convert-scaling.md,
+seventh round). The pool threads then only take the nodes in and fsync.
+
 Write-back starts per piece as in ``FileHashes`` (``fs/writeback.py``); a file is fsynced by a
 pool thread as soon as all its bytes are written, else by :meth:`finish`.
 """
@@ -24,16 +30,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hetquant.formats import blake3_tree
 from hetquant.formats.blake3_tree import TreeDigest
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST
 
 from ..fs.os_errors import naming
+from ..planning.containers import Container
 from ..planning.plan import Job, Plan
 from .hash_pool import HashPool
 from .hashing import FileHashes, _ranges, _where
+from .writer import PieceWriter
 
-__all__ = ["TreeHashes", "container_hashes"]
+__all__ = ["Nodes", "TreeHashes", "container_hashes", "hashed_in_worker"]
+
+Nodes = tuple[np.ndarray, np.ndarray, np.ndarray]  # (first chunk, chunks, chaining values)
 
 
 def container_hashes(plan: Plan, work: Path, threads: int) -> TreeHashes | FileHashes:
@@ -42,6 +54,21 @@ def container_hashes(plan: Plan, work: Path, threads: int) -> TreeHashes | FileH
     if FILE_DIGEST == TreeHashes.name and blake3_tree.available():
         return TreeHashes(plan, work, threads)
     return FileHashes(plan, work, threads, DIGESTS[FILE_DIGEST])
+
+
+def hashed_in_worker(out: PieceWriter, where: dict[str, tuple[Container, int]], job: Job) -> list[Nodes] | None:  # fmt: skip
+    """The tree nodes inside each byte range ``job`` wrote (in ``_ranges`` order), hashed from
+    ``out``'s maps of the output where it wrote them; None where it wrote one through ``pwrite``
+    or the manifest's digest is not this tree's (the parent's threads then read them back)."""
+    if FILE_DIGEST != TreeHashes.name or not blake3_tree.available():
+        return None
+    nodes = []
+    for name, start, end in _ranges(job, where):
+        mem = out.memory(name)
+        if mem is None:
+            return None
+        nodes.append(TreeDigest(mem.size, data=mem).nodes(start, end))
+    return nodes
 
 
 @dataclass
@@ -66,14 +93,23 @@ class TreeHashes(HashPool):
         self._where = _where(plan)
         self._files = {f.name: _File(work / f.name, f.size, len(f.header)) for f in plan.files}
         super().__init__({n: f.path for n, f in self._files.items()}, threads, "hetquant-tree")
-        self._queued = [(n, 0, f.header) for n, f in self._files.items() if f.header]
+        self._queued = [(n, 0, f.header, None) for n, f in self._files.items() if f.header]
+        self._from_workers: dict[int, list[Nodes]] = {}
+
+    def hashed_elsewhere(self, job_id: int, nodes: list[Nodes] | None) -> None:
+        """The worker that ran job ``job_id`` hashed its ranges (``hashed_in_worker``)."""
+        if nodes is not None:
+            self._from_workers[job_id] = nodes
 
     def written(self, job: Job) -> None:
-        """``job``'s bytes are in their files: hash the tree nodes inside them."""
+        """``job``'s bytes are in their files: hash the tree nodes inside them (or take those
+        its worker hashed)."""
+        nodes = self._from_workers.pop(job.id, None)
         with self._lock:
-            for name, start, end in _ranges(job, self._where):
+            for i, (name, start, end) in enumerate(_ranges(job, self._where)):
                 self._writeback.add(name, start, end)
-                self._submit((name, start, end))
+                self._submit((name, start, end, None if nodes is None else nodes[i]))
+                self.worker_bytes += 0 if nodes is None else end - start
 
     def hashed_bytes(self) -> int:
         return sum(f.tree.hashed for f in self._files.values() if f.tree is not None)
@@ -98,7 +134,7 @@ class TreeHashes(HashPool):
                 os.close(f.fd)
                 f.fd = None
 
-    def _task(self, item: tuple[str, int, int]) -> None:
+    def _task(self, item: tuple[str, int, int, Nodes | None]) -> None:
         self._add(*item)
 
     def _open(self, f: _File) -> TreeDigest:
@@ -111,9 +147,13 @@ class TreeHashes(HashPool):
                 f.tree = TreeDigest(f.size, fd=f.fd, path=str(f.path))
             return f.tree
 
-    def _add(self, name: str, start: int, end: int) -> None:
+    def _add(self, name: str, start: int, end: int, nodes: Nodes | None) -> None:
         f = self._files[name]
-        self._open(f).add(start, end)
+        tree = self._open(f)
+        if nodes is None:
+            tree.add(start, end)
+        else:
+            tree.add_nodes(*nodes)
         with f.lock:
             f.written += end - start
             whole = f.written == f.size and not f.synced

@@ -150,13 +150,15 @@ def init_spawned(
     _ready()
 
 
-def run(job: Job) -> tuple[int, int, float]:
-    """Run ``job`` in this worker: (job id, source bytes, when this worker was ready)."""
+def run(job: Job) -> tuple[int, int, float, Any]:
+    """Run ``job`` in this worker: (job id, source bytes, when this worker was ready, the tree
+    nodes of what it wrote where it hashed them: ``JobRunner.tree_nodes``)."""
     assert _GUARD is not None
     if _WORKER is None:
         _GUARD.check()  # a source changed since the command opened it explains a failure best
         raise _INIT_ERROR or RuntimeError("worker not initialised")
-    return job.id, guarded_run(_WORKER, _GUARD, job), _READY_AT
+    nbytes = guarded_run(_WORKER, _GUARD, job)
+    return job.id, nbytes, _READY_AT, _WORKER.tree_nodes(job)
 
 
 def _setup(parent: int, root: Path, ids: dict[str, Identity]) -> None:

@@ -93,6 +93,15 @@ class PieceWriter:
         raw = (ctypes.c_char * n).from_address(self._addr[file] + pos)  # no export of the map
         return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
+    def memory(self, file: str) -> np.ndarray | None:
+        """The whole of ``file`` as ``uint8`` over its mapping, where this writer stored into
+        it through one (every piece: ``mapped`` still holds), else None. Not to be used after
+        :meth:`close`."""
+        if not self.mapped or file not in self._addr:
+            return None
+        raw = (ctypes.c_char * self._size[file]).from_address(self._addr[file])
+        return np.frombuffer(raw, dtype=np.uint8)
+
     def _fd(self, file: str) -> int:
         fd = self._fds.get(file)
         if fd is None:

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from hetquant.convert import SourceCheckpoint, file_digest, get_recipe, make_plan, plan_for
-from hetquant.convert.engine.hashing import FileHashes, fill_order
-from hetquant.convert.engine.tree_hashing import TreeHashes, container_hashes
+from hetquant.convert.engine import writer
+from hetquant.convert.engine.hashing import FileHashes, _where, fill_order
+from hetquant.convert.engine.tree_hashing import TreeHashes, container_hashes, hashed_in_worker
 from hetquant.convert.engine.writer import PieceWriter
 from hetquant.formats.file_digests import DIGESTS, DigestAlgorithm
 
@@ -165,3 +166,47 @@ def test_stream_then_bulk_reads_of_odd_sizes_give_the_one_shot_digest(plan, tmp_
     for f in plan.files:
         data = (tmp_path / f.name).read_bytes()
         assert digests[f.name] == {"size": len(data), alg: ONE_SHOT[alg](data).hexdigest()}
+
+
+def test_nodes_hashed_by_the_writing_worker_give_the_same_digests(plan, tmp_path: Path, monkeypatch) -> None:  # fmt: skip
+    """Jobs whose writer mapped the output hand over the tree nodes it hashed from its map
+    (``hashed_in_worker``); the others are read back. Digests: the one-shot BLAKE3 of each
+    file. With the map's bytes wrong, the digest is wrong: the nodes are really used."""
+    monkeypatch.setenv(writer.WRITE_ENV, "mmap")
+    _create(plan, tmp_path)
+    out = PieceWriter(plan.files, tmp_path, mapped=True)
+    where, hashes = _where(plan), TreeHashes(plan, tmp_path, 2)
+    hashes.start()
+    jobs = list(plan.jobs)
+    random.Random(3).shuffle(jobs)
+    for i, job in enumerate(jobs):
+        w = out if i % 3 else PieceWriter(plan.files, tmp_path, mapped=False)
+        for p in job.outputs:
+            g = torch.Generator().manual_seed(job.id)
+            w.write(p.tensor, p.offset, torch.randint(0, 256, (p.meta.nbytes,), generator=g, dtype=torch.uint8))  # fmt: skip
+        nodes = hashed_in_worker(w, where, job)
+        assert (nodes is None) is (w is not out), job
+        hashes.hashed_elsewhere(job.id, nodes)
+        hashes.written(job)
+        if w is not out:
+            w.close()
+    digests = hashes.finish()
+    out.close()
+    for f in plan.files:
+        data = (tmp_path / f.name).read_bytes()
+        assert digests[f.name] == {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
+    big = max(plan.jobs, key=lambda j: sum(p.meta.nbytes for p in j.outputs))
+    assert hashed_in_worker(PieceWriter(plan.files, tmp_path, mapped=True), where, big) is None
+    mapped = PieceWriter(plan.files, tmp_path, mapped=True)  # stores one piece as it is
+    piece = big.outputs[0]
+    name, base = where[piece.tensor][0].name, where[piece.tensor][1] + piece.offset
+    mapped.write(piece.tensor, piece.offset, (tmp_path / name).read_bytes()[base : base + piece.meta.nbytes])  # fmt: skip
+    nodes = hashed_in_worker(mapped, where, big)
+    mapped.close()
+    assert nodes is not None and len(nodes[0][0])
+    nodes[0][2][0, 0] ^= 1  # one bit of one chaining value
+    hashes = TreeHashes(plan, tmp_path, 1)
+    for job in plan.jobs:
+        hashes.hashed_elsewhere(job.id, nodes if job is big else None)
+        hashes.written(job)
+    assert hashes.finish()[name]["blake3"] != digests[name]["blake3"]

@@ -6,6 +6,8 @@ The maps are the default on tmpfs only (``fs/mounts.py``): the tests here that n
 from __future__ import annotations
 
 import errno
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -81,13 +83,17 @@ def test_a_full_tmpfs_is_enospc_not_sigbus(tmp_path: Path, maps) -> None:
 
 @pytest.mark.parametrize("recipe", ["ascend-hybrid", "bf16"])
 def test_workers_writing_through_maps_or_pwrite_give_the_same_artifact(cli, tiny_ro: Path, tmp_path: Path, monkeypatch, recipe: str) -> None:  # fmt: skip
-    """Two forked workers, each way of writing (the tmpfs default and the disk default)."""
+    """Two forked workers, each way of writing (the tmpfs default and the disk default); with
+    maps the workers hash what they wrote (``tree_hashing.hashed_in_worker``), nearly every
+    byte (the headers are the parent's), with ``pwrite`` none."""
     outs = {}
-    for way in ("mmap", "pwrite"):
+    for way, by_workers in (("mmap", (0.95, 1.0)), ("pwrite", (0.0, 0.0))):
         monkeypatch.setenv(writer.WRITE_ENV, way)
         outs[way] = tmp_path / way
-        res = cli("convert", tiny_ro, outs[way], "--recipe", recipe, "--workers", "2")
+        res = cli("-v", "convert", tiny_ro, outs[way], "--recipe", recipe, "--workers", "2")
         assert res.exit_code == 0, res.stderr
+        (timings,) = re.findall(r"hetquant\.convert: timings (\{.*\})", res.stderr)
+        assert by_workers[0] <= json.loads(timings)["hashed_by_workers"] <= by_workers[1], way
     files = sorted(p.relative_to(outs["mmap"]) for p in outs["mmap"].rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(outs["pwrite"]) for p in outs["pwrite"].rglob("*") if p.is_file())  # fmt: skip
     for rel in files:  # the manifests too: the same digests
