@@ -15,8 +15,9 @@ The digest is the standard BLAKE3 of the file, the same string ``FileHashes`` gi
 A pool worker that stored its pieces through a map of the output (tmpfs: ``writer.py``) hashes
 their nodes itself, from that map, right after the job (:func:`hashed_in_worker`), and sends
 them with the job's result: no ``pread`` copy into a buffer and no second pass over memory
-(the copies were 4-6 % of a conversion's CPU there: benchmarks/notes/convert-scaling.md,
-seventh round). The pool threads then only take the nodes in and fsync.
+(a ``bf16`` conversion onto tmpfs then took 1.3x less CPU on a 2-vCPU VM, mostly system time:
+benchmarks/notes/convert-scaling.md, seventh round). The pool threads then only take the nodes
+in and fsync.
 
 Write-back starts per piece as in ``FileHashes`` (``fs/writeback.py``); a file is fsynced by a
 pool thread as soon as all its bytes are written, else by :meth:`finish`.
