@@ -81,23 +81,31 @@ def test_a_full_tmpfs_is_enospc_not_sigbus(tmp_path: Path, maps) -> None:
             w.close()
 
 
+WAYS = {  # way of writing, worker start → the share of the output the workers hashed
+    ("mmap", "fork"): (0.95, 1.0), ("mmap", "spawn"): (0.95, 1.0), ("pwrite", "fork"): (0.0, 0.0),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("recipe", ["ascend-hybrid", "bf16"])
 def test_workers_writing_through_maps_or_pwrite_give_the_same_artifact(cli, tiny_ro: Path, tmp_path: Path, monkeypatch, recipe: str) -> None:  # fmt: skip
-    """Two forked workers, each way of writing (the tmpfs default and the disk default); with
-    maps the workers hash what they wrote (``tree_hashing.hashed_in_worker``), nearly every
-    byte (the headers are the parent's), with ``pwrite`` none."""
+    """Two workers, each way of writing (the tmpfs default and the disk default), forked and
+    spawned; with maps the workers hash what they wrote (``tree_hashing.hashed_in_worker``),
+    nearly every byte (the headers are the parent's), with ``pwrite`` none."""
     outs = {}
-    for way, by_workers in (("mmap", (0.95, 1.0)), ("pwrite", (0.0, 0.0))):
+    for (way, start), by_workers in WAYS.items():
         monkeypatch.setenv(writer.WRITE_ENV, way)
-        outs[way] = tmp_path / way
-        res = cli("-v", "convert", tiny_ro, outs[way], "--recipe", recipe, "--workers", "2")
+        monkeypatch.setenv("HETQUANT_WORKER_START", start)
+        out = outs[way, start] = tmp_path / f"{way}-{start}"
+        res = cli("-v", "convert", tiny_ro, out, "--recipe", recipe, "--workers", "2")
         assert res.exit_code == 0, res.stderr
         (timings,) = re.findall(r"hetquant\.convert: timings (\{.*\})", res.stderr)
         assert by_workers[0] <= json.loads(timings)["hashed_by_workers"] <= by_workers[1], way
-    files = sorted(p.relative_to(outs["mmap"]) for p in outs["mmap"].rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(outs["pwrite"]) for p in outs["pwrite"].rglob("*") if p.is_file())  # fmt: skip
-    for rel in files:  # the manifests too: the same digests
-        assert (outs["mmap"] / rel).read_bytes() == (outs["pwrite"] / rel).read_bytes(), rel
+    first, *others = outs.values()
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    for other in others:
+        assert files == sorted(p.relative_to(other) for p in other.rglob("*") if p.is_file())
+        for rel in files:  # the manifests too: the same digests
+            assert (first / rel).read_bytes() == (other / rel).read_bytes(), (other, rel)
 
 
 def test_a_destination_is_the_mapped_bytes_and_its_write_copies_nothing(tmp_path: Path, monkeypatch, maps) -> None:  # fmt: skip
