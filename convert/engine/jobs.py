@@ -21,10 +21,8 @@ from hetquant.formats.dtypes import st_dtype, torch_dtype
 from hetquant.formats.expert_repack import EXPERT_REPACKS
 from hetquant.formats.linear_repack import LINEAR_REPACKS
 
-from ..planning.containers import Container
 from ..planning.plan import Job, JobKind, OutPiece, Plan
 from ..planning.source import SourceCheckpoint
-from .hashing import _where
 from .native_jobs import NativeJobs
 from .tree_hashing import Nodes, hashed_in_worker
 from .writer import PieceWriter
@@ -54,7 +52,6 @@ class JobRunner:
         self._native = NativeJobs(self.source, self._out)
         self._threads: int | None = None  # torch's threads before this runner's first torch job
         self._amax: dict[str, float] = {}  # the last few weights' absmax (a merged group's)
-        self._where: dict[str, tuple[Container, int]] | None = None  # tensor → (file, offset)
 
     def run(self, job: Job) -> int:
         """Run one job, natively where the kernels can (``native_jobs``), else with the torch
@@ -75,9 +72,7 @@ class JobRunner:
     def tree_nodes(self, job: Job) -> list[Nodes] | None:
         """The BLAKE3 tree nodes of the ranges ``job`` wrote, hashed here from the output's
         maps while hot (``tree_hashing.hashed_in_worker``); None where they are not mapped."""
-        if self._where is None:
-            self._where = _where(self.plan)
-        return hashed_in_worker(self._out, self._where, job)
+        return hashed_in_worker(self._out, job)
 
     def close(self) -> None:
         self._out.close()

@@ -38,7 +38,6 @@ from hetquant.formats.blake3_tree import TreeDigest
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST
 
 from ..fs.os_errors import naming
-from ..planning.containers import Container
 from ..planning.plan import Job, Plan
 from .hash_pool import HashPool
 from .hashing import FileHashes, _ranges, _where
@@ -52,19 +51,24 @@ Nodes = tuple[np.ndarray, np.ndarray, np.ndarray]  # (first chunk, chunks, chain
 def container_hashes(plan: Plan, work: Path, threads: int) -> TreeHashes | FileHashes:
     """The hasher of a conversion: :class:`TreeHashes` where the manifest's digest is BLAKE3 and
     the subtree kernel is built, else :class:`FileHashes` (front to back, the ``blake3`` package)."""
-    if FILE_DIGEST == TreeHashes.name and blake3_tree.available():
+    if _tree_digests():
         return TreeHashes(plan, work, threads)
     return FileHashes(plan, work, threads, DIGESTS[FILE_DIGEST])
 
 
-def hashed_in_worker(out: PieceWriter, where: dict[str, tuple[Container, int]], job: Job) -> list[Nodes] | None:  # fmt: skip
+def _tree_digests() -> bool:
+    """Whether the manifest's digest is this tree's and its kernel is built."""
+    return FILE_DIGEST == TreeHashes.name and blake3_tree.available()
+
+
+def hashed_in_worker(out: PieceWriter, job: Job) -> list[Nodes] | None:
     """The tree nodes inside each byte range ``job`` wrote (in ``_ranges`` order), hashed from
     ``out``'s maps of the output where it wrote them; None where it wrote one through ``pwrite``
     or the manifest's digest is not this tree's (the parent's threads then read them back)."""
-    if FILE_DIGEST != TreeHashes.name or not blake3_tree.available():
+    if not _tree_digests():
         return None
     nodes = []
-    for name, start, end in _ranges(job, where):
+    for name, start, end in _ranges(job, out.where):
         mem = out.memory(name)
         if mem is None:
             return None

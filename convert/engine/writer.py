@@ -51,7 +51,8 @@ class PieceWriter:
 
     def __init__(self, files: list[Container], work_dir: Path, mapped: bool = True) -> None:
         self.work_dir = work_dir
-        self._where = {name: (f.name, off) for f in files for name, off in f.offsets().items()}
+        # tensor → (its container, its offset there): ``hashing._where``'s shape
+        self.where = {name: (f, off) for f in files for name, off in f.offsets().items()}
         self._size = {f.name: f.size for f in files}
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
@@ -64,7 +65,8 @@ class PieceWriter:
         """Write ``data`` (bytes, a numpy array or a CPU tensor: ``safetensors_io.byte_view``)
         at ``offset`` bytes past the start of output tensor ``tensor``; nothing where ``data``
         is the :meth:`destination` of those bytes."""
-        file, start = self._where[tensor]
+        container, start = self.where[tensor]
+        file = container.name
         pos = start + offset
         if isinstance(data, np.ndarray) and data.size and file in self._addr:
             if data.ctypes.data == self._addr[file] + pos:  # computed in place
@@ -84,14 +86,16 @@ class PieceWriter:
         The array must not be used after :meth:`close` (it holds no reference to the map)."""
         if not self.mapped:
             return None
-        file, start = self._where[tensor]
+        container, start = self.where[tensor]
+        file = container.name
         pos = start + offset
         n = math.prod(shape) * np.dtype(dtype).itemsize
         with naming(self.work_dir / file):
             if not n or not self._populate(file, self._fd(file), pos, n):
                 return None
-        raw = (ctypes.c_char * n).from_address(self._addr[file] + pos)  # no export of the map
-        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+        memory = self.memory(file)
+        assert memory is not None  # populated: mapped
+        return memory[pos : pos + n].view(dtype).reshape(shape)
 
     def memory(self, file: str) -> np.ndarray | None:
         """The whole of ``file`` as ``uint8`` over its mapping, where this writer stored into
@@ -99,7 +103,7 @@ class PieceWriter:
         :meth:`close`."""
         if not self.mapped or file not in self._addr:
             return None
-        raw = (ctypes.c_char * self._size[file]).from_address(self._addr[file])
+        raw = (ctypes.c_char * self._size[file]).from_address(self._addr[file])  # no export
         return np.frombuffer(raw, dtype=np.uint8)
 
     def _fd(self, file: str) -> int:

@@ -184,7 +184,7 @@ def test_nodes_hashed_by_the_writing_worker_give_the_same_digests(plan, tmp_path
         for p in job.outputs:
             g = torch.Generator().manual_seed(job.id)
             w.write(p.tensor, p.offset, torch.randint(0, 256, (p.meta.nbytes,), generator=g, dtype=torch.uint8))  # fmt: skip
-        nodes = hashed_in_worker(w, where, job)
+        nodes = hashed_in_worker(w, job)
         assert (nodes is None) is (w is not out), job
         hashes.hashed_elsewhere(job.id, nodes)
         hashes.written(job)
@@ -196,12 +196,12 @@ def test_nodes_hashed_by_the_writing_worker_give_the_same_digests(plan, tmp_path
         data = (tmp_path / f.name).read_bytes()
         assert digests[f.name] == {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
     big = max(plan.jobs, key=lambda j: sum(p.meta.nbytes for p in j.outputs))
-    assert hashed_in_worker(PieceWriter(plan.files, tmp_path, mapped=True), where, big) is None
+    assert hashed_in_worker(PieceWriter(plan.files, tmp_path, mapped=True), big) is None
     mapped = PieceWriter(plan.files, tmp_path, mapped=True)  # stores one piece as it is
     piece = big.outputs[0]
     name, base = where[piece.tensor][0].name, where[piece.tensor][1] + piece.offset
     mapped.write(piece.tensor, piece.offset, (tmp_path / name).read_bytes()[base : base + piece.meta.nbytes])  # fmt: skip
-    nodes = hashed_in_worker(mapped, where, big)
+    nodes = hashed_in_worker(mapped, big)
     mapped.close()
     assert nodes is not None and len(nodes[0][0])
     nodes[0][2][0, 0] ^= 1  # one bit of one chaining value
