@@ -9,7 +9,9 @@ layer, one shard per layer (as DeepSeek's own checkpoint is cut), written to ``-
 * wall, CPU, source GB/s, peak ΣPss_Anon / source; the engine's phases (``timings``): start-up,
   plan, preparation, **jobs**, the **hash tail** (after the last job: hashing what the hashing
   threads had not followed), build, move-in; the **longest serial phase** (the longest of those
-  but the jobs) and its share of the wall; the longest run of ≤ 1.5 busy cores (``/proc/stat``);
+  but the jobs) and its share of the wall — not the hash tail where the disks took the bytes
+  written after the jobs at ≥ 0.8 × the limit's write rate (``tail_disk_over_limit``): that tail
+  is the fsync of dirty pages at the storage's speed, not one core working; the longest run of ≤ 1.5 busy cores (``/proc/stat``);
 * the **limit**, measured in the same run right after the conversion: every source file read
   once (warm, ``--threads`` threads over 256 MB ranges) plus an output of the artifact's file
   sizes written once on the same storage (``pwrite`` of random bytes, one thread per file up to
@@ -199,6 +201,11 @@ def derive(s: dict[str, Any]) -> dict[str, Any]:
     """The figures of the table from one run's measurements."""
     ph = s.get("phases", {})
     serial = {k: ph[k] for k in SERIAL_PHASES if k in ph}
+    tail = ph.get("hash_tail_s", 0.0)
+    if tail > 0 and "disk_gb_after_jobs" in s:  # GB/s the disks took after the jobs / the limit's
+        s["tail_disk_over_limit"] = s["disk_gb_after_jobs"] / tail / (s["output_bytes"] / 1e9 / s["write_s"])  # fmt: skip
+        if s["tail_disk_over_limit"] >= 0.8:
+            serial.pop("hash_tail_s")
     name, longest = max(serial.items(), key=lambda kv: kv[1]) if serial else ("?", 0.0)
     s["limit_s"] = s["read_s"] + s["write_s"]
     s["wall_over_limit"] = s["wall_s"] / s["limit_s"]
