@@ -68,12 +68,16 @@ bool node(const Known& kn, int fd, const uint8_t* mem, int64_t size, int64_t fir
 
 extern "C" {
 
-// The tree nodes wholly inside bytes [start, end) of an input of `size` bytes (from mem, or
-// read from fd when mem is null), greedily largest first, at most MAX_SUBTREE chunks each, never
-// the root: each one's first chunk, chunk count and chaining value (32 bytes) into first[i],
-// k[i], cv[32 i]. Returns the count, -1 on a read error (errno set), -2 if more than cap.
-int64_t hq_b3_range(int fd, const uint8_t* mem, int64_t size, int64_t start, int64_t end,
-                    int64_t* first, int64_t* k, uint8_t* cv, int64_t cap, int lanes) {
+// The tree nodes wholly inside bytes [start, end) of an input of `size` bytes (from mem, which
+// holds the input's bytes from byte mem_at on and at least up to end, or read from fd when mem is
+// null), greedily largest first, at most MAX_SUBTREE chunks each, never the root: each one's
+// first chunk, chunk count and chaining value (32 bytes) into first[i], k[i], cv[32 i]. Returns
+// the count, -1 on a read error (errno set), -2 if more than cap.
+int64_t hq_b3_range(int fd, const uint8_t* mem, int64_t mem_at, int64_t size, int64_t start,
+                    int64_t end, int64_t* first, int64_t* k, uint8_t* cv, int64_t cap, int lanes) {
+  // The input's byte 0 as an address (integer arithmetic: it may lie before the buffer); only
+  // bytes from start on, inside the buffer, are read through it.
+  if (mem) mem = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(mem) - uintptr_t(mem_at));
   int64_t n = std::max<int64_t>(1, (size + CHUNK - 1) / CHUNK);
   if (n == 1) return 0;  // a one-chunk input is hashed whole by hq_b3_root
   int64_t at = (start + CHUNK - 1) / CHUNK, stop = end >= size ? n : end / CHUNK, count = 0;

@@ -29,7 +29,7 @@ import numpy as np
 
 from .native import DEFAULT_FLAGS, NativeLibrary
 
-__all__ = ["CHUNK", "LANES", "MAX_SUBTREE", "TreeDigest", "available", "lanes"]
+__all__ = ["CHUNK", "LANES", "MAX_SUBTREE", "TreeDigest", "available", "lanes", "range_nodes"]
 
 CHUNK = 1024
 MAX_SUBTREE = 1 << 12  # chunks per node hashed at once: 4 MiB read (as in the C++)
@@ -42,7 +42,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.hq_b3_subtree.argtypes, lib.hq_b3_subtree.restype = [vp, i64, u64, vp, ci], ci
     lib.hq_b3_parent.argtypes, lib.hq_b3_parent.restype = [vp, vp, ci, vp], None
     lib.hq_b3_single.argtypes, lib.hq_b3_single.restype = [vp, i64, vp], ci
-    lib.hq_b3_range.argtypes = [ci, vp, i64, i64, i64, vp, vp, vp, i64, ci]
+    lib.hq_b3_range.argtypes = [ci, vp, i64, i64, i64, i64, vp, vp, vp, i64, ci]
     lib.hq_b3_range.restype = i64
     lib.hq_b3_root.argtypes = [ci, vp, i64, vp, vp, vp, i64, vp, ci]
     lib.hq_b3_root.restype = ci
@@ -70,6 +70,27 @@ def lanes() -> int:
     """Chunks this CPU's path compresses at once (a value of ``LANES``)."""
     lib = _LIBRARY.get().lib
     return int(lib.hq_b3_lanes()) if lib is not None else 0
+
+
+def _range(fd: int, mem: int | None, at: int, size: int, start: int, end: int, lanes: int) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:  # fmt: skip
+    cap = (end - start) // (MAX_SUBTREE * CHUNK) + 2 * MAX_SUBTREE.bit_length() + 4
+    first, k = np.empty(cap, np.int64), np.empty(cap, np.int64)
+    cv = np.empty((cap, 32), np.uint8)
+    args = (first.ctypes.data, k.ctypes.data, cv.ctypes.data, cap, lanes)
+    n = _LIBRARY.get().lib.hq_b3_range(fd, mem, at, size, start, end, *args)
+    return n, (first[: max(n, 0)], k[: max(n, 0)], cv[: max(n, 0)])
+
+
+def range_nodes(size: int, buf: np.ndarray, at: int, start: int, end: int, lanes: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """:meth:`TreeDigest.nodes` of bytes ``[start, end)`` of an input of ``size`` bytes, taken
+    from ``buf`` (uint8, C-contiguous), which holds bytes ``[at, at + len(buf))`` of it:
+    what a writer has in hand before (or after) it stores them."""
+    if not (at <= start <= end <= at + buf.size and buf.flags.c_contiguous and buf.itemsize == 1):
+        raise ValueError(f"range_nodes: [{start}, {end}) not inside the buffer's [{at}, {at + buf.size})")  # fmt: skip
+    n, out = _range(-1, buf.ctypes.data, at, size, start, end, lanes)
+    if n < 0:
+        raise ValueError(f"blake3 node list overflow at byte {start}")
+    return out
 
 
 class TreeDigest:
@@ -103,13 +124,9 @@ class TreeDigest:
     def nodes(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(first chunk, chunks, chaining value)`` of the tree nodes wholly inside bytes
         ``[start, end)``, largest first, at most ``MAX_SUBTREE`` chunks each, never the root."""
-        cap = (end - start) // (MAX_SUBTREE * CHUNK) + 2 * MAX_SUBTREE.bit_length() + 4
-        first, k = np.empty(cap, np.int64), np.empty(cap, np.int64)
-        cv = np.empty((cap, 32), np.uint8)
-        args = (first.ctypes.data, k.ctypes.data, cv.ctypes.data, cap, self._lanes)
-        n = _LIBRARY.get().lib.hq_b3_range(self._fd, self._mem, self.size, start, end, *args)
+        n, out = _range(self._fd, self._mem, 0, self.size, start, end, self._lanes)
         self._check(n, start)
-        return first[:n], k[:n], cv[:n]
+        return out
 
     def hexdigest(self) -> str:
         with self._lock:

@@ -24,7 +24,7 @@ from hetquant.formats.linear_repack import LINEAR_REPACKS
 from ..planning.plan import Job, JobKind, OutPiece, Plan
 from ..planning.source import SourceCheckpoint
 from .native_jobs import NativeJobs
-from .tree_hashing import Nodes, hashed_in_worker
+from .tree_hashing import Nodes, hashed_in_worker, tree_digests
 from .writer import PieceWriter
 
 __all__ = ["JobRunner", "job_peak_bytes"]
@@ -43,7 +43,8 @@ class JobRunner:
     shared: bool = False  # other processes write the same files (``writer``: mapped stores)
 
     def __post_init__(self) -> None:
-        self._out = PieceWriter(self.plan.files, self.work_dir, mapped=self.shared)
+        hash_nodes = self.shared and tree_digests()  # a pool worker hashes what it stores
+        self._out = PieceWriter(self.plan.files, self.work_dir, self.shared, hash_nodes)
         self._handlers = {
             JobKind.COPY: self._copy,
             JobKind.LINEAR: self._linear,
@@ -57,6 +58,7 @@ class JobRunner:
         """Run one job, natively where the kernels can (``native_jobs``), else with the torch
         code (one torch thread: jobs are block rows, the pool is the parallelism; restored at
         :meth:`close`); returns the source bytes it consumed."""
+        self._out.take_nodes()  # a failed job's, if any
         try:
             if any(map(self._calibrated, job.sources)) or not self._native.run(job):
                 if self._threads is None:
@@ -70,8 +72,8 @@ class JobRunner:
         return sum(self.source.tensors[name].nbytes for name in job.sources)
 
     def tree_nodes(self, job: Job) -> list[Nodes] | None:
-        """The BLAKE3 tree nodes of the ranges ``job`` wrote, hashed here from the output's
-        maps while hot (``tree_hashing.hashed_in_worker``); None where they are not mapped."""
+        """The BLAKE3 tree nodes of the ranges ``job`` wrote, hashed here as they were stored
+        through the output's maps (``tree_hashing.hashed_in_worker``); None where they were not."""
         return hashed_in_worker(self._out, job)
 
     def close(self) -> None:

@@ -12,12 +12,12 @@ hashes the chunks that straddle two pieces, merges the nodes to each file's dige
 The digest is the standard BLAKE3 of the file, the same string ``FileHashes`` gives
 (tests/convert/engine/test_hashing.py runs both).
 
-A pool worker that stored its pieces through a map of the output (tmpfs: ``writer.py``) hashes
-their nodes itself, from that map, right after the job (:func:`hashed_in_worker`), and sends
-them with the job's result: no ``pread`` copy into a buffer and no second pass over memory
-(a ``bf16`` conversion onto tmpfs then took 1.3x less CPU on a 2-vCPU VM, mostly system time:
-benchmarks/notes/convert-scaling.md, seventh round). The pool threads then only take the nodes
-in and fsync.
+A pool worker hashes the nodes of what it stores itself, a slice at a time while the slice is in
+its cache, through a map of the output or with ``pwrite`` (``PieceWriter(hash_nodes=True)``,
+``stored_nodes.py``), and sends them with the job's result
+(:func:`hashed_in_worker`): no ``pread`` copy into a buffer and no second pass over memory
+(benchmarks/notes/convert-scaling.md, seventh and eighth rounds). The pool threads then only
+take the nodes in and fsync.
 
 Write-back starts per piece as in ``FileHashes`` (``fs/writeback.py``); a file is fsynced by a
 pool thread as soon as all its bytes are written, else by :meth:`finish`.
@@ -34,46 +34,60 @@ from typing import Any
 import numpy as np
 
 from hetquant.formats import blake3_tree
-from hetquant.formats.blake3_tree import TreeDigest
+from hetquant.formats.blake3_tree import CHUNK, TreeDigest
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST
 
 from ..fs.os_errors import naming
 from ..planning.plan import Job, Plan
 from .hash_pool import HashPool
 from .hashing import FileHashes, _ranges, _where
+from .stored_nodes import Nodes
 from .writer import PieceWriter
 
-__all__ = ["Nodes", "TreeHashes", "container_hashes", "hashed_in_worker"]
-
-Nodes = tuple[np.ndarray, np.ndarray, np.ndarray]  # (first chunk, chunks, chaining values)
+__all__ = ["Nodes", "TreeHashes", "container_hashes", "hashed_in_worker", "tree_digests"]
 
 
 def container_hashes(plan: Plan, work: Path, threads: int) -> TreeHashes | FileHashes:
     """The hasher of a conversion: :class:`TreeHashes` where the manifest's digest is BLAKE3 and
     the subtree kernel is built, else :class:`FileHashes` (front to back, the ``blake3`` package)."""
-    if _tree_digests():
+    if tree_digests():
         return TreeHashes(plan, work, threads)
     return FileHashes(plan, work, threads, DIGESTS[FILE_DIGEST])
 
 
-def _tree_digests() -> bool:
+def tree_digests() -> bool:
     """Whether the manifest's digest is this tree's and its kernel is built."""
     return FILE_DIGEST == TreeHashes.name and blake3_tree.available()
 
 
 def hashed_in_worker(out: PieceWriter, job: Job) -> list[Nodes] | None:
-    """The tree nodes inside each byte range ``job`` wrote (in ``_ranges`` order), hashed from
-    ``out``'s maps of the output where it wrote them; None where it wrote one through ``pwrite``
-    or the manifest's digest is not this tree's (the parent's threads then read them back)."""
-    if not _tree_digests():
+    """The tree nodes of each byte range ``job`` wrote (in ``_ranges`` order), which ``out``
+    hashed as it stored them (``PieceWriter.take_nodes``); None where it did not hash (no
+    ``hash_nodes``), did not store all those bytes itself, or the manifest's digest is not
+    this tree's: the parent's threads then read the ranges back."""
+    taken = out.take_nodes()
+    ranges = _ranges(job, out.where)
+    if (
+        taken is None
+        or taken[1] != sum(end - start for _, start, end in ranges)
+        or not tree_digests()
+    ):
         return None
-    nodes = []
-    for name, start, end in _ranges(job, out.where):
-        mem = out.memory(name)
-        if mem is None:
-            return None
-        nodes.append(TreeDigest(mem.size, data=mem).nodes(start, end))
-    return nodes
+    by_file: dict[str, list[Nodes]] = {}
+    for file, nodes in taken[0]:
+        by_file.setdefault(file, []).append(nodes)
+    joined = {
+        f: tuple(np.concatenate(p) for p in zip(*parts, strict=True))
+        for f, parts in by_file.items()
+    }
+    empty = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, 32), np.uint8))
+    out_nodes, placed = [], 0
+    for name, start, end in ranges:
+        first, k, cv = joined.get(name, empty)
+        at = (first * CHUNK >= start) & (first * CHUNK < end)  # a node starts inside the range
+        out_nodes.append((first[at], k[at], cv[at]))
+        placed += int(at.sum())
+    return out_nodes if placed == sum(len(n[0]) for n in joined.values()) else None
 
 
 @dataclass

@@ -18,6 +18,12 @@ Where a kernel computes the stored bytes themselves (FP8 blocks dequantized to a
 :meth:`PieceWriter.destination` lends it the mapped pages to compute into, and the write of that
 array copies nothing: a ``bf16`` conversion writes twice its source, so that copy was its largest
 one (benchmarks/notes/convert-scaling.md, seventh round).
+
+With ``hash_nodes`` (a pool worker whose output's digest is the BLAKE3 tree), every piece is
+stored a slice at a time (``_SLICE``), through the map or with ``pwrite``, and each slice is
+hashed right after, while it is still in the core's cache (``stored_nodes.py``);
+:meth:`PieceWriter.take_nodes` hands the nodes over at the job's end, and the parent reads
+nothing back (benchmarks/notes/convert-scaling.md, eighth round).
 """
 
 from __future__ import annotations
@@ -37,19 +43,21 @@ from hetquant.formats.safetensors_io import byte_view, write_at
 from ..fs.mounts import memory_backed
 from ..fs.os_errors import naming
 from ..planning.containers import Container
+from .stored_nodes import Nodes, StoredNodes
 
-__all__ = ["WRITE_ENV", "PieceWriter"]
+__all__ = ["WRITE_ENV", "Nodes", "PieceWriter"]
 
 WRITE_ENV = "HETQUANT_WRITE"
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _PAGE = mmap.PAGESIZE
+_SLICE = 1 << 20  # bytes stored then hashed at a time (``hash_nodes``): still in the L2
 
 
 class PieceWriter:
     """Writes tensors' bytes into the containers under ``work_dir`` (one per process)."""
 
-    def __init__(self, files: list[Container], work_dir: Path, mapped: bool = True) -> None:
+    def __init__(self, files: list[Container], work_dir: Path, mapped: bool = True, hash_nodes: bool = False) -> None:  # fmt: skip
         self.work_dir = work_dir
         # tensor → (its container, its offset there): ``hashing._where``'s shape
         self.where = {name: (f, off) for f in files for name, off in f.offsets().items()}
@@ -60,6 +68,7 @@ class PieceWriter:
         forced = os.environ.get(WRITE_ENV, "").lower()  # "mmap" / "pwrite": A/B runs
         memory = forced == "mmap" or (forced != "pwrite" and memory_backed(work_dir))
         self.mapped = mapped and hasattr(mmap.mmap, "madvise") and memory
+        self._hashed = StoredNodes(self._size) if hash_nodes else None
 
     def write(self, tensor: str, offset: int, data: Any) -> None:
         """Write ``data`` (bytes, a numpy array or a CPU tensor: ``safetensors_io.byte_view``)
@@ -70,14 +79,29 @@ class PieceWriter:
         pos = start + offset
         if isinstance(data, np.ndarray) and data.size and file in self._addr:
             if data.ctypes.data == self._addr[file] + pos:  # computed in place
+                if self._hashed is not None:
+                    self._hashed.stored(file, pos, data.reshape(-1).view(np.uint8))
                 return
         with naming(self.work_dir / file):  # ENOMEM (mmap), EFBIG (ulimit -f), EMFILE: no path
             fd = self._fd(file)
             src = byte_view(data)
-            if self.mapped and src.nbytes and self._populate(file, fd, pos, src.nbytes):
-                self._maps[file][pos : pos + src.nbytes] = src  # one memcpy; no export outlives it
-                return
-            write_at(fd, pos, src)
+            mapped = self.mapped and src.nbytes and self._populate(file, fd, pos, src.nbytes)
+            step = _SLICE if self._hashed is not None else max(src.nbytes, 1)
+            for at in range(0, src.nbytes, step):
+                part = src[at : at + step]
+                if mapped:
+                    self._maps[file][pos + at : pos + at + part.nbytes] = (
+                        part  # no export outlives it
+                    )
+                else:
+                    write_at(fd, pos + at, part)
+                if self._hashed is not None:
+                    self._hashed.stored(file, pos + at, np.frombuffer(part, np.uint8))
+
+    def take_nodes(self) -> tuple[list[tuple[str, Nodes]], int] | None:
+        """((file, tree nodes) hashed since the last call, the bytes stored since) with
+        ``hash_nodes``, for one job (``stored_nodes.StoredNodes.take``); else None."""
+        return None if self._hashed is None else self._hashed.take()
 
     def destination(self, tensor: str, offset: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:  # fmt: skip
         """The output bytes of ``tensor`` from ``offset`` on as a writable C-contiguous array
@@ -132,6 +156,7 @@ class PieceWriter:
         return True
 
     def close(self) -> None:
+        self.take_nodes()
         for m in self._maps.values():
             m.close()
         self._maps.clear()

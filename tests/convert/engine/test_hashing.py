@@ -169,12 +169,12 @@ def test_stream_then_bulk_reads_of_odd_sizes_give_the_one_shot_digest(plan, tmp_
 
 
 def test_nodes_hashed_by_the_writing_worker_give_the_same_digests(plan, tmp_path: Path, monkeypatch) -> None:  # fmt: skip
-    """Jobs whose writer mapped the output hand over the tree nodes it hashed from its map
-    (``hashed_in_worker``); the others are read back. Digests: the one-shot BLAKE3 of each
+    """Jobs whose writer mapped the output hand over the tree nodes it hashed as it stored
+    them (``hashed_in_worker``); the others are read back. Digests: the one-shot BLAKE3 of each
     file. With the map's bytes wrong, the digest is wrong: the nodes are really used."""
     monkeypatch.setenv(writer.WRITE_ENV, "mmap")
     _create(plan, tmp_path)
-    out = PieceWriter(plan.files, tmp_path, mapped=True)
+    out = PieceWriter(plan.files, tmp_path, mapped=True, hash_nodes=True)
     where, hashes = _where(plan), TreeHashes(plan, tmp_path, 2)
     hashes.start()
     jobs = list(plan.jobs)
@@ -196,15 +196,19 @@ def test_nodes_hashed_by_the_writing_worker_give_the_same_digests(plan, tmp_path
         data = (tmp_path / f.name).read_bytes()
         assert digests[f.name] == {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
     big = max(plan.jobs, key=lambda j: sum(p.meta.nbytes for p in j.outputs))
-    assert hashed_in_worker(PieceWriter(plan.files, tmp_path, mapped=True), big) is None
-    mapped = PieceWriter(plan.files, tmp_path, mapped=True)  # stores one piece as it is
-    piece = big.outputs[0]
-    name, base = where[piece.tensor][0].name, where[piece.tensor][1] + piece.offset
-    mapped.write(piece.tensor, piece.offset, (tmp_path / name).read_bytes()[base : base + piece.meta.nbytes])  # fmt: skip
+    nothing = PieceWriter(plan.files, tmp_path, mapped=True, hash_nodes=True)
+    assert hashed_in_worker(nothing, big) is None  # it stored none of the job's bytes
+    mapped = PieceWriter(plan.files, tmp_path, mapped=True, hash_nodes=True)
+    for piece in big.outputs:  # stored as they are, in writes of odd sizes
+        name, base = where[piece.tensor][0].name, where[piece.tensor][1] + piece.offset
+        data = (tmp_path / name).read_bytes()[base : base + piece.meta.nbytes]
+        for at in range(0, len(data), 3001):
+            mapped.write(piece.tensor, piece.offset + at, data[at : at + 3001])
     nodes = hashed_in_worker(mapped, big)
     mapped.close()
     assert nodes is not None and len(nodes[0][0])
     nodes[0][2][0, 0] ^= 1  # one bit of one chaining value
+    name = where[big.outputs[0].tensor][0].name
     hashes = TreeHashes(plan, tmp_path, 1)
     for job in plan.jobs:
         hashes.hashed_elsewhere(job.id, nodes if job is big else None)

@@ -6,10 +6,12 @@ The maps are the default on tmpfs only (``fs/mounts.py``): the tests here that n
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import re
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from hetquant.convert.engine import writer
 from hetquant.convert.engine.writer import PieceWriter
 from hetquant.convert.planning.containers import OutTensor, SafetensorsFile
 from hetquant.formats import TensorMeta
+from hetquant.formats.blake3_tree import CHUNK, TreeDigest, available
 
 
 def _file(n: int = 3 << 20) -> SafetensorsFile:
@@ -82,15 +85,15 @@ def test_a_full_tmpfs_is_enospc_not_sigbus(tmp_path: Path, maps) -> None:
 
 
 WAYS = {  # way of writing, worker start → the share of the output the workers hashed
-    ("mmap", "fork"): (0.95, 1.0), ("mmap", "spawn"): (0.95, 1.0), ("pwrite", "fork"): (0.0, 0.0),
+    ("mmap", "fork"): (0.95, 1.0), ("mmap", "spawn"): (0.95, 1.0), ("pwrite", "fork"): (0.95, 1.0),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", ["ascend-hybrid", "bf16"])
 def test_workers_writing_through_maps_or_pwrite_give_the_same_artifact(cli, tiny_ro: Path, tmp_path: Path, monkeypatch, recipe: str) -> None:  # fmt: skip
     """Two workers, each way of writing (the tmpfs default and the disk default), forked and
-    spawned; with maps the workers hash what they wrote (``tree_hashing.hashed_in_worker``),
-    nearly every byte (the headers are the parent's), with ``pwrite`` none."""
+    spawned; either way the workers hash what they wrote as they store it
+    (``tree_hashing.hashed_in_worker``), nearly every byte (the headers are the parent's)."""
     outs = {}
     for (way, start), by_workers in WAYS.items():
         monkeypatch.setenv(writer.WRITE_ENV, way)
@@ -140,3 +143,66 @@ def test_no_destination_where_the_writer_does_not_map(tmp_path: Path) -> None:
     w = PieceWriter([f], tmp_path, mapped=False)
     assert w.destination("b", 0, (4, 4), np.uint16) is None
     w.close()
+
+
+def _digest_from(nodes: list, path: Path) -> tuple[str, int]:
+    """The file's BLAKE3 from ``nodes`` (what they leave out read from the file), and the
+    bytes the nodes cover."""
+    data = path.read_bytes()
+    tree = TreeDigest(len(data), data=np.frombuffer(data, np.uint8))
+    for _, (first, k, cv) in nodes:
+        tree.add_nodes(first, k, cv)
+    return tree.hexdigest(), tree.hashed
+
+
+@pytest.mark.skipif(not available(), reason="needs the BLAKE3 subtree kernel (a C++ compiler)")
+@pytest.mark.parametrize("order", ["front-to-back", "shuffled"])
+def test_a_hashing_writer_hashes_what_it_stores(tmp_path: Path, maps, order: str) -> None:
+    """``hash_nodes``: the tree nodes hashed as pieces are stored give the file's one-shot
+    BLAKE3; written front to back in odd sizes (each run continued across writes, slices of
+    ``_SLICE``), they cover every byte of the run but the partial chunk it starts in."""
+    f = _file(5 << 20)
+    f.create(tmp_path / f.name)
+    w = PieceWriter([f], tmp_path, mapped=True, hash_nodes=True)
+    n = f.tensors[1].meta.nbytes
+    cuts = sorted({0, n, *np.random.default_rng(1).integers(1, n, 40).tolist(), 1, 2, 1030})
+    parts = list(itertools.pairwise(cuts))
+    if order == "shuffled":
+        np.random.default_rng(2).shuffle(parts)
+    g = np.random.default_rng(3)
+    for start, end in parts:
+        w.write("b", start, g.integers(0, 256, end - start, dtype=np.uint8))
+    w.write("a", 0, np.arange(3, dtype=np.int32))
+    taken = w.take_nodes()
+    assert taken is not None and taken[1] == n + 12
+    assert w.take_nodes() == ([], 0)  # each take starts afresh
+    w.close()
+    path = tmp_path / f.name
+    digest, covered = _digest_from(taken[0], path)
+    assert digest == blake3.blake3(path.read_bytes()).hexdigest()
+    if order == "front-to-back":  # "b" runs to the file's end: all of it but its first chunk
+        b_start = f.offsets()["b"]
+        assert covered >= f.size - -(-b_start // CHUNK) * CHUNK
+    nodes = [(name, (first, k, cv.copy())) for name, (first, k, cv) in taken[0]]
+    nodes[-1][1][2][0, 0] ^= 1
+    assert _digest_from(nodes, path)[0] != digest  # the nodes are really used
+
+
+@pytest.mark.skipif(not available(), reason="needs the BLAKE3 subtree kernel (a C++ compiler)")
+def test_a_hashing_writer_hashes_what_it_pwrites(tmp_path: Path, monkeypatch, maps) -> None:
+    """Where the kernel cannot populate (``pwrite`` from then on), the bytes are hashed from
+    the writer's buffer as they are written: the same digest."""
+    monkeypatch.setattr(writer, "_MADV_POPULATE_WRITE", 12345)  # EINVAL: pwrite from now on
+    f = _file()
+    f.create(tmp_path / f.name)
+    w = PieceWriter([f], tmp_path, mapped=True, hash_nodes=True)
+    n = f.tensors[1].meta.nbytes
+    data = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    for start in range(0, n, 777_777):
+        w.write("b", start, data[start : start + 777_777])
+    assert not w.mapped
+    taken = w.take_nodes()
+    w.close()
+    assert taken is not None and taken[1] == n
+    path = tmp_path / f.name
+    assert _digest_from(taken[0], path)[0] == blake3.blake3(path.read_bytes()).hexdigest()
