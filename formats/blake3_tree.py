@@ -29,7 +29,16 @@ import numpy as np
 
 from .native import DEFAULT_FLAGS, NativeLibrary
 
-__all__ = ["CHUNK", "LANES", "MAX_SUBTREE", "TreeDigest", "available", "lanes", "range_nodes"]
+__all__ = [
+    "CHUNK",
+    "LANES",
+    "MAX_SUBTREE",
+    "TreeDigest",
+    "available",
+    "covered_bytes",
+    "lanes",
+    "range_nodes",
+]
 
 CHUNK = 1024
 MAX_SUBTREE = 1 << 12  # chunks per node hashed at once: 4 MiB read (as in the C++)
@@ -81,6 +90,11 @@ def _range(fd: int, mem: int | None, at: int, size: int, start: int, end: int, l
     return n, (first[: max(n, 0)], k[: max(n, 0)], cv[: max(n, 0)])
 
 
+def covered_bytes(size: int, first: np.ndarray, k: np.ndarray) -> int:
+    """Bytes of an input of ``size`` bytes that the nodes ``(first chunk, chunks)`` cover."""
+    return int(np.minimum((first + k) * CHUNK, size).sum() - (first * CHUNK).sum())
+
+
 def range_nodes(size: int, buf: np.ndarray, at: int, start: int, end: int, lanes: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """:meth:`TreeDigest.nodes` of bytes ``[start, end)`` of an input of ``size`` bytes, taken
     from ``buf`` (uint8, C-contiguous), which holds bytes ``[at, at + len(buf))`` of it:
@@ -116,7 +130,7 @@ class TreeDigest:
 
     def add_nodes(self, first: np.ndarray, k: np.ndarray, cv: np.ndarray) -> None:
         """Take nodes :meth:`nodes` gave, here or in another process over the same bytes."""
-        nbytes = int(np.minimum((first + k) * CHUNK, self.size).sum() - (first * CHUNK).sum())
+        nbytes = covered_bytes(self.size, first, k)
         with self._lock:
             self._parts.append((first, k, cv))
             self.hashed += nbytes

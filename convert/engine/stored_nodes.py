@@ -4,7 +4,7 @@ A pool worker whose output's digest is the BLAKE3 tree (``tree_hashing.py``) has
 it writes right after storing it — a slice at a time, still in its cache — into the tree nodes
 (``formats/blake3_tree.py``) wholly inside what it has stored, and hands them to the parent with
 the job's result. A run of contiguous writes is hashed as one: the partial chunk a write ends on
-is kept (under 1 KiB) and completed by the next write's first bytes. The chunk a run starts in,
+is kept (under 1 KiB) and completed by the first bytes of the write that starts where it ended. The chunk a run starts in,
 when it starts inside one, is shared with bytes another job wrote: the parent hashes it.
 """
 
@@ -24,7 +24,9 @@ class StoredNodes:
 
     def __init__(self, sizes: dict[str, int]) -> None:
         self._size = sizes
-        self._tails: dict[str, tuple[int, bytes]] = {}  # file → (chunk start, its bytes so far)
+        # (file, where the last write ended) → (the chunk it ended in: start, its bytes so far);
+        # by end, so that writes alternating between two tensors of a file each continue
+        self._tails: dict[tuple[str, int], tuple[int, bytes]] = {}
         self._nodes: list[tuple[str, Nodes]] = []
         self._stored = 0  # bytes hashed (or kept in a tail) since the last take
 
@@ -32,12 +34,12 @@ class StoredNodes:
         """``buf`` (uint8, C-contiguous) is now bytes ``pos .. pos + len(buf)`` of ``file``."""
         size, end = self._size[file], pos + buf.size
         start = pos
-        tail = self._tails.pop(file, None)
-        if tail is not None and tail[0] + len(tail[1]) == pos:  # continues the last write
+        tail = self._tails.pop((file, pos), None)
+        if tail is not None:  # continues an earlier write
             at, head = tail
             chunk = np.concatenate((np.frombuffer(head, np.uint8), buf[: CHUNK - len(head)]))
             if chunk.size < CHUNK and at + chunk.size < size:  # still not a whole chunk
-                self._tails[file] = (at, chunk.tobytes())
+                self._tails[file, end] = (at, chunk.tobytes())
                 self._stored += buf.size
                 return
             self._add(file, range_nodes(size, chunk, at, at, at + chunk.size))
@@ -46,7 +48,7 @@ class StoredNodes:
             self._add(file, range_nodes(size, buf, pos, start, end))
         boundary = max(end // CHUNK * CHUNK, -(-start // CHUNK) * CHUNK)  # of the unhashed end
         if end < size and boundary < end:
-            self._tails[file] = (boundary, buf[boundary - pos :].tobytes())
+            self._tails[file, end] = (boundary, buf[boundary - pos :].tobytes())
         self._stored += buf.size
 
     def take(self) -> tuple[list[tuple[str, Nodes]], int]:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from hetquant.formats import blake3_tree
-from hetquant.formats.blake3_tree import CHUNK, TreeDigest
+from hetquant.formats.blake3_tree import CHUNK, TreeDigest, covered_bytes
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST
 
 from ..fs.os_errors import naming
@@ -63,8 +63,9 @@ def tree_digests() -> bool:
 def hashed_in_worker(out: PieceWriter, job: Job) -> list[Nodes] | None:
     """The tree nodes of each byte range ``job`` wrote (in ``_ranges`` order), which ``out``
     hashed as it stored them (``PieceWriter.take_nodes``); None where it did not hash (no
-    ``hash_nodes``), did not store all those bytes itself, or the manifest's digest is not
-    this tree's: the parent's threads then read the ranges back."""
+    ``hash_nodes``), did not store exactly those bytes itself (a node outside them, or two
+    over the same bytes: a range stored twice), or the manifest's digest is not this tree's:
+    the parent's threads then read the ranges back."""
     taken = out.take_nodes()
     ranges = _ranges(job, out.where)
     if (
@@ -76,10 +77,9 @@ def hashed_in_worker(out: PieceWriter, job: Job) -> list[Nodes] | None:
     by_file: dict[str, list[Nodes]] = {}
     for file, nodes in taken[0]:
         by_file.setdefault(file, []).append(nodes)
-    joined = {
-        f: tuple(np.concatenate(p) for p in zip(*parts, strict=True))
-        for f, parts in by_file.items()
-    }
+    joined = {f: _sorted_disjoint(parts) for f, parts in by_file.items()}
+    if any(nodes is None for nodes in joined.values()):
+        return None
     empty = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, 32), np.uint8))
     out_nodes, placed = [], 0
     for name, start, end in ranges:
@@ -88,6 +88,16 @@ def hashed_in_worker(out: PieceWriter, job: Job) -> list[Nodes] | None:
         out_nodes.append((first[at], k[at], cv[at]))
         placed += int(at.sum())
     return out_nodes if placed == sum(len(n[0]) for n in joined.values()) else None
+
+
+def _sorted_disjoint(parts: list[Nodes]) -> Nodes | None:
+    """``parts`` joined in chunk order; None where two nodes overlap."""
+    first, k, cv = (np.concatenate(p) for p in zip(*parts, strict=True))
+    order = np.argsort(first, kind="stable")
+    first, k, cv = first[order], k[order], cv[order]
+    if (first[1:] < first[:-1] + k[:-1]).any():
+        return None
+    return first, k, cv
 
 
 @dataclass
@@ -128,7 +138,8 @@ class TreeHashes(HashPool):
             for i, (name, start, end) in enumerate(_ranges(job, self._where)):
                 self._writeback.add(name, start, end)
                 self._submit((name, start, end, None if nodes is None else nodes[i]))
-                self.worker_bytes += 0 if nodes is None else end - start
+                if nodes is not None:
+                    self.worker_bytes += covered_bytes(self._files[name].size, *nodes[i][:2])
 
     def hashed_bytes(self) -> int:
         return sum(f.tree.hashed for f in self._files.values() if f.tree is not None)

@@ -78,7 +78,7 @@ class PieceWriter:
         file = container.name
         pos = start + offset
         if isinstance(data, np.ndarray) and data.size and file in self._addr:
-            if data.ctypes.data == self._addr[file] + pos:  # computed in place
+            if data.ctypes.data == self._addr[file] + pos and data.flags.c_contiguous:  # in place
                 if self._hashed is not None:
                     self._hashed.stored(file, pos, data.reshape(-1).view(np.uint8))
                 return

@@ -17,6 +17,7 @@ from hetquant.convert.engine import writer
 from hetquant.convert.engine.hashing import FileHashes, _where, fill_order
 from hetquant.convert.engine.tree_hashing import TreeHashes, container_hashes, hashed_in_worker
 from hetquant.convert.engine.writer import PieceWriter
+from hetquant.formats.blake3_tree import CHUNK
 from hetquant.formats.file_digests import DIGESTS, DigestAlgorithm
 
 ONE_SHOT = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
@@ -214,3 +215,31 @@ def test_nodes_hashed_by_the_writing_worker_give_the_same_digests(plan, tmp_path
         hashes.hashed_elsewhere(job.id, nodes if job is big else None)
         hashes.written(job)
     assert hashes.finish()[name]["blake3"] != digests[name]["blake3"]
+
+
+def test_nodes_over_the_same_bytes_twice_are_not_taken(plan, tmp_path: Path, monkeypatch) -> None:  # fmt: skip
+    """A job whose writer stored a piece's first 2 KiB twice and left its last 2 KiB out (so
+    the byte count still matches) gives overlapping nodes: ``hashed_in_worker`` refuses them,
+    and the parent reads the ranges back. Stored as planned, they are taken."""
+    monkeypatch.setenv(writer.WRITE_ENV, "mmap")
+    _create(plan, tmp_path)
+    job = next(j for j in plan.jobs if j.outputs[0].meta.nbytes >= 8 * CHUNK)
+    w = PieceWriter(plan.files, tmp_path, mapped=True, hash_nodes=True)
+    data = {
+        p.tensor: torch.randint(0, 256, (p.meta.nbytes,), dtype=torch.uint8) for p in job.outputs
+    }
+
+    def store(p, start: int, end: int) -> None:
+        w.write(p.tensor, p.offset + start, data[p.tensor][start:end])
+
+    first, h = job.outputs[0], 2 * CHUNK
+    n = first.meta.nbytes
+    for start, end in [(0, h), (0, h), (h, n - h)]:
+        store(first, start, end)
+    for p in job.outputs[1:]:
+        store(p, 0, p.meta.nbytes)
+    assert hashed_in_worker(w, job) is None
+    for p in job.outputs:
+        store(p, 0, p.meta.nbytes)
+    assert hashed_in_worker(w, job) is not None
+    w.close()

@@ -48,6 +48,7 @@ def test_any_writes_give_the_one_shot_digest(size: int, seed: int) -> None:
     got, n = s.take()
     nodes += got
     assert stored + n == sum(d.size for d in files.values())
+    assert nodes  # the writes' runs do carry nodes
     for name, data in files.items():
         digest, covered = _digest(data, [x for x in nodes if x[0] == name])
         assert digest == blake3.blake3(data.tobytes()).hexdigest()
@@ -78,4 +79,21 @@ def test_range_nodes_refuses_a_range_outside_its_buffer() -> None:
     with pytest.raises(ValueError, match="not inside"):
         range_nodes(10 * CHUNK, buf, CHUNK, CHUNK, 6 * CHUNK)
     first, k, _ = range_nodes(10 * CHUNK, buf, CHUNK, CHUNK, 5 * CHUNK)
-    assert (first * CHUNK >= CHUNK).all() and ((first + k) * CHUNK <= 5 * CHUNK).all()
+    assert first.tolist() == [1, 2, 4] and k.tolist() == [1, 2, 1]  # aligned, largest first
+
+
+def test_writes_alternating_between_two_tensors_of_a_file_each_continue() -> None:
+    """Rows of two tensors of one file written in turns (a weight's codes and its scales):
+    each tensor's run continues past the other's writes."""
+    size = 40 * CHUNK
+    data = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+    s = StoredNodes({"f": size})
+    a, b = 10, 20 * CHUNK + 10  # the two tensors' starts, mid-chunk
+    for step in range(10):
+        s.stored("f", a + step * 1500, data[a + step * 1500 : a + (step + 1) * 1500])
+        s.stored("f", b + step * 700, data[b + step * 700 : b + (step + 1) * 700])
+    nodes, _ = s.take()
+    digest, covered = _digest(data, nodes)
+    assert digest == blake3.blake3(data.tobytes()).hexdigest()
+    # all but each run's first partial chunk and its unfinished last one
+    assert covered == (15000 + 10) // CHUNK * CHUNK - CHUNK + (b + 7000) // CHUNK * CHUNK - (b // CHUNK + 1) * CHUNK  # fmt: skip

@@ -93,7 +93,8 @@ WAYS = {  # way of writing, worker start → the share of the output the workers
 def test_workers_writing_through_maps_or_pwrite_give_the_same_artifact(cli, tiny_ro: Path, tmp_path: Path, monkeypatch, recipe: str) -> None:  # fmt: skip
     """Two workers, each way of writing (the tmpfs default and the disk default), forked and
     spawned; either way the workers hash what they wrote as they store it
-    (``tree_hashing.hashed_in_worker``), nearly every byte (the headers are the parent's)."""
+    (``tree_hashing.hashed_in_worker``): the bytes their nodes cover are nearly all (the
+    headers, and the chunks two pieces share, are the parent's)."""
     outs = {}
     for (way, start), by_workers in WAYS.items():
         monkeypatch.setenv(writer.WRITE_ENV, way)
@@ -205,4 +206,28 @@ def test_a_hashing_writer_hashes_what_it_pwrites(tmp_path: Path, monkeypatch, ma
     w.close()
     assert taken is not None and taken[1] == n
     path = tmp_path / f.name
-    assert _digest_from(taken[0], path)[0] == blake3.blake3(path.read_bytes()).hexdigest()
+    digest, covered = _digest_from(taken[0], path)
+    assert digest == blake3.blake3(path.read_bytes()).hexdigest()
+    assert covered >= n - CHUNK  # one run: all of "b" but the chunk it starts in
+
+
+def test_a_transposed_view_of_a_destination_is_written_not_taken_as_in_place(tmp_path: Path, maps) -> None:  # fmt: skip
+    """Only a C-contiguous array at the destination's address is its bytes in place; a
+    transposed view of it starts there too, and is stored (and hashed) as the bytes it holds."""
+    f = _file(1 << 16)
+    f.create(tmp_path / f.name)
+    w = PieceWriter([f], tmp_path, mapped=True, hash_nodes=available())
+    dest = w.destination("b", 0, (128, 256), np.uint16)
+    assert dest is not None
+    dest[:] = np.arange(128 * 256, dtype=np.uint16).reshape(128, 256)
+    w.write("b", 0, dest.T.copy())  # expected bytes first: a plain write of the transpose
+    expected = (tmp_path / f.name).read_bytes()
+    dest[:] = np.arange(128 * 256, dtype=np.uint16).reshape(128, 256)
+    w.take_nodes()
+    w.write("b", 0, dest.T)  # starts at the destination, not C-contiguous
+    taken = w.take_nodes()
+    w.close()
+    path = tmp_path / f.name
+    assert path.read_bytes() == expected
+    if available():
+        assert taken is not None and _digest_from(taken[0], path)[0] == blake3.blake3(expected).hexdigest()  # fmt: skip
