@@ -92,6 +92,28 @@ int64_t hq_b3_range(int fd, const uint8_t* mem, int64_t mem_at, int64_t size, in
   return count;
 }
 
+// Merges sibling nodes of an input of `size` bytes in place: the n nodes (first ascending,
+// disjoint) become the fewest that cover the same chunks, two nodes of k chunks that are the two
+// halves of an aligned node of 2k merged into it (its chaining value their parent's), never into
+// the root. Returns the new count.
+int64_t hq_b3_compact(int64_t* first, int64_t* k, uint8_t* cv, int64_t n, int64_t size) {
+  int64_t chunks = std::max<int64_t>(1, (size + CHUNK - 1) / CHUNK), top = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    first[top] = first[i], k[top] = k[i];
+    if (top != i) memcpy(cv + 32 * top, cv + 32 * i, 32);
+    ++top;
+    while (top >= 2) {  // the last two: the halves of one node, not the root?
+      int64_t a = top - 2, b = top - 1, kk = k[a];
+      if (k[b] != kk || first[b] != first[a] + kk || first[a] % (2 * kk) || 2 * kk >= chunks)
+        break;
+      hq_b3_parent(cv + 32 * a, cv + 32 * b, 0, cv + 32 * a);
+      k[a] = 2 * kk;
+      top = b;
+    }
+  }
+  return top;
+}
+
 // The digest (32 bytes) of an input of `size` bytes from the n known nodes (first ascending, as
 // hq_b3_range gives them; disjoint), hashing what they do not cover from mem or fd. Returns 0,
 // -1 on a read error.

@@ -53,6 +53,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.hq_b3_single.argtypes, lib.hq_b3_single.restype = [vp, i64, vp], ci
     lib.hq_b3_range.argtypes = [ci, vp, i64, i64, i64, i64, vp, vp, vp, i64, ci]
     lib.hq_b3_range.restype = i64
+    lib.hq_b3_compact.argtypes, lib.hq_b3_compact.restype = [vp, vp, vp, i64, i64], i64
     lib.hq_b3_root.argtypes = [ci, vp, i64, vp, vp, vp, i64, vp, ci]
     lib.hq_b3_root.restype = ci
 
@@ -93,6 +94,19 @@ def _range(fd: int, mem: int | None, at: int, size: int, start: int, end: int, l
 def covered_bytes(size: int, first: np.ndarray, k: np.ndarray) -> int:
     """Bytes of an input of ``size`` bytes that the nodes ``(first chunk, chunks)`` cover."""
     return int(np.minimum((first + k) * CHUNK, size).sum() - (first * CHUNK).sum())
+
+
+def compact_nodes(size: int, first: np.ndarray, k: np.ndarray, cv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Nodes ``(first chunk, chunks, chaining value)`` of an input of ``size`` bytes, sorted by
+    first chunk and disjoint, with every two that are the halves of a larger node (not the
+    root) merged into it: the fewest nodes over the same chunks, the same digest. A writer's
+    many small runs of nodes (one per slice it stored) become few."""
+    first, k = np.array(first, np.int64), np.array(k, np.int64)  # copies: merged in place
+    cv = np.array(cv, np.uint8).reshape(-1, 32)
+    if len(first) < 2:
+        return first, k, cv
+    n = _LIBRARY.get().lib.hq_b3_compact(first.ctypes.data, k.ctypes.data, cv.ctypes.data, len(first), size)  # fmt: skip
+    return first[:n], k[:n], cv[:n]
 
 
 def range_nodes(size: int, buf: np.ndarray, at: int, start: int, end: int, lanes: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from hetquant.formats import blake3_tree
-from hetquant.formats.blake3_tree import CHUNK, TreeDigest, covered_bytes
+from hetquant.formats.blake3_tree import CHUNK, TreeDigest, compact_nodes, covered_bytes
 from hetquant.formats.file_digests import DIGESTS, FILE_DIGEST
 
 from ..fs.os_errors import naming
@@ -77,7 +77,8 @@ def hashed_in_worker(out: PieceWriter, job: Job) -> list[Nodes] | None:
     by_file: dict[str, list[Nodes]] = {}
     for file, nodes in taken[0]:
         by_file.setdefault(file, []).append(nodes)
-    joined = {f: _sorted_disjoint(parts) for f, parts in by_file.items()}
+    size = {c.name: c.size for c, _ in out.where.values()}
+    joined = {f: _sorted_disjoint(size[f], parts) for f, parts in by_file.items()}
     if any(nodes is None for nodes in joined.values()):
         return None
     empty = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, 32), np.uint8))
@@ -90,14 +91,16 @@ def hashed_in_worker(out: PieceWriter, job: Job) -> list[Nodes] | None:
     return out_nodes if placed == sum(len(n[0]) for n in joined.values()) else None
 
 
-def _sorted_disjoint(parts: list[Nodes]) -> Nodes | None:
-    """``parts`` joined in chunk order; None where two nodes overlap."""
+def _sorted_disjoint(size: int, parts: list[Nodes]) -> Nodes | None:
+    """``parts`` (nodes of a file of ``size`` bytes) joined in chunk order, siblings merged
+    (``compact_nodes``: one node per slice stored becomes about one per 4 MiB); None where
+    two nodes overlap."""
     first, k, cv = (np.concatenate(p) for p in zip(*parts, strict=True))
     order = np.argsort(first, kind="stable")
     first, k, cv = first[order], k[order], cv[order]
     if (first[1:] < first[:-1] + k[:-1]).any():
         return None
-    return first, k, cv
+    return compact_nodes(size, first, k, cv)
 
 
 @dataclass

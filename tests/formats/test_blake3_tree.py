@@ -136,3 +136,66 @@ def test_a_run_that_is_not_a_subtree_is_refused() -> None:
     assert lib.hq_b3_subtree(data.ctypes.data, 3 * bt.CHUNK, 0, out, 0) == -1  # 3 chunks
     assert lib.hq_b3_subtree(data.ctypes.data, 0, 0, out, 0) == -1
     assert lib.hq_b3_single(data.ctypes.data, bt.CHUNK + 1, out) == -1
+
+
+@pytest.mark.parametrize(
+    "size", [2 * 1024, 8 * 1024, 8 * 1024 + 1, 100_003, (1 << 20) + 1, 1 << 21, 10 * (1 << 20) + 7]
+)
+def test_compacted_nodes_give_the_same_digest_and_never_the_root(size: int) -> None:
+    """Nodes of many small ranges (1-5 chunks, a few left out) merged by ``compact_nodes``:
+    the package's digest, no more nodes than before and as few as the chunks allow (the
+    nodes of one range over the same bytes), aligned powers of two, never the root."""
+    data = _data(size, 3)
+    rng = random.Random(size)
+    nodes, at, skipped = [], 0, 0
+    while at < size:
+        end = min(size, at + rng.randint(1, 5) * bt.CHUNK)
+        if rng.random() < 0.1:
+            skipped += 1  # left for the merge to hash from the data
+        else:
+            nodes.append(bt.range_nodes(size, data[at:end], at, at, end))
+        at = end
+    first, k, cv = (np.concatenate(p) for p in zip(*nodes, strict=True))
+    f2, k2, c2 = bt.compact_nodes(size, first, k, cv)
+    chunks = -(-size // bt.CHUNK)
+    assert len(f2) <= len(first) and (f2 % k2 == 0).all() and (k2 & (k2 - 1) == 0).all()
+    assert (k2 < chunks).all() and bt.covered_bytes(size, f2, k2) == bt.covered_bytes(
+        size, first, k
+    )
+    tree = bt.TreeDigest(size, data=data)
+    tree.add_nodes(f2, k2, c2)
+    assert tree.hexdigest() == blake3(data.tobytes()).hexdigest()
+    if not skipped:  # one covered run: as few as hashing it whole gives, or fewer
+        whole = bt.TreeDigest(size, data=data).nodes(0, size)[0]
+        assert len(f2) <= len(whole)
+    flipped = c2.copy()
+    flipped[-1, 0] ^= 1
+    tree = bt.TreeDigest(size, data=data)
+    tree.add_nodes(f2, k2, flipped)
+    assert tree.hexdigest() != blake3(data.tobytes()).hexdigest()
+
+
+def test_a_file_of_a_power_of_two_chunks_keeps_its_two_halves() -> None:
+    """Every chunk of an 8-chunk input known: merged up to its two halves, not to the root."""
+    size = 8 * bt.CHUNK
+    data = _data(size, 4)
+    nodes = [bt.range_nodes(size, data[i * 1024 : (i + 1) * 1024], i * 1024, i * 1024, (i + 1) * 1024) for i in range(8)]  # fmt: skip
+    f2, k2, c2 = bt.compact_nodes(size, *(np.concatenate(p) for p in zip(*nodes, strict=True)))
+    assert f2.tolist() == [0, 4] and k2.tolist() == [4, 4]
+    tree = bt.TreeDigest(size, data=data)
+    tree.add_nodes(f2, k2, c2)
+    assert tree.hexdigest() == blake3(data.tobytes()).hexdigest()
+
+
+def test_merged_nodes_larger_than_a_hashed_one_are_used() -> None:
+    """16 MiB + 5 bytes stored in 1 MiB slices (one run): merged into a node of 16,384 chunks
+    (4x ``MAX_SUBTREE``, what one read hashes) and the last chunk's; the digest is the package's."""
+    size = (16 << 20) + 5
+    data = _data(size, 5)
+    step = 1 << 20
+    nodes = [bt.range_nodes(size, data[a : a + step], a, a, min(size, a + step)) for a in range(0, size, step)]  # fmt: skip
+    f2, k2, c2 = bt.compact_nodes(size, *(np.concatenate(p) for p in zip(*nodes, strict=True)))
+    assert f2.tolist() == [0, 16384] and k2.tolist() == [16384, 1] and 16384 > bt.MAX_SUBTREE
+    tree = bt.TreeDigest(size, data=data)
+    tree.add_nodes(f2, k2, c2)
+    assert tree.hexdigest() == blake3(data.tobytes()).hexdigest()
