@@ -35,6 +35,7 @@ __all__ = [
     "MAX_SUBTREE",
     "TreeDigest",
     "available",
+    "compact_nodes",
     "covered_bytes",
     "lanes",
     "range_nodes",

@@ -4,10 +4,11 @@ A pool worker whose output's digest is the BLAKE3 tree (``tree_hashing.py``) has
 it writes right after storing it — a slice at a time, still in its cache — into the tree nodes
 (``formats/blake3_tree.py``) wholly inside what it has stored, and hands them to the parent with
 the job's result. A run of contiguous writes is hashed as one: the partial chunk a write ends on
-is kept (under 1 KiB) and completed by the first bytes of the write that starts where it ended. The chunk a run starts in,
-when it starts inside one, is shared with bytes another job wrote: the parent hashes it. The
-nodes of a job's slices are many small ones; ``tree_hashing.hashed_in_worker`` merges siblings
-(``blake3_tree.compact_nodes``) before they leave the worker.
+is kept (under 1 KiB) and completed by the first bytes of the write that starts where it ended.
+The chunk a run starts in, when it starts inside one, is shared with bytes another job wrote:
+the parent hashes it. The nodes of a job's slices are many small ones;
+``tree_hashing.hashed_in_worker`` merges siblings (``blake3_tree.compact_nodes``) before they
+leave the worker.
 """
 
 from __future__ import annotations

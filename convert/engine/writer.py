@@ -45,7 +45,7 @@ from ..fs.os_errors import naming
 from ..planning.containers import Container
 from .stored_nodes import Nodes, StoredNodes
 
-__all__ = ["WRITE_ENV", "Nodes", "PieceWriter"]
+__all__ = ["WRITE_ENV", "PieceWriter"]
 
 WRITE_ENV = "HETQUANT_WRITE"
 
@@ -89,10 +89,8 @@ class PieceWriter:
             step = _SLICE if self._hashed is not None else max(src.nbytes, 1)
             for at in range(0, src.nbytes, step):
                 part = src[at : at + step]
-                if mapped:
-                    self._maps[file][pos + at : pos + at + part.nbytes] = (
-                        part  # no export outlives it
-                    )
+                if mapped:  # one memcpy; no export outlives it
+                    self._maps[file][pos + at : pos + at + part.nbytes] = part
                 else:
                     write_at(fd, pos + at, part)
                 if self._hashed is not None:
