@@ -255,9 +255,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--compile-deps", action="store_true",
-        help="first write the bytecode of the packages a conversion imports (third-party and "
-        "hetquant's own), in place, as pip install does (hosts whose venv lacks it, or that set "
-        "PYTHONDONTWRITEBYTECODE, compile them in every run)",
+        help="first write the bytecode of the third-party packages a conversion imports, in "
+        "place, as pip install does (hosts whose venv lacks it compile numpy in every run)",
     )  # fmt: skip
     ap.add_argument("--json", type=Path, default=RESULT)
     args = ap.parse_args()

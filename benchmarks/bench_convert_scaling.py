@@ -244,13 +244,10 @@ BUILD_KERNELS = (
     "'hetquant.' + m).__path__[0], quiet=1) for m in ('formats', 'convert', 'calib', 'runtime')]"
 )
 
-# `--compile-deps`: the bytecode of every package a conversion imports — the third-party ones
-# (numpy, click, …) and hetquant's own modules — written into their own `__pycache__` as
-# `pip install` does. The lent hosts' venv was installed without it (and sets
-# PYTHONDONTWRITEBYTECODE), so `import numpy` compiled numpy in every run there: 0.21-0.31 s,
-# against 0.10-0.12 s compiled (2026-11-28, 16-core host); and the checkout's own modules, which a
-# user's `pip install hetquant` has compiled, were compiled too: from the CLI's call to the plan,
-# 0.17-0.24 s uncompiled against 0.10 s on the 2-vCPU VM (eighth round).
+# `--compile-deps`: the bytecode of every third-party package a conversion imports (numpy, click,
+# …), written into the packages' own `__pycache__` as `pip install` does. The lent hosts' venv was
+# installed without it (and sets PYTHONDONTWRITEBYTECODE), so `import numpy` compiled numpy in
+# every run there: 0.21-0.31 s, against 0.10-0.12 s compiled (2026-11-28, 16-core host).
 COMPILE_DEPS = (
     "import compileall, sys; from pathlib import Path; import hetquant.convert.cli, "
     "hetquant.convert.engine.native_jobs, hetquant.convert.engine.tree_hashing; "
@@ -260,12 +257,8 @@ COMPILE_DEPS = (
     "dirs = [Path(sys.modules[t].__file__).parent for t in tops if "
     "getattr(sys.modules.get(t), '__file__', None) and "
     "Path(sys.modules[t].__file__).name == '__init__.py']; "
-    "ours = sorted({Path(mod.__file__).parent for m, mod in list(sys.modules.items()) "
-    "if m.startswith('hetquant.') and getattr(mod, '__file__', None)}); "
-    "ok = all([compileall.compile_dir(d, quiet=1, workers=0) for d in dirs] + "
-    "[compileall.compile_dir(d, quiet=1, maxlevels=0) for d in ours]); "
-    "print('compiled the bytecode of', [d.name for d in dirs], 'and', len(ours), "
-    "'hetquant folders', 'ok' if ok else 'with errors')"
+    "ok = all([compileall.compile_dir(d, quiet=1, workers=0) for d in dirs]); "
+    "print('compiled the bytecode of', [d.name for d in dirs], 'ok' if ok else 'with errors')"
 )
 
 
