@@ -11,7 +11,8 @@ layer, one shard per layer (as DeepSeek's own checkpoint is cut), written to ``-
   threads had not followed), build, move-in; the **longest serial phase** (the longest of those
   but the jobs) and its share of the wall — not the hash tail where the disks took the bytes
   written after the jobs at ≥ 0.8 × the limit's write rate (``tail_disk_over_limit``): that tail
-  is the fsync of dirty pages at the storage's speed, not one core working; the longest run of ≤ 1.5 busy cores (``/proc/stat``);
+  is the fsync of dirty pages at the storage's speed, not one core working; the longest run of
+  ≤ 1.5 busy cores (``/proc/stat``);
 * the **limit**, measured in the same run right after the conversion: every source file read
   once (warm, ``--threads`` threads over 256 MB ranges) plus an output of the artifact's file
   sizes written once on the same storage (``pwrite`` of random bytes, one thread per file up to
@@ -134,8 +135,9 @@ def write_seconds(where: Path, sizes: list[int], threads: int) -> float:
 def warm_memory(src: Path, args: argparse.Namespace) -> None:
     """Where the outputs go to memory (tmpfs), write and remove twice the source there once,
     untimed. Each run measures its conversion before its limit, so on a fresh (virtual) machine
-    the first conversion alone paid the first touch of that memory: the likely reason why the
-    first recipe run after generating the source took up to 1.6x its later CPU (seventh round)."""
+    the first conversion alone would pay the first touch of that memory (the seventh round's
+    guess for a first recipe at up to 1.6x its later CPU; in the eighth, that tree's bf16 cost
+    as much in every round, so the guess explains it not always)."""
     args.work.mkdir(parents=True, exist_ok=True)
     if not memory_backed(args.work):
         return
