@@ -18,6 +18,14 @@ truncated under its memory map) by its exit status, runs torch (if a job needs i
 (jobs are block rows, and the pool is the parallelism: ``JobRunner``) at nice +5
 (``WORKER_NICE``), and stores into the containers through shared memory maps (``writer.py``:
 pwrite into one file serializes writers).
+
+A pool worker keeps the heap it freed (``keep_freed_heap``, glibc's ``mallopt``; not done to
+an in-process conversion, whose process may be a caller's). By default glibc maps each block over
+its adaptive threshold on its own and returns the heap's free top past twice that, so a job's
+block-row buffers (an FP8 block row dequantized is 128 × 7168 × 2 = 1.8 MB) came from fresh pages
+every time: a page fault and a zeroed page per 4 KiB — 4 % of an ``ascend-hybrid`` conversion's
+CPU in the faults alone at 16 workers, plus the zeroing and the ``brk`` calls (``perf`` on the
+16-core host; benchmarks/notes/convert-scaling.md, ninth round).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ __all__ = [
     "inherit",
     "init_forked",
     "init_spawned",
+    "keep_freed_heap",
     "on_sigbus",
     "restore_sigbus",
     "run",
@@ -60,6 +69,9 @@ WORKER_NICE = 5
 _PR_SET_PDEATHSIG = 1
 _WATCHDOG_SECONDS = 1.0
 _LIBC = ctypes.CDLL(None, use_errno=True)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_KEEP_FREED = 64 << 20  # free heap top a worker keeps: a job's buffers, several times over
+_MAP_FROM = 32 << 20  # blocks from here on get their own map: glibc's largest threshold (64-bit)
 _SIGNAL_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
 _HANDLERS: list[Any] = []  # the C callbacks must outlive their installation
 
@@ -168,7 +180,21 @@ def _setup(parent: int, root: Path, ids: dict[str, Identity]) -> None:
     _die_with(parent)
     on_sigbus(b"", SIGBUS_STATUS)  # the parent reports it (a changed source, or the death)
     os.nice(WORKER_NICE)
+    keep_freed_heap()
     _GUARD = SourceGuard(root, ids)
+
+
+def keep_freed_heap() -> bool:
+    """Make this process's malloc keep what it frees for the next job (module docstring):
+    blocks under 32 MiB come from the heap, and up to 64 MiB of free heap top is kept. Fixed
+    thresholds also end glibc's adaptive ones. False where the C library has no ``mallopt`` or
+    refuses (not glibc)."""
+    mallopt = getattr(_LIBC, "mallopt", None)
+    if mallopt is None:
+        return False
+    kept = mallopt(_M_TRIM_THRESHOLD, _KEEP_FREED)
+    mapped = mallopt(_M_MMAP_THRESHOLD, _MAP_FROM)
+    return bool(kept and mapped)
 
 
 def _ready() -> None:

@@ -19,6 +19,14 @@ Where a kernel computes the stored bytes themselves (FP8 blocks dequantized to a
 array copies nothing: a ``bf16`` conversion writes twice its source, so that copy was its largest
 one (benchmarks/notes/convert-scaling.md, seventh round).
 
+Each map is marked ``MADV_SEQUENTIAL``, so that unmapping it does not mark its pages accessed
+(``zap_pte_range`` skips that for such maps; ``vma_has_recency`` since Linux 6.3): otherwise, as a
+worker exits, every page it wrote moves to the active LRU list under the node's LRU lock, all
+workers at once — the largest system-time item of a ``bf16`` conversion at 16 workers on tmpfs
+(``perf`` on the 16-core host; benchmarks/notes/convert-scaling.md, ninth round). The output is
+written once and not read back, so that recency was never true; the hint's readahead part does
+nothing for writes into new pages.
+
 With ``hash_nodes`` (a pool worker whose output's digest is the BLAKE3 tree), every piece is
 stored a slice at a time (``_SLICE``), through the map or with ``pwrite``, and each slice is
 hashed right after, while it is still in the core's cache (``stored_nodes.py``);
@@ -143,6 +151,7 @@ class PieceWriter:
             held = ctypes.c_char.from_buffer(m)  # an export while the address is read
             self._addr[file] = ctypes.addressof(held)
             del held
+            m.madvise(mmap.MADV_SEQUENTIAL)  # no LRU activation of its pages at unmap
         first = pos // _PAGE * _PAGE
         try:
             m.madvise(_MADV_POPULATE_WRITE, first, pos + n - first)

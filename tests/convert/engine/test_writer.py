@@ -231,3 +231,24 @@ def test_a_transposed_view_of_a_destination_is_written_not_taken_as_in_place(tmp
     assert path.read_bytes() == expected
     if available():
         assert taken is not None and _digest_from(taken[0], path)[0] == blake3.blake3(expected).hexdigest()  # fmt: skip
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of this process's mapping that holds ``address``."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= address < hi:
+                flags = next(x for x in lines[i + 1 :] if x.startswith("VmFlags:"))
+                return flags.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux /proc only")
+def test_the_output_maps_are_sequential_so_unmapping_marks_no_page_accessed(tmp_path: Path, maps) -> None:  # fmt: skip
+    w = _write(_file(), tmp_path, mapped=True)
+    (address,) = w._addr.values()
+    assert "sr" in _vm_flags(address)  # VM_SEQ_READ: zap_pte_range skips folio_mark_accessed
+    w.close()
