@@ -194,8 +194,12 @@ class ByActivationDtype(LinearMethodBase):
 class VllmInt8DynamicMethod(HetquantLinearMethod):
     """W8A8_DYNAMIC (symmetric per-channel int8 weights, per-token dynamic int8 activations)
     through vLLM's own ``CPUInt8ScaledMMLinearKernel`` (``kernels/linear/scaled_mm/cpu.py:33``:
-    oneDNN, or sgl's AMX kernel where the CPU has AMX, :52); a fused layer's parts stacked on the
-    output dim, their per-channel scales likewise."""
+    oneDNN, or sgl's AMX kernel where the CPU has AMX, :46-60); a fused layer's parts stacked on
+    the output dim, their per-channel scales likewise. sgl's kernel takes bf16 / fp16 activations
+    only (``int8_scaled_mm_with_quant``, :212-224: "expect A to be bfloat16 or half"), and vLLM
+    picks it by the CPU and the weight's shape alone, so with float32 activations on an AMX CPU
+    vLLM's own layer fails; this method then takes the kernel's oneDNN route (:188-210), which
+    computes in the activations' dtype — what every CPU without AMX runs."""
 
     NAMES = ("hetquant_w", "hetquant_w_scale", "hetquant_x_scale", "hetquant_x_zp", "hetquant_azp")
 
@@ -226,8 +230,13 @@ class VllmInt8DynamicMethod(HetquantLinearMethod):
         config = Int8ScaledMMLinearLayerConfig(
             is_static_input_scheme=False, is_channelwise=True, input_symmetric=True
         )
-        layer.hetquant_int8 = CPUInt8ScaledMMLinearKernel(config, self.NAMES)
-        layer.hetquant_int8.process_weights_after_loading(layer)
+        kernel = CPUInt8ScaledMMLinearKernel(config, self.NAMES)
+        if layer.weight.dtype in HALF:  # the activations' dtype (create_weights)
+            kernel.process_weights_after_loading(layer)  # vLLM's choice: sgl's or oneDNN
+        else:
+            kernel.linear_method = kernel._apply_weights_onednn
+            kernel.process_weights_for_onednn(layer)
+        layer.hetquant_int8 = kernel
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

@@ -42,6 +42,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -74,6 +75,10 @@ class Case:
 NVFP4 = ("--fp4-layout", "nvfp4")
 MLA_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}  # latent 576: vLLM's CPU MLA kernel
 MLA_ON = (("VLLM_MLA_DISABLE", "0"),)
+# vLLM picks its AMX_MLA backend where the CPU has AMX (platforms/cpu.py:152-163), whose kernels
+# take bf16 weights only ("expect weight to be bfloat16, float16, int8, ..."); in float32 these
+# cases ask for CPU_MLA, the backend every CPU without AMX gets
+MLA_BACKEND = (("attention_backend", "CPU_MLA"),)
 # Our kernels for every layer (runtime/vllm/served.py KERNELS): the random-weight models' W8A8
 # recipes. vLLM's int8 kernel (oneDNN here, sgl's AMX kernel where the CPU has AMX) quantizes
 # activations per token and scales the int32 products in its own float order; on a random model a
@@ -86,15 +91,17 @@ OURS = (("HETQUANT_VLLM_KERNELS", "hetquant"),)
 NOBIND = (("VLLM_CPU_OMP_THREADS_BIND", "nobind"),)
 REMOTE_CODE = (("trust_remote_code", True),)  # Kimi K2's tokenizer is tokenization_kimi.py
 ALL_4BIT = ("ascend-w4a8", "ascend-w4a16", "awq-w4a16", "ct-w4a16")
+MLA: dict[str, Any] = {"env": MLA_ON, "llm": MLA_BACKEND}
+MLA_OURS: dict[str, Any] = {"env": MLA_ON + OURS, "llm": MLA_BACKEND}
 # Qwen3's quantized cases first: the first Qwen3-MoE model a process builds sees no
 # gate_up_proj in its packed_modules_mapping (``sources._merged_parts``)
 CASES = {  # MLA first: the engines after it must not inherit its env (vllm_driver._restore)
-    "mla/bf16": Case("mla", "bf16", env=MLA_ON),
-    **{f"mla/{r}": Case("mla", r, env=MLA_ON + OURS) for r in ("ascend-hybrid", "ascend-w8a8")},
-    "mla/ascend-w4a8": Case("mla", "ascend-w4a8", env=MLA_ON + OURS),
-    "mla/ascend-w4a16": Case("mla", "ascend-w4a16", env=MLA_ON + OURS),
-    **{f"mla/{r}": Case("mla", r, env=MLA_ON) for r in ("awq-w4a16", "ct-w4a16", "fp4")},
-    "mla/fp4-nvfp4": Case("mla", "fp4", NVFP4, env=MLA_ON),
+    "mla/bf16": Case("mla", "bf16", **MLA),
+    **{f"mla/{r}": Case("mla", r, **MLA_OURS) for r in ("ascend-hybrid", "ascend-w8a8")},
+    "mla/ascend-w4a8": Case("mla", "ascend-w4a8", **MLA_OURS),
+    "mla/ascend-w4a16": Case("mla", "ascend-w4a16", **MLA_OURS),
+    **{f"mla/{r}": Case("mla", r, **MLA) for r in ("awq-w4a16", "ct-w4a16", "fp4")},
+    "mla/fp4-nvfp4": Case("mla", "fp4", NVFP4, **MLA),
     "ds/bf16-stock": Case("ds", "bf16", plugin=False),
     **{f"ds/{r}": Case("ds", r) for r in ("bf16", "ascend-hybrid", "ascend-w8a8", *ALL_4BIT)},
     "ds/fp4-nvfp4": Case("ds", "fp4", NVFP4),
