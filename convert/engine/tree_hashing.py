@@ -77,8 +77,7 @@ def hashed_in_worker(out: PieceWriter, job: Job) -> list[Nodes] | None:
     by_file: dict[str, list[Nodes]] = {}
     for file, nodes in taken[0]:
         by_file.setdefault(file, []).append(nodes)
-    size = {c.name: c.size for c, _ in (out.where[p.tensor] for p in job.outputs)}  # its files
-    joined = {f: _sorted_disjoint(size[f], parts) for f, parts in by_file.items()}
+    joined = {f: _sorted_disjoint(out.sizes[f], parts) for f, parts in by_file.items()}
     if any(nodes is None for nodes in joined.values()):
         return None
     empty = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, 32), np.uint8))

@@ -69,14 +69,14 @@ class PieceWriter:
         self.work_dir = work_dir
         # tensor → (its container, its offset there): ``hashing._where``'s shape
         self.where = {name: (f, off) for f in files for name, off in f.offsets().items()}
-        self._size = {f.name: f.size for f in files}
+        self.sizes = {f.name: f.size for f in files}  # file → its size (a header each: once)
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._addr: dict[str, int] = {}  # file → its mapping's address (``destination``)
         forced = os.environ.get(WRITE_ENV, "").lower()  # "mmap" / "pwrite": A/B runs
         memory = forced == "mmap" or (forced != "pwrite" and memory_backed(work_dir))
         self.mapped = mapped and hasattr(mmap.mmap, "madvise") and memory
-        self._hashed = StoredNodes(self._size) if hash_nodes else None
+        self._hashed = StoredNodes(self.sizes) if hash_nodes else None
 
     def write(self, tensor: str, offset: int, data: Any) -> None:
         """Write ``data`` (bytes, a numpy array or a CPU tensor: ``safetensors_io.byte_view``)
@@ -133,7 +133,7 @@ class PieceWriter:
         :meth:`close`."""
         if not self.mapped or file not in self._addr:
             return None
-        raw = (ctypes.c_char * self._size[file]).from_address(self._addr[file])  # no export
+        raw = (ctypes.c_char * self.sizes[file]).from_address(self._addr[file])  # no export
         return np.frombuffer(raw, dtype=np.uint8)
 
     def _fd(self, file: str) -> int:
@@ -147,7 +147,7 @@ class PieceWriter:
         where this kernel cannot populate (the writer then ``pwrite``s for good)."""
         m = self._maps.get(file)
         if m is None:
-            m = self._maps[file] = mmap.mmap(fd, self._size[file], mmap.MAP_SHARED)
+            m = self._maps[file] = mmap.mmap(fd, self.sizes[file], mmap.MAP_SHARED)
             held = ctypes.c_char.from_buffer(m)  # an export while the address is read
             self._addr[file] = ctypes.addressof(held)
             del held
