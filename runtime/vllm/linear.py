@@ -41,6 +41,7 @@ __all__ = [
     "HetquantLinearMethod",
     "VllmInt8DynamicMethod",
     "dense_weight",
+    "int8_kernel",
     "linear_method",
 ]
 
@@ -204,11 +205,6 @@ class VllmInt8DynamicMethod(HetquantLinearMethod):
     NAMES = ("hetquant_w", "hetquant_w_scale", "hetquant_x_scale", "hetquant_x_zp", "hetquant_azp")
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
-        from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
-            Int8ScaledMMLinearLayerConfig,
-        )
-
         tensors = take(layer, self.prefix)
         outs, k = layer.hetquant_shape
         weights, scales = [], []
@@ -227,16 +223,7 @@ class VllmInt8DynamicMethod(HetquantLinearMethod):
         layer.logical_widths = list(outs)  # the kernel reads it (vLLM's quant methods set it)
         for name in self.NAMES[2:]:  # dynamic, symmetric: no input scale, zero point, adjustment
             setattr(layer, name, None)
-        config = Int8ScaledMMLinearLayerConfig(
-            is_static_input_scheme=False, is_channelwise=True, input_symmetric=True
-        )
-        kernel = CPUInt8ScaledMMLinearKernel(config, self.NAMES)
-        if layer.weight.dtype in HALF:  # the activations' dtype (create_weights)
-            kernel.process_weights_after_loading(layer)  # vLLM's choice: sgl's or oneDNN
-        else:
-            kernel.linear_method = kernel._apply_weights_onednn
-            kernel.process_weights_for_onednn(layer)
-        layer.hetquant_int8 = kernel
+        layer.hetquant_int8 = int8_kernel(layer, self.NAMES)
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -245,6 +232,27 @@ class VllmInt8DynamicMethod(HetquantLinearMethod):
 
 
 HALF = frozenset({torch.bfloat16, torch.float16})
+
+
+def int8_kernel(layer: torch.nn.Module, names: tuple[str, ...]) -> Any:
+    """vLLM's int8 kernel over ``layer``'s parameters ``names``, weights processed: vLLM's route
+    for bf16 / fp16 activations (the dtype of ``create_weights``' empty ``layer.weight``),
+    oneDNN's for any other (:class:`VllmInt8DynamicMethod` says why)."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
+        Int8ScaledMMLinearLayerConfig,
+    )
+
+    config = Int8ScaledMMLinearLayerConfig(
+        is_static_input_scheme=False, is_channelwise=True, input_symmetric=True
+    )
+    kernel = CPUInt8ScaledMMLinearKernel(config, names)
+    if layer.weight.dtype in HALF:
+        kernel.process_weights_after_loading(layer)  # vLLM's choice: sgl's kernel or oneDNN
+    else:  # its oneDNN route (cpu.py:46-60 would pick sgl's by the CPU and shape alone)
+        kernel.linear_method = kernel._apply_weights_onednn
+        kernel.process_weights_for_onednn(layer)
+    return kernel
 
 
 def _vllm_awq(sources: Sequence[Source], prefix: str) -> LinearMethodBase:
