@@ -25,7 +25,9 @@ its adaptive threshold on its own and returns the heap's free top past twice tha
 block-row buffers (an FP8 block row dequantized is 128 × 7168 × 2 = 1.8 MB) came from fresh pages
 every time: a page fault and a zeroed page per 4 KiB — 4 % of an ``ascend-hybrid`` conversion's
 CPU in the faults alone at 16 workers, plus the zeroing and the ``brk`` calls (``perf`` on the
-16-core host; benchmarks/notes/convert-scaling.md, ninth round).
+16-core host; benchmarks/notes/convert-scaling.md, ninth round). The price: up to 64 MiB of free
+heap per malloc arena stays with a worker until it exits (a worker runs its jobs on one thread:
+one arena, ~1 GiB over 16 workers at most; measured peaks stay ≤ 0.046× the source).
 """
 
 from __future__ import annotations

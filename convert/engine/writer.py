@@ -20,12 +20,14 @@ array copies nothing: a ``bf16`` conversion writes twice its source, so that cop
 one (benchmarks/notes/convert-scaling.md, seventh round).
 
 Each map is marked ``MADV_SEQUENTIAL``, so that unmapping it does not mark its pages accessed
-(``zap_pte_range`` skips that for such maps; ``vma_has_recency`` since Linux 6.3): otherwise, as a
-worker exits, every page it wrote moves to the active LRU list under the node's LRU lock, all
-workers at once — the largest system-time item of a ``bf16`` conversion at 16 workers on tmpfs
-(``perf`` on the 16-core host; benchmarks/notes/convert-scaling.md, ninth round). The output is
-written once and not read back, so that recency was never true; the hint's readahead part does
-nothing for writes into new pages.
+(``zap_pte_range`` has long skipped that for such maps; Linux 6.3 moved the test into
+``vma_has_recency``): otherwise, as a worker exits, every page it wrote moves to the active LRU
+list under the node's LRU lock, all workers at once — the largest system-time item of a ``bf16``
+conversion at 16 workers on tmpfs (``perf`` on the 16-core host;
+benchmarks/notes/convert-scaling.md, ninth round). The output is written once and not read back,
+so that recency was never true; reclaim, which also ignores such maps' accessed bits, may take
+the written pages first (tmpfs: to swap), which is the order a write-once output wants. The
+hint's readahead part does nothing for writes into new pages.
 
 With ``hash_nodes`` (a pool worker whose output's digest is the BLAKE3 tree), every piece is
 stored a slice at a time (``_SLICE``), through the map or with ``pwrite``, and each slice is

@@ -236,8 +236,9 @@ HALF = frozenset({torch.bfloat16, torch.float16})
 
 def int8_kernel(layer: torch.nn.Module, names: tuple[str, ...]) -> Any:
     """vLLM's int8 kernel over ``layer``'s parameters ``names``, weights processed: vLLM's route
-    for bf16 / fp16 activations (the dtype of ``create_weights``' empty ``layer.weight``),
-    oneDNN's for any other (:class:`VllmInt8DynamicMethod` says why)."""
+    for bf16 / fp16 activations (the model's dtype: ``params_dtype``, that of the empty
+    ``layer.weight`` ``create_weights`` made), oneDNN's for any other
+    (:class:`VllmInt8DynamicMethod` says why)."""
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
     from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
         Int8ScaledMMLinearLayerConfig,

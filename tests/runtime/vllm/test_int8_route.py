@@ -1,8 +1,9 @@
 """The plugin's W8A8 layer on vLLM's int8 kernel (``runtime/vllm/linear.py`` ``int8_kernel``) as an
 AMX CPU sees it: vLLM picks sgl's kernel there by the CPU and the weight's shape alone, which takes
 bf16 / fp16 activations only, so float32 must take the kernel's oneDNN route and give the W8A8
-product; bf16 keeps vLLM's choice. The AMX answer is simulated (``check_cpu_sgl_kernel`` patched),
-so this holds on any CPU; the real AMX path is run by ``test_vllm_serves.py`` on such a CPU."""
+product; bf16 keeps vLLM's choice. An x86 CPU with AMX is simulated (``check_cpu_sgl_kernel`` and
+the platform's architecture patched), so this holds on any CPU; the real AMX path is run by
+``test_vllm_serves.py`` on such a CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 SCRIPT = r"""
 import json, torch
 import vllm.model_executor.kernels.linear.scaled_mm.cpu as C
+from vllm.platforms.interface import CpuArchEnum
 C.check_cpu_sgl_kernel = lambda n, k, dtype: True  # what an AMX CPU answers for these shapes
+type(C.current_platform).get_cpu_architecture = classmethod(lambda cls: CpuArchEnum.X86)
 chose_sgl = []
 C.CPUInt8ScaledMMLinearKernel.process_weights_for_sgl = lambda self, layer: chose_sgl.append(1)
 from hetquant.runtime.vllm.linear import int8_kernel
