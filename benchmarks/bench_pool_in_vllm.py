@@ -140,10 +140,13 @@ def main() -> None:
     timed = Timed()
     from vllm import LLM
 
+    # vLLM takes its AMX_MLA backend where the CPU has AMX, and it runs bf16 only: other dtypes
+    # ask for CPU_MLA, what a CPU without AMX gets (docs/serving-vllm.md)
+    mla = {} if args.dtype == "bfloat16" else {"attention_backend": "CPU_MLA"}
     llm = LLM(
         model=str(model), quantization="hetquant", load_format="hetquant", dtype=args.dtype,
         enforce_eager=True, max_model_len=64, max_num_seqs=max(args.batches), seed=0,
-        skip_tokenizer_init=True, gpu_memory_utilization=0.1,
+        skip_tokenizer_init=True, gpu_memory_utilization=0.1, **mla,
     )  # fmt: skip
     rows = []
     try:
