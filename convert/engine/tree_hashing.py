@@ -67,12 +67,10 @@ def hashed_in_worker(out: PieceWriter, job: Job) -> list[Nodes] | None:
     over the same bytes: a range stored twice), or the manifest's digest is not this tree's:
     the parent's threads then read the ranges back."""
     taken = out.take_nodes()
+    if taken is None or not tree_digests():
+        return None
     ranges = _ranges(job, out.where)
-    if (
-        taken is None
-        or taken[1] != sum(end - start for _, start, end in ranges)
-        or not tree_digests()
-    ):
+    if taken[1] != sum(end - start for _, start, end in ranges):
         return None
     by_file: dict[str, list[Nodes]] = {}
     for file, nodes in taken[0]:

@@ -125,18 +125,9 @@ class PieceWriter:
         with naming(self.work_dir / file):
             if not n or not self._populate(file, self._fd(file), pos, n):
                 return None
-        memory = self.memory(file)
-        assert memory is not None  # populated: mapped
-        return memory[pos : pos + n].view(dtype).reshape(shape)
-
-    def memory(self, file: str) -> np.ndarray | None:
-        """The whole of ``file`` as ``uint8`` over its mapping, where this writer stored into
-        it through one (every piece: ``mapped`` still holds), else None. Not to be used after
-        :meth:`close`."""
-        if not self.mapped or file not in self._addr:
-            return None
-        raw = (ctypes.c_char * self.sizes[file]).from_address(self._addr[file])  # no export
-        return np.frombuffer(raw, dtype=np.uint8)
+        at = self._addr[file] + pos  # populated, so mapped
+        raw = (ctypes.c_char * n).from_address(at)  # no export of the map
+        return np.frombuffer(raw, dtype=np.uint8).view(dtype).reshape(shape)
 
     def _fd(self, file: str) -> int:
         fd = self._fds.get(file)
