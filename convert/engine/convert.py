@@ -38,7 +38,7 @@ from ..recipes import Recipe
 from .calibration import calibration_record
 from .execute import run_jobs, sigbus_exits
 from .finalize import artifact_names, build, carried_files, json_size, metadata_docs
-from .hashing import fill_order, hash_threads
+from .hashing import fill_order, fill_width, hash_threads
 from .transaction import Transaction, check_target
 from .tree_hashing import container_hashes
 
@@ -165,7 +165,7 @@ class _Run:
                     hashes.written(job)
             t0 = time.perf_counter()
             self.timings["jobs_started"] = time.time()
-            order = fill_order(self.plan, todo, width)
+            order = fill_order(self.plan, todo, fill_width(width, workers, self.work))
             jobs = run_jobs(self.source, self.plan, self.work, order, workers, guard, progress, calibration, hashes.start, self.timings, hashes.hashed_elsewhere)  # fmt: skip
             for job_id in self.tx.journal(jobs):
                 hashes.written(by_id[job_id])

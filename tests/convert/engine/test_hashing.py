@@ -243,3 +243,27 @@ def test_nodes_over_the_same_bytes_twice_are_not_taken(plan, tmp_path: Path, mon
         store(p, 0, p.meta.nbytes)
     assert hashed_in_worker(w, job) is not None
     w.close()
+
+
+def test_a_tmpfs_output_is_filled_a_file_per_worker_a_disk_by_the_hash_width(tmp_path: Path, monkeypatch) -> None:  # fmt: skip
+    from hetquant.convert.engine import hashing
+
+    monkeypatch.setattr(hashing, "memory_backed", lambda path: path == tmp_path / "mem")
+    assert hashing.fill_width(8, 16, tmp_path / "mem") == 16  # a file's page-cache lock each
+    assert hashing.fill_width(8, 4, tmp_path / "mem") == 8  # never narrower than the hashing
+    assert hashing.fill_width(8, 1, tmp_path / "mem") == 8  # in-process: no other writer
+    assert hashing.fill_width(8, 16, tmp_path / "disk") == 8  # fewer files in write-back
+
+
+def test_the_conversion_fills_as_wide_as_fill_width_says(tmp_path: Path, monkeypatch) -> None:
+    from hetquant.convert.engine import convert as engine
+
+    asked, widths = [], []
+    real = engine.fill_order
+    monkeypatch.setattr(engine, "fill_width", lambda width, workers, work: asked.append((width, workers, work)) or 5)  # fmt: skip
+    monkeypatch.setattr(engine, "fill_order", lambda p, jobs, width: widths.append(width) or real(p, jobs, width))  # fmt: skip
+    out = tmp_path / "out"
+    engine.convert(SourceCheckpoint.open(TINY), out, get_recipe("bf16"), max_shard_size=64_000, workers=2)  # fmt: skip
+    ((width, workers, work),) = asked
+    assert (width, workers) == (engine.hash_threads(), 2) and out in work.parents  # its work dir
+    assert widths == [5]
