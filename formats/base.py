@@ -115,6 +115,9 @@ class WeightFormat(ABC):
     # ``quantize_array`` stores BF16 rows as given (key "weight", along the rows): a source
     # format's kernel may compute them in place in the output (``arrays.RowsInto``)
     stores_bf16_rows: ClassVar[bool] = False
+    # keys whose rows ``quantize_array`` can compute straight into arrays it is lent (``into=``,
+    # rows-major outputs; the conversion lends the output's mapped pages: no copy follows)
+    quantizes_rows_into: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[WeightFormat, tuple[int, int]]:
@@ -146,8 +149,9 @@ class WeightFormat(ABC):
     def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """``quantize`` of BF16 rows [r, in] (numpy, uint16 bit patterns) without torch, in the
         compiled kernels; only where ``native_quantize`` (a format whose streaming plan
-        ``needs_amax`` also takes ``weight_amax=``). Raises ``native.NotNative`` for an input
-        the kernel does not take."""
+        ``needs_amax`` also takes ``weight_amax=``; one with ``quantizes_rows_into`` also
+        ``into=``: {key: array of that key's rows for these rows}, computed in place and
+        returned). Raises ``native.NotNative`` for an input the kernel does not take."""
         raise NotImplementedError(f"format {self.name!r} has no native quantize_array")
 
     def quantize_array_into(

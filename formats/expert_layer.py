@@ -33,6 +33,9 @@ class ExpertLayerFormat(ABC):
     # without torch (the native lane)
     streams_rows: ClassVar[bool] = False
     native_rows: ClassVar[bool] = False
+    # ``quantize_rows_array(..., into=array)`` computes the packed codes in the array it is lent
+    # (the conversion lends the output's mapped pages: no copy follows)
+    native_rows_into: ClassVar[bool] = False
     # declared capability: the family of CPU expert-pool kernels that computes this layout
     # (``runtime/kernels/registry.py`` maps it to a GEMV and, where one exists, a fused MoE call;
     # None: the pool cannot serve it)
@@ -67,10 +70,10 @@ class ExpertLayerFormat(ABC):
         raise NotImplementedError(f"expert-layer format {self.name!r} does not stream rows")
 
     def quantize_rows_array(
-        self, a: np.ndarray, b: np.ndarray | None = None
+        self, a: np.ndarray, b: np.ndarray | None = None, *, into: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """``quantize_rows`` over numpy rows (``b``: a second block stacked after ``a``), without
-        torch; only where ``native_rows``."""
+        torch; only where ``native_rows`` (``into``: where ``native_rows_into``)."""
         raise NotImplementedError(f"expert-layer format {self.name!r} has no native rows")
 
     def linear_format(self) -> WeightFormat:

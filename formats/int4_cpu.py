@@ -173,6 +173,7 @@ class Int4CpuExperts(ExpertLayerFormat):
     streams_rows: ClassVar[bool] = True  # quantize_rows
     cpu_kernel: ClassVar[str | None] = "int4"  # runtime/kernels/int4_gemv.py, int4_moe.py
     native_rows: ClassVar[bool] = True  # quantize_rows_array
+    native_rows_into: ClassVar[bool] = True  # quantize_rows_array(into=)
     clip_search: bool = False
 
     def stored(self, num_experts: int, hidden: int, inter: int) -> dict[str, TensorMeta]:
@@ -212,13 +213,14 @@ class Int4CpuExperts(ExpertLayerFormat):
         return quantize_rows("int4_cpu_experts", rows, self.clip_search, finite=False)
 
     def quantize_rows_array(
-        self, a: np.ndarray, b: np.ndarray | None = None
+        self, a: np.ndarray, b: np.ndarray | None = None, *, into: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`quantize_rows` of numpy rows ``a`` [R, K], or with ``b`` of ``a`` and ``b`` rows
-        interleaved (row 2i from a, 2i + 1 from b: ``gate_up``), by the kernel alone."""
+        interleaved (row 2i from a, 2i + 1 from b: ``gate_up``), by the kernel alone; the packed
+        codes computed into ``into`` where it fits ([R or 2R, K/2] U8, C-contiguous)."""
         if self.clip_search:
             raise NotNative("int4_cpu_experts: clip search has no kernel")
-        return native(int4_rows_array(a, b), f"int4_cpu_experts: rows {a.dtype}")
+        return native(int4_rows_array(a, b, packed=into), f"int4_cpu_experts: rows {a.dtype}")
 
 
 register_expert_format(Int4CpuExperts())

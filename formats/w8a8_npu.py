@@ -140,6 +140,7 @@ class W8A8Dynamic(WeightFormat):
 
     name: ClassVar[str] = "w8a8_dynamic"
     native_quantize: ClassVar[bool] = True  # quantize_array
+    quantizes_rows_into: ClassVar[frozenset[str]] = frozenset({"weight"})  # quantize_array(into=)
     keys: ClassVar[frozenset[str]] = frozenset({"weight", "weight_scale", "weight_offset"})
 
     def from_stored(self, metas: Mapping[str, TensorMeta]) -> tuple[W8A8Dynamic, tuple[int, int]]:
@@ -159,11 +160,15 @@ class W8A8Dynamic(WeightFormat):
         """``name`` is the tensor's full name, used in error messages."""
         return weight_tensors(weight, name)
 
-    def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """:meth:`quantize` of numpy rows (``arrays``), by the kernel alone."""
+    def quantize_array(
+        self, rows: np.ndarray, *, into: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """:meth:`quantize` of numpy rows (``arrays``), by the kernel alone; the int8 codes
+        computed into ``into["weight"]`` where given (``WeightFormat.quantizes_rows_into``)."""
         if rows.ndim != 2 or 0 in rows.shape:
             raise NotNative(f"{self.name}: shape {rows.shape}")
-        q, scale = native(w8a8_rows_array(rows), f"{self.name}: rows {rows.dtype}")
+        dest = (into or {}).get("weight")
+        q, scale = native(w8a8_rows_array(rows, q=dest), f"{self.name}: rows {rows.dtype}")
         return {"weight": q, "weight_scale": scale, "weight_offset": np.zeros_like(scale)}
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

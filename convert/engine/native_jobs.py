@@ -20,16 +20,27 @@ layout (nvfp4_ascend's tile order, which its plan's ``Streaming.place`` also doe
 column block it is (awq_w4a16 RTN: stored transposed, so no strided copy follows). A plan
 that ``needs_amax`` gets it by the kernels (``SourceCheckpoint.absmax_array``: for FP8 blocks a
 column max of the codes per block row), each weight's once per process (a gate/up pair shares
-it). Stacked experts go into a format with ``quantize_rows_array``. Anything else — a
-calibrated job, a source kept as stored or repacked, another format, no compiler,
-``HETQUANT_QUANT_BACKEND=torch``, bad input a kernel declines (``NotNative``) — goes to the
-torch code, which imports torch then, in the process that needs it, and redoes the whole job
-(fixed byte ranges: a redo is safe).
+it). Stacked experts go into a format with ``quantize_rows_array``.
+
+Where the writer maps the output (tmpfs), the kernels compute in its pages
+(``PieceWriter.destination``), so the write that follows copies nothing: FP8 dequantized into a
+BF16 target (``_in_place``), a format's rows quantized there (``quantizes_rows_into``: W8A8's
+int8 codes, ``_lent``; ``native_rows_into``: the INT4 experts' packed rows, ``_packed_rows``),
+and the tensors a format assembles whole (AWQ's, NVFP4's; ``_whole``). On the 16-core host, 16
+processes copy at 5× one process's rate while the kernels scale 11-17× (benchmarks/notes/
+convert-scaling.md, tenth round).
+
+Anything else — a calibrated job, a source kept as stored or repacked, another format, no
+compiler, ``HETQUANT_QUANT_BACKEND=torch``, bad input a kernel declines (``NotNative``; a kernel
+lent the output's pages may have written part of them) — goes to the torch code, which imports
+torch then, in the process that needs it, and redoes the whole job (fixed byte ranges: a redo
+is safe).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -113,12 +124,14 @@ class NativeJobs:
         metas = plan.chunk_format.stored(shape)
         into = plan.chunk_format.native_into  # chunks straight into the assembled tensors
         assembled = {k for k in metas if plan.axes[k] != 0 or into}
-        buffers = {k: np.empty(metas[k].shape, numpy_dtype(metas[k].dtype)) for k in assembled}
+        buffers = {k: self._whole(pieces[k], metas[k]) for k in assembled}
         for row0, rows in self.source.row_arrays(job.source, self._in_place(plan, pieces)):
             if into:  # the format writes each chunk into its places
                 buffers.update(plan.chunk_format.quantize_array_into(rows, row0, buffers, **opts))
                 continue
-            for key, part in plan.chunk_format.quantize_array(rows, **opts).items():
+            lent = self._lent(plan, pieces, row0, rows.shape[0])
+            kw = {**opts, "into": lent} if lent else opts
+            for key, part in plan.chunk_format.quantize_array(rows, **kw).items():
                 axis = plan.axes[key]
                 if axis == 0:  # written as it comes
                     piece = pieces[key]
@@ -143,6 +156,36 @@ class NativeJobs:
         n, k = piece.meta.shape  # [out, in] BF16
         row_bytes = piece.meta.nbytes // n
         return lambda r, rows: self.out.destination(piece.tensor, piece.offset + r * row_bytes, (rows, k), np.uint16)  # fmt: skip
+
+    def _whole(self, piece: OutPiece, meta: Any) -> np.ndarray:
+        """An array for a whole stored tensor the kernels assemble: its bytes in the mapped
+        output where the writer lends them (its write at the job's end then copies nothing),
+        else a new one."""
+        dtype = numpy_dtype(meta.dtype)
+        if piece.meta.nbytes == math.prod(meta.shape) * dtype.itemsize:
+            dest = self.out.destination(piece.tensor, piece.offset, tuple(meta.shape), dtype)
+            if dest is not None:
+                return dest
+        return np.empty(meta.shape, dtype)
+
+    def _lent(self, plan: Any, pieces: dict[str, OutPiece], row0: int, n: int) -> dict[str, np.ndarray]:  # fmt: skip
+        """The output's mapped pages of rows ``row0 .. row0 + n`` of each key the chunk format
+        quantizes into (``quantizes_rows_into``, along the rows), where the writer lends them
+        (``PieceWriter.destination``): the kernel computes there, and their write copies
+        nothing. Empty where it does not (a disk: ``pwrite``)."""
+        lent = {}
+        for key in plan.chunk_format.quantizes_rows_into:
+            piece = pieces.get(key)
+            if piece is None or plan.axes.get(key) != 0:
+                continue
+            rows_total, *rest = piece.meta.shape  # [out, ...] rows-major
+            if not rows_total:
+                continue
+            row_bytes = piece.meta.nbytes // rows_total
+            dest = self.out.destination(piece.tensor, piece.offset + row0 * row_bytes, (n, *rest), numpy_dtype(piece.meta.dtype))  # fmt: skip
+            if dest is not None:
+                lent[key] = dest
+        return lent
 
     def _absmax(self, job: Job) -> float:
         """``max |W|`` over the job's weight and the others of its merged module (their shared
@@ -171,14 +214,26 @@ class NativeJobs:
             raise NotNative("expert shapes disagree")  # the torch code names them
         pieces = {p.key: p for p in job.outputs}
         rows = self.source.row_arrays
+        lend = job.target.fmt.native_rows_into
         for (r, g), (_, u) in zip(rows(gate), rows(up), strict=True):
-            packed, scale = quantize(g, u)  # gate and up rows interleaved
+            into = self._packed_rows(lend, pieces["gate_up_packed"], 2 * r, 2 * g.shape[0], g.shape[1])  # fmt: skip
+            packed, scale = quantize(g, u, **into)  # gate and up rows interleaved
             self._write(pieces["gate_up_packed"], packed, 2 * r * packed.shape[1])
             self._write(pieces["gate_up_scale"], scale, 2 * r * scale.itemsize)
         for r, d in rows(down):
-            packed, scale = quantize(d)
+            packed, scale = quantize(d, **self._packed_rows(lend, pieces["down_packed"], r, *d.shape))  # fmt: skip
             self._write(pieces["down_packed"], packed, r * packed.shape[1])
             self._write(pieces["down_scale"], scale, r * scale.itemsize)
+
+    def _packed_rows(self, lend: bool, piece: OutPiece, row: int, n: int, k: int) -> dict[str, Any]:  # fmt: skip
+        """``{"into": the mapped output of n packed 4-bit rows of k inputs from row ``row`` of an
+        expert's part of a stacked tensor (``piece``), [n, k / 2] U8}`` where the format
+        computes into it (``lend``: ``native_rows_into``) and the writer lends its pages; else
+        nothing (``quantize_rows_array``'s keywords)."""
+        if not lend:
+            return {}
+        dest = self.out.destination(piece.tensor, piece.offset + row * (k // 2), (n, k // 2), np.uint8)  # fmt: skip
+        return {} if dest is None else {"into": dest}
 
     def _write(self, piece: OutPiece, data: Any, rel: int = 0) -> None:
         self.out.write(piece.tensor, piece.offset + rel, data)

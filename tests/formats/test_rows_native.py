@@ -13,6 +13,7 @@ device dequantization of calibration against the CPU kernel.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -279,6 +280,41 @@ def test_w8a8_rows_match_torch(monkeypatch, dtype: torch.dtype, n: int, k: int) 
     for isa in _isas():
         q, scale = R.w8a8_rows(w, isa)
         assert _same(q, want["weight"]) and _same(scale, want["weight_scale"]), isa
+
+
+def test_w8a8_codes_go_into_a_lent_array_and_only_a_fitting_one() -> None:
+    """``w8a8_rows_array(q=)``: the codes computed into ``q`` (a view of a larger buffer, as the
+    conversion lends the output's pages), the same bytes as a fresh array; a ``q`` of another
+    shape, dtype or layout is not written, and a fresh array comes back."""
+    w = _rows(16, 256, seed=5, dtype=torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    want_q, want_s = R.w8a8_rows_array(w)
+    buf = np.full(20 * 256, 7, np.int8)
+    lent = buf[2 * 256 : 18 * 256].reshape(16, 256)  # C-contiguous rows inside the buffer
+    q, s = R.w8a8_rows_array(w, q=lent)
+    assert q is lent and np.array_equal(q, want_q) and np.array_equal(s, want_s)
+    assert (buf[: 2 * 256] == 7).all() and (buf[18 * 256 :] == 7).all()  # nothing outside
+    fmt = w8a8_npu.W8A8Dynamic()
+    assert fmt.quantize_array(w, into={"weight": lent})["weight"] is lent
+    for bad in (np.zeros((16, 255), np.int8), np.zeros((16, 256), np.uint8), np.zeros((256, 16), np.int8).T):  # fmt: skip
+        q, _ = R.w8a8_rows_array(w, q=bad)
+        assert q is not bad and np.array_equal(q, want_q) and not bad.any()
+
+
+def test_int4_packed_rows_go_into_a_lent_array_and_only_a_fitting_one() -> None:
+    """``int4_rows_array(packed=)`` / ``quantize_rows_array(into=)``: gate and up rows
+    interleaved into ``packed`` (inside a larger buffer), the same bytes as a fresh array;
+    one that does not fit is not written."""
+    g = _rows(16, 256, seed=6, dtype=torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    u = _rows(16, 256, seed=7, dtype=torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    want_p, want_s = R.int4_rows_array(g, u)
+    buf = np.full(36 * 128, 7, np.uint8)
+    lent = buf[2 * 128 : 34 * 128].reshape(32, 128)  # [2 · 16, 256 / 2]
+    packed, scale = Int4CpuExperts().quantize_rows_array(g, u, into=lent)
+    assert packed is lent and np.array_equal(packed, want_p) and np.array_equal(scale, want_s)
+    assert (buf[: 2 * 128] == 7).all() and (buf[34 * 128 :] == 7).all()
+    for bad in (np.zeros((16, 128), np.uint8), np.zeros((32, 128), np.int8), np.zeros((128, 32), np.uint8).T):  # fmt: skip
+        packed, _ = R.int4_rows_array(g, u, packed=bad)
+        assert packed is not bad and np.array_equal(packed, want_p) and not bad.any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -135,9 +135,9 @@ def test_the_lane_absmax_is_the_torch_absmax() -> None:
     assert len(calls) == len(set(calls)) == len({n for j in jobs for n in j.amax_group})
 
 
-def _lane_files(source, plan, work: Path, mapped: bool, fp8: set[int]) -> dict[str, bytes]:
-    """Every job of ``plan`` through the lane into ``work``; the kernels' destinations are the
-    mapped output exactly for the FP8-sourced jobs, and no destination is copied again."""
+def _lane_files(source, plan, work: Path, mapped: bool, lent: set[int]) -> dict[str, bytes]:
+    """Every job of ``plan`` through the lane into ``work``; the kernels are lent destinations
+    in the mapped output exactly for the jobs ``lent``, and no destination is copied again."""
     work.mkdir()
     for f in plan.files:
         f.create(work / f.name)
@@ -159,7 +159,7 @@ def _lane_files(source, plan, work: Path, mapped: bool, fp8: set[int]) -> dict[s
         for job in plan.jobs:
             n = len(given)
             assert lane.run(job), job
-            assert any(a is not None for a in given[n:]) is (mapped and job.id in fp8), job
+            assert any(a is not None for a in given[n:]) is (mapped and job.id in lent), job
     finally:
         writer.byte_view = real_view
     in_place = {a.ctypes.data for a in given if a is not None}
@@ -170,14 +170,31 @@ def _lane_files(source, plan, work: Path, mapped: bool, fp8: set[int]) -> dict[s
     return {f.name: (work / f.name).read_bytes() for f in plan.files}
 
 
-def test_bf16_rows_from_fp8_are_dequantized_in_place_in_a_mapped_output(tmp_path: Path, monkeypatch) -> None:  # fmt: skip
-    """bf16 through a mapped writer: every FP8 weight's block rows are computed straight into
-    the output's pages (``PieceWriter.destination``), none of them is copied afterwards, and
-    the files are byte for byte the ``pwrite`` ones."""
+def _in_place(source, job) -> bool:
+    """Whether the lane computes a job's large outputs straight into the mapped output: FP8
+    dequantized there into a BF16 target, a format's rows quantized there (W8A8's codes, the
+    INT4 experts' packed rows), or the tensors a format assembles whole (AWQ, NVFP4's scales)."""
+    fmt = job.target.fmt
+    if job.kind is JobKind.EXPERTS:
+        return fmt.native_rows_into
+    if job.kind is not JobKind.LINEAR:
+        return False
+    plan = fmt.streaming(source.tensors[job.source].shape)
+    chunk = plan.chunk_format
+    fp8_to_bf16 = source.tensors[job.source].fmt is not None and chunk.stores_bf16_rows
+    assembled = chunk.native_into or any(axis != 0 for axis in plan.axes.values())
+    return fp8_to_bf16 or "weight" in chunk.quantizes_rows_into or assembled
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "ascend-w8a8", "ascend-hybrid", "awq-w4a16", "fp4"])
+def test_outputs_are_computed_in_place_in_a_mapped_output(recipe: str, tmp_path: Path, monkeypatch) -> None:  # fmt: skip
+    """Through a mapped writer the kernels compute into the output's pages
+    (``PieceWriter.destination``; ``_in_place`` says which jobs), none of those bytes is copied
+    afterwards, and the files are byte for byte the ``pwrite`` ones."""
     monkeypatch.setenv(writer.WRITE_ENV, "mmap")
     source = SourceCheckpoint.open(TINY)
-    plan = plan_for(source, get_recipe("bf16"), 1 << 40)
-    fp8 = {j.id for j in plan.jobs if j.kind is JobKind.LINEAR and source.tensors[j.source].fmt}
-    assert fp8
-    mapped = _lane_files(source, plan, tmp_path / "mapped", True, fp8)
-    assert mapped == _lane_files(source, plan, tmp_path / "pwrite", False, fp8)
+    plan = plan_for(source, get_recipe(recipe), 1 << 40)
+    lent = {j.id for j in plan.jobs if _in_place(source, j)}
+    assert lent
+    mapped = _lane_files(source, plan, tmp_path / "mapped", True, lent)
+    assert mapped == _lane_files(source, plan, tmp_path / "pwrite", False, lent)
