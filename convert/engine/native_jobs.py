@@ -22,13 +22,15 @@ that ``needs_amax`` gets it by the kernels (``SourceCheckpoint.absmax_array``: f
 column max of the codes per block row), each weight's once per process (a gate/up pair shares
 it). Stacked experts go into a format with ``quantize_rows_array``.
 
-Where the writer maps the output (tmpfs), the kernels compute in its pages
-(``PieceWriter.destination``), so the write that follows copies nothing: FP8 dequantized into a
-BF16 target (``_in_place``), a format's rows quantized there (``quantizes_rows_into``: W8A8's
-int8 codes, ``_lent``; ``native_rows_into``: the INT4 experts' packed rows, ``_packed_rows``),
-and the tensors a format assembles whole (AWQ's, NVFP4's; ``_whole``). On the 16-core host, 16
+Where the writer maps the output (tmpfs), the rows that are written as they come are computed
+in its pages (``PieceWriter.destination``), so their write copies nothing: FP8 dequantized into
+a BF16 target (``_in_place``), a format's rows quantized there (``quantizes_rows_into``: W8A8's
+int8 codes, ``_lent``; ``native_rows_into``: the INT4 experts' packed rows, ``_packed_rows``).
+Each block row is still hashed right after, while in the cache. On the 16-core host, 16
 processes copy at 5× one process's rate while the kernels scale 11-17× (benchmarks/notes/
-convert-scaling.md, tenth round).
+convert-scaling.md, tenth round). Tensors assembled whole (AWQ's, NVFP4's) stay private until
+their one write: computed in the mapped output they were hashed cold at the job's end, and
+measured slower (same notes).
 
 Anything else — a calibrated job, a source kept as stored or repacked, another format, no
 compiler, ``HETQUANT_QUANT_BACKEND=torch``, bad input a kernel declines (``NotNative``; a kernel
@@ -40,7 +42,6 @@ is safe).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
@@ -124,7 +125,7 @@ class NativeJobs:
         metas = plan.chunk_format.stored(shape)
         into = plan.chunk_format.native_into  # chunks straight into the assembled tensors
         assembled = {k for k in metas if plan.axes[k] != 0 or into}
-        buffers = {k: self._whole(pieces[k], metas[k]) for k in assembled}
+        buffers = {k: np.empty(metas[k].shape, numpy_dtype(metas[k].dtype)) for k in assembled}
         for row0, rows in self.source.row_arrays(job.source, self._in_place(plan, pieces)):
             if into:  # the format writes each chunk into its places
                 buffers.update(plan.chunk_format.quantize_array_into(rows, row0, buffers, **opts))
@@ -156,17 +157,6 @@ class NativeJobs:
         n, k = piece.meta.shape  # [out, in] BF16
         row_bytes = piece.meta.nbytes // n
         return lambda r, rows: self.out.destination(piece.tensor, piece.offset + r * row_bytes, (rows, k), np.uint16)  # fmt: skip
-
-    def _whole(self, piece: OutPiece, meta: Any) -> np.ndarray:
-        """An array for a whole stored tensor the kernels assemble: its bytes in the mapped
-        output where the writer lends them (its write at the job's end then copies nothing),
-        else a new one."""
-        dtype = numpy_dtype(meta.dtype)
-        if piece.meta.nbytes == math.prod(meta.shape) * dtype.itemsize:
-            dest = self.out.destination(piece.tensor, piece.offset, tuple(meta.shape), dtype)
-            if dest is not None:
-                return dest
-        return np.empty(meta.shape, dtype)
 
     def _lent(self, plan: Any, pieces: dict[str, OutPiece], row0: int, n: int) -> dict[str, np.ndarray]:  # fmt: skip
         """The output's mapped pages of rows ``row0 .. row0 + n`` of each key the chunk format
