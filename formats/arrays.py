@@ -43,17 +43,19 @@ class NotNative(Exception):
     """The native path cannot take this input; the torch code must (module docstring)."""
 
 
-def native(result: T | None, what: str) -> T:
-    """A kernel wrapper's ``result``; :class:`NotNative` where it declined (None)."""
+def native(result: T | None, what: str | Callable[[], str]) -> T:
+    """A kernel wrapper's ``result``; :class:`NotNative` where it declined (None), saying
+    ``what`` (or what it returns: a message naming a dtype is built only then — numpy's
+    ``str(dtype)`` is Python code, measurable once per block row)."""
     if result is None:
-        raise NotNative(what)
+        raise NotNative(what if isinstance(what, str) else what())
     return result
 
 
 def require_finite(name: str, a: np.ndarray) -> None:
     """:class:`NotNative` unless ``a`` (float: BF16 bits or F32) is known to hold no NaN/Inf;
     the torch code's ``check_finite`` then counts and reports what it holds."""
-    amax = native(absmax_array(a), f"{name}: no absmax kernel for {a.dtype}")
+    amax = native(absmax_array(a), lambda: f"{name}: no absmax kernel for {a.dtype}")
     if not np.isfinite(amax):
         raise NotNative(f"{name}: NaN/Inf")
 

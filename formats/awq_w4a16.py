@@ -138,7 +138,7 @@ class AwqW4A16(WeightFormat):
         """:meth:`quantize` (RTN) of numpy rows (``arrays``), by the kernel alone."""
         self._check_shape(rows.shape)
         out = _quant_native.awq_rtn_array(rows, self.group_size)
-        return native(out, f"{self.name}: rows {rows.dtype}")
+        return native(out, lambda: f"{self.name}: rows {rows.dtype}")
 
     def quantize_array_into(
         self, rows: np.ndarray, row0: int, out: dict[str, np.ndarray], **options: object
@@ -148,7 +148,7 @@ class AwqW4A16(WeightFormat):
         part is a column block: the kernel writes it, no strided copy follows)."""
         self._check_shape(rows.shape)
         got = _quant_native.awq_rtn_array(rows, self.group_size, out=out, row0=row0)
-        native(got, f"{self.name}: rows {row0}+ {rows.dtype}")
+        native(got, lambda: f"{self.name}: rows {row0}+ {rows.dtype}")
         return {}
 
     def _quantize_torch(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:

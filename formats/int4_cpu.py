@@ -151,7 +151,7 @@ class Int4Cpu(WeightFormat):
 
     def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """:meth:`quantize` (RTN) of numpy rows (``arrays``), by the kernel alone."""
-        packed, scale = native(int4_rows_array(rows), f"{self.name}: rows {rows.dtype}")
+        packed, scale = native(int4_rows_array(rows), lambda: f"{self.name}: rows {rows.dtype}")
         return {"weight_packed": packed, "weight_scale": scale}
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -220,7 +220,9 @@ class Int4CpuExperts(ExpertLayerFormat):
         codes computed into ``into`` where it fits ([R or 2R, K/2] U8, C-contiguous)."""
         if self.clip_search:
             raise NotNative("int4_cpu_experts: clip search has no kernel")
-        return native(int4_rows_array(a, b, packed=into), f"int4_cpu_experts: rows {a.dtype}")
+        return native(
+            int4_rows_array(a, b, packed=into), lambda: f"int4_cpu_experts: rows {a.dtype}"
+        )
 
 
 register_expert_format(Int4CpuExperts())

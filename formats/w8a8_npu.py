@@ -168,7 +168,7 @@ class W8A8Dynamic(WeightFormat):
         if rows.ndim != 2 or 0 in rows.shape:
             raise NotNative(f"{self.name}: shape {rows.shape}")
         dest = (into or {}).get("weight")
-        q, scale = native(w8a8_rows_array(rows, q=dest), f"{self.name}: rows {rows.dtype}")
+        q, scale = native(w8a8_rows_array(rows, q=dest), lambda: f"{self.name}: rows {rows.dtype}")
         return {"weight": q, "weight_scale": scale, "weight_offset": np.zeros_like(scale)}
 
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -80,6 +80,7 @@ class PieceWriter:
         # tensor → (its container, its offset there): ``hashing._where``'s shape
         self.where = {name: (f, off) for f in files for name, off in f.offsets().items()}
         self.sizes = {f.name: f.size for f in files}  # file → its size (a header each: once)
+        self._paths = {f.name: work_dir / f.name for f in files}  # (a Path per write: measurable)
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._addr: dict[str, int] = {}  # file → its mapping's address (``destination``)
@@ -100,7 +101,7 @@ class PieceWriter:
                 if self._hashed is not None:
                     self._hashed.stored(file, pos, data.reshape(-1).view(np.uint8))
                 return
-        with naming(self.work_dir / file):  # ENOMEM (mmap), EFBIG (ulimit -f), EMFILE: no path
+        with naming(self._paths[file]):  # ENOMEM (mmap), EFBIG (ulimit -f), EMFILE: no path
             fd = self._fd(file)
             src = byte_view(data)
             mapped = self.mapped and src.nbytes and self._populate(file, fd, pos, src.nbytes)
@@ -130,7 +131,7 @@ class PieceWriter:
         file = container.name
         pos = start + offset
         n = math.prod(shape) * np.dtype(dtype).itemsize
-        with naming(self.work_dir / file):
+        with naming(self._paths[file]):
             if not n or not self._populate(file, self._fd(file), pos, n):
                 return None
         at = self._addr[file] + pos  # populated, so mapped
@@ -140,7 +141,7 @@ class PieceWriter:
     def _fd(self, file: str) -> int:
         fd = self._fds.get(file)
         if fd is None:
-            fd = self._fds[file] = os.open(self.work_dir / file, os.O_RDWR)
+            fd = self._fds[file] = os.open(self._paths[file], os.O_RDWR)
         return fd
 
     def _populate(self, file: str, fd: int, pos: int, n: int) -> bool:
@@ -158,7 +159,7 @@ class PieceWriter:
             m.madvise(_MADV_POPULATE_WRITE, first, pos + n - first)
         except OSError as e:
             if e.errno == errno.EFAULT:  # a store would raise SIGBUS: no space for the pages
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.work_dir / file)) from None  # fmt: skip
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self._paths[file])) from None  # fmt: skip
             self.mapped = False  # EINVAL: this kernel cannot populate; pwrite from now on
             return False
         return True
