@@ -114,15 +114,16 @@ def w8a8_rows_array(
     w: np.ndarray, isa: int = 0, q: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """``(q I8 [n, k], scale F32 [n, 1])`` of float rows ``w`` [n, k] (BF16 bits or F32; shape
-    already checked), the codes written into ``q`` where it is such an array (C-contiguous),
-    else into a new one; None where the kernel does not apply or ``w`` holds NaN/Inf (``q``
+    already checked), the codes written into ``q`` where it is such an array (C-contiguous,
+    writable), else into a new one; None where the kernel does not apply or ``w`` holds NaN/Inf (``q``
     then holds partial rows)."""
     kind = float_kind(w)
     lib = None if kind is None or w.ndim != 2 else QUANT_LIBRARY.get().lib
     if lib is None:
         return None
     n, k = w.shape
-    if q is None or q.shape != (n, k) or q.dtype != np.int8 or not q.flags.c_contiguous:
+    fits = q is not None and q.dtype == np.int8 and q.flags.c_contiguous and q.flags.writeable
+    if not fits or q.shape != (n, k):  # type: ignore[union-attr]
         q = np.empty((n, k), dtype=np.int8)
     scale = np.empty((n, 1), dtype=np.float32)
     rc = lib.hq_w8a8_rows(_ptr(w), kind, n, k, _ptr(q), _ptr(scale), isa)
@@ -135,7 +136,7 @@ def int4_rows_array(
     """``(packed U8 [R, K/2], scale F32 [R])`` of float rows ``a`` [R, K] (BF16 bits or F32,
     K even), or with ``b`` (same shape and dtype) of ``a`` and ``b`` rows interleaved (``2R``
     rows: 2i from a, 2i + 1 from b); the codes written into ``packed`` where it is such an array
-    (C-contiguous), else into a new one. None where the kernel does not apply or a value is
+    (C-contiguous, writable), else into a new one. None where the kernel does not apply or a value is
     NaN/Inf (``packed`` then holds partial rows)."""
     kind = float_kind(a)
     if kind is None or a.ndim != 2 or a.shape[1] % 2:
@@ -147,7 +148,7 @@ def int4_rows_array(
         return None
     r, k = a.shape
     rows = r if b is None else 2 * r
-    fits = packed is not None and packed.dtype == np.uint8 and packed.flags.c_contiguous
+    fits = packed is not None and packed.dtype == np.uint8 and packed.flags.c_contiguous and packed.flags.writeable  # fmt: skip
     if not fits or packed.shape != (rows, k // 2):  # type: ignore[union-attr]
         packed = np.empty((rows, k // 2), dtype=np.uint8)
     scale = np.empty(rows, dtype=np.float32)

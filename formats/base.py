@@ -146,7 +146,7 @@ class WeightFormat(ABC):
     def dequantize(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Stored tensors → float32 weight [out, in]; the reference kernels are checked against."""
 
-    def quantize_array(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+    def quantize_array(self, rows: np.ndarray, **options: Any) -> dict[str, np.ndarray]:
         """``quantize`` of BF16 rows [r, in] (numpy, uint16 bit patterns) without torch, in the
         compiled kernels; only where ``native_quantize`` (a format whose streaming plan
         ``needs_amax`` also takes ``weight_amax=``; one with ``quantizes_rows_into`` also

@@ -22,11 +22,12 @@ that ``needs_amax`` gets it by the kernels (``SourceCheckpoint.absmax_array``: f
 column max of the codes per block row), each weight's once per process (a gate/up pair shares
 it). Stacked experts go into a format with ``quantize_rows_array``.
 
-Where the writer maps the output (tmpfs), the rows that are written as they come are computed
-in its pages (``PieceWriter.destination``), so their write copies nothing: FP8 dequantized into
-a BF16 target (``_in_place``), a format's rows quantized there (``quantizes_rows_into``: W8A8's
-int8 codes, ``_lent``; ``native_rows_into``: the INT4 experts' packed rows, ``_packed_rows``).
-Each block row is still hashed right after, while in the cache. On the 16-core host, 16
+Where the writer maps the output (a pool worker's, on tmpfs: ``writer.py``), the rows that are
+written as they come are computed in its pages (``PieceWriter.destination``), so their write
+copies nothing: FP8 dequantized into a BF16 target (``_in_place``), a format's rows quantized
+there (``quantizes_rows_into``: W8A8's int8 codes, ``_lent``; ``native_rows_into``: the INT4
+experts' packed rows, ``_packed_rows``). A worker that hashes what it stores (BLAKE3 tree
+digests) still hashes each block row right after, while in the cache. On the 16-core host, 16
 processes copy at 5× one process's rate while the kernels scale 11-17× (benchmarks/notes/
 convert-scaling.md, tenth round). Tensors assembled whole (AWQ's, NVFP4's) stay private until
 their one write: computed in the mapped output they were hashed cold at the job's end, and

@@ -30,9 +30,10 @@ the written pages first (tmpfs: to swap), which is the order a write-once output
 hint's readahead part does nothing for writes into new pages.
 
 Huge pages are the tmpfs's to give: one mounted ``huge=within_size`` (or ``always``) stores the
-output in 2 MiB pages — one fault, insertion and zeroing call per 2 MiB, not 512 — which took a
-``bf16`` conversion's system time from 34-39 s to 13 s at 16 workers on the 16-core host (wall
-1.2-1.3× down; docs/cli.md says how to mount one). The maps do not ask for them
+output in 2 MiB pages — one fault, insertion and zeroing call per 2 MiB, not 512. On the 16-core
+host at 16 workers, a ``huge=always`` output took a ``bf16`` conversion's system time from 34-39 s
+to 13 s (wall 1.2-1.3× down), and a ``huge=within_size`` one made every recipe's wall 1.08-1.40×
+shorter (docs/cli.md says how to mount one). The maps do not ask for them
 (``MADV_HUGEPAGE``, which ``huge=advise`` would honour): under the kernel's default THP
 ``defrag=madvise`` such maps' faults compact memory in the faulting thread, and on a fragmented
 host that cost more than it saved (benchmarks/notes/convert-scaling.md, tenth round).

@@ -295,7 +295,9 @@ def test_w8a8_codes_go_into_a_lent_array_and_only_a_fitting_one() -> None:
     assert (buf[: 2 * 256] == 7).all() and (buf[18 * 256 :] == 7).all()  # nothing outside
     fmt = w8a8_npu.W8A8Dynamic()
     assert fmt.quantize_array(w, into={"weight": lent})["weight"] is lent
-    for bad in (np.zeros((16, 255), np.int8), np.zeros((16, 256), np.uint8), np.zeros((256, 16), np.int8).T):  # fmt: skip
+    frozen = np.zeros((16, 256), np.int8)
+    frozen.flags.writeable = False
+    for bad in (np.zeros((16, 255), np.int8), np.zeros((16, 256), np.uint8), np.zeros((256, 16), np.int8).T, frozen):  # fmt: skip
         q, _ = R.w8a8_rows_array(w, q=bad)
         assert q is not bad and np.array_equal(q, want_q) and not bad.any()
 
@@ -312,9 +314,15 @@ def test_int4_packed_rows_go_into_a_lent_array_and_only_a_fitting_one() -> None:
     packed, scale = Int4CpuExperts().quantize_rows_array(g, u, into=lent)
     assert packed is lent and np.array_equal(packed, want_p) and np.array_equal(scale, want_s)
     assert (buf[: 2 * 128] == 7).all() and (buf[34 * 128 :] == 7).all()
-    for bad in (np.zeros((16, 128), np.uint8), np.zeros((32, 128), np.int8), np.zeros((128, 32), np.uint8).T):  # fmt: skip
+    frozen = np.zeros((32, 128), np.uint8)
+    frozen.flags.writeable = False
+    for bad in (np.zeros((16, 128), np.uint8), np.zeros((32, 128), np.int8), np.zeros((128, 32), np.uint8).T, frozen):  # fmt: skip
         packed, _ = R.int4_rows_array(g, u, packed=bad)
         assert packed is not bad and np.array_equal(packed, want_p) and not bad.any()
+    want_down = R.int4_rows_array(g)  # one linear's rows (down): [16, 128]
+    lent = buf[: 16 * 128].reshape(16, 128)
+    packed, scale = Int4CpuExperts().quantize_rows_array(g, into=lent)
+    assert packed is lent and np.array_equal(packed, want_down[0]) and np.array_equal(scale, want_down[1])  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from golden_artifacts import CASES, GOLDEN, TINY, artifact_digest
 
@@ -137,23 +138,30 @@ def test_the_lane_absmax_is_the_torch_absmax() -> None:
 
 def _lane_files(source, plan, work: Path, mapped: bool, lent: set[int]) -> dict[str, bytes]:
     """Every job of ``plan`` through the lane into ``work``; the kernels are lent destinations
-    in the mapped output exactly for the jobs ``lent``, and no destination is copied again."""
+    in the mapped output exactly for the jobs ``lent``, every destination comes back to the
+    writer as the very array written (the kernel computed there), and none is copied again."""
     work.mkdir()
     for f in plan.files:
         f.create(work / f.name)
     out = PieceWriter(plan.files, work, mapped=mapped)
-    lane, given, copied = NativeJobs(source, out), [], []
-    real_dest, real_view = out.destination, writer.byte_view
+    lane, given, copied, written = NativeJobs(source, out), [], [], set()
+    real_dest, real_view, real_write = out.destination, writer.byte_view, out.write
 
     def destination(*args):
         given.append(real_dest(*args))
         return given[-1]
+
+    def write(tensor, offset, data):
+        if isinstance(data, np.ndarray):
+            written.add(data.ctypes.data)
+        return real_write(tensor, offset, data)
 
     def byte_view(data):
         copied.append(data.ctypes.data if hasattr(data, "ctypes") else None)
         return real_view(data)
 
     out.destination = destination  # type: ignore[method-assign]
+    out.write = write  # type: ignore[method-assign]
     writer.byte_view = byte_view
     try:
         for job in plan.jobs:
@@ -165,6 +173,7 @@ def _lane_files(source, plan, work: Path, mapped: bool, lent: set[int]) -> dict[
     in_place = {a.ctypes.data for a in given if a is not None}
     assert len(in_place) == len(given) if mapped else not in_place  # each block row its own
     assert not in_place & set(copied)
+    assert in_place <= written  # computed in place, not into a fresh array then copied
     given.clear()
     out.close()
     return {f.name: (work / f.name).read_bytes() for f in plan.files}
