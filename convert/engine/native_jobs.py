@@ -154,10 +154,18 @@ class NativeJobs:
         the output's pages (``PieceWriter.destination``), and their write copies nothing."""
         if not plan.chunk_format.stores_bf16_rows or plan.axes.get("weight") != 0:
             return None
-        piece = pieces["weight"]
-        n, k = piece.meta.shape  # [out, in] BF16
-        row_bytes = piece.meta.nbytes // n
-        return lambda r, rows: self.out.destination(piece.tensor, piece.offset + r * row_bytes, (rows, k), np.uint16)  # fmt: skip
+        piece = pieces["weight"]  # [out, in] BF16
+        return lambda r, rows: self._rows_of(piece, r, rows)
+
+    def _rows_of(self, piece: OutPiece, row0: int, n: int) -> np.ndarray | None:
+        """The output's mapped pages of rows ``row0 .. row0 + n`` of ``piece`` (rows-major:
+        [rows, ...] as its meta says, in its dtype), for a kernel to compute into; None where
+        the writer does not lend them (a disk: ``pwrite``) or the piece has no rows."""
+        total, *rest = piece.meta.shape
+        if not total:
+            return None
+        at = piece.offset + row0 * (piece.meta.nbytes // total)
+        return self.out.destination(piece.tensor, at, (n, *rest), numpy_dtype(piece.meta.dtype))
 
     def _lent(self, plan: Any, pieces: dict[str, OutPiece], row0: int, n: int) -> dict[str, np.ndarray]:  # fmt: skip
         """The output's mapped pages of rows ``row0 .. row0 + n`` of each key the chunk format
@@ -166,16 +174,10 @@ class NativeJobs:
         nothing. Empty where it does not (a disk: ``pwrite``)."""
         lent = {}
         for key in plan.chunk_format.quantizes_rows_into:
-            piece = pieces.get(key)
-            if piece is None or plan.axes.get(key) != 0:
-                continue
-            rows_total, *rest = piece.meta.shape  # [out, ...] rows-major
-            if not rows_total:
-                continue
-            row_bytes = piece.meta.nbytes // rows_total
-            dest = self.out.destination(piece.tensor, piece.offset + row0 * row_bytes, (n, *rest), numpy_dtype(piece.meta.dtype))  # fmt: skip
-            if dest is not None:
-                lent[key] = dest
+            if key in pieces and plan.axes.get(key) == 0:
+                dest = self._rows_of(pieces[key], row0, n)
+                if dest is not None:
+                    lent[key] = dest
         return lent
 
     def _absmax(self, job: Job) -> float:
@@ -207,23 +209,22 @@ class NativeJobs:
         rows = self.source.row_arrays
         lend = job.target.fmt.native_rows_into
         for (r, g), (_, u) in zip(rows(gate), rows(up), strict=True):
-            into = self._packed_rows(lend, pieces["gate_up_packed"], 2 * r, 2 * g.shape[0], g.shape[1])  # fmt: skip
+            into = self._packed_rows(lend, pieces["gate_up_packed"], 2 * r, 2 * g.shape[0])
             packed, scale = quantize(g, u, **into)  # gate and up rows interleaved
             self._write(pieces["gate_up_packed"], packed, 2 * r * packed.shape[1])
             self._write(pieces["gate_up_scale"], scale, 2 * r * scale.itemsize)
         for r, d in rows(down):
-            packed, scale = quantize(d, **self._packed_rows(lend, pieces["down_packed"], r, *d.shape))  # fmt: skip
+            into = self._packed_rows(lend, pieces["down_packed"], r, d.shape[0])
+            packed, scale = quantize(d, **into)
             self._write(pieces["down_packed"], packed, r * packed.shape[1])
             self._write(pieces["down_scale"], scale, r * scale.itemsize)
 
-    def _packed_rows(self, lend: bool, piece: OutPiece, row: int, n: int, k: int) -> dict[str, Any]:  # fmt: skip
-        """``{"into": the mapped output of n packed 4-bit rows of k inputs from row ``row`` of an
-        expert's part of a stacked tensor (``piece``), [n, k / 2] U8}`` where the format
-        computes into it (``lend``: ``native_rows_into``) and the writer lends its pages; else
-        nothing (``quantize_rows_array``'s keywords)."""
-        if not lend:
-            return {}
-        dest = self.out.destination(piece.tensor, piece.offset + row * (k // 2), (n, k // 2), np.uint8)  # fmt: skip
+    def _packed_rows(self, lend: bool, piece: OutPiece, row: int, n: int) -> dict[str, Any]:
+        """``{"into": the mapped output of packed rows row .. row + n of an expert's part of a
+        stacked tensor (piece)}`` where the format computes into it (``lend``:
+        ``native_rows_into``) and the writer lends its pages; else nothing
+        (``quantize_rows_array``'s keywords)."""
+        dest = self._rows_of(piece, row, n) if lend else None
         return {} if dest is None else {"into": dest}
 
     def _write(self, piece: OutPiece, data: Any, rel: int = 0) -> None:
