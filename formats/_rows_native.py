@@ -49,6 +49,13 @@ def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
+def _lent_or_new(lent: np.ndarray | None, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """``lent`` where a kernel may write its result there (that shape and dtype, C-contiguous,
+    writable: the conversion lends the output's mapped pages), else a new array."""
+    fits = lent is not None and lent.dtype == dtype and lent.flags.c_contiguous and lent.flags.writeable  # fmt: skip
+    return lent if fits and lent.shape == shape else np.empty(shape, dtype=dtype)  # type: ignore[union-attr, return-value]
+
+
 # The kernels on numpy arrays (BF16 as its bits, ``uint16``: ``dtypes.numpy_dtype``); the
 # conversion's native lane (``convert/engine/native_jobs.py``) calls these, without torch.
 
@@ -59,7 +66,7 @@ def fp8_dequant_rows_array(
 ) -> np.ndarray | None:  # fmt: skip
     """BF16 bits (``uint16`` [r, in]) of E4M3 codes ``codes`` (``uint8`` [r, in]) lying in one
     block row whose scales are ``scale_row`` (F32 [ceil(in / block)]), written into ``out``
-    where it is such an array (C-contiguous), else into a new one; None where the kernel
+    where it is such an array (C-contiguous, writable), else into a new one; None where the kernel
     does not apply or a code is NaN (the caller's torch path then raises; ``out`` then holds
     partial rows)."""
     if (
@@ -74,8 +81,7 @@ def fp8_dequant_rows_array(
     if lib is None:
         return None
     s = np.ascontiguousarray(scale_row)
-    if out is None or out.shape != codes.shape or out.dtype != np.uint16 or not out.flags.c_contiguous:  # fmt: skip
-        out = np.empty(codes.shape, dtype=np.uint16)
+    out = _lent_or_new(out, codes.shape, np.uint16)
     rc = lib.hq_fp8_dequant_rows(
         _ptr(codes), codes.shape[0], codes.shape[1], _ptr(s), block, _ptr(out), isa
     )
@@ -122,9 +128,7 @@ def w8a8_rows_array(
     if lib is None:
         return None
     n, k = w.shape
-    fits = q is not None and q.dtype == np.int8 and q.flags.c_contiguous and q.flags.writeable
-    if not fits or q.shape != (n, k):  # type: ignore[union-attr]
-        q = np.empty((n, k), dtype=np.int8)
+    q = _lent_or_new(q, (n, k), np.int8)
     scale = np.empty((n, 1), dtype=np.float32)
     rc = lib.hq_w8a8_rows(_ptr(w), kind, n, k, _ptr(q), _ptr(scale), isa)
     return None if rc else (q, scale)
@@ -148,9 +152,7 @@ def int4_rows_array(
         return None
     r, k = a.shape
     rows = r if b is None else 2 * r
-    fits = packed is not None and packed.dtype == np.uint8 and packed.flags.c_contiguous and packed.flags.writeable  # fmt: skip
-    if not fits or packed.shape != (rows, k // 2):  # type: ignore[union-attr]
-        packed = np.empty((rows, k // 2), dtype=np.uint8)
+    packed = _lent_or_new(packed, (rows, k // 2), np.uint8)
     scale = np.empty(rows, dtype=np.float32)
     rc = lib.hq_int4_rows(
         _ptr(a), None if b is None else _ptr(b), kind, r, k, _ptr(packed), _ptr(scale), isa
