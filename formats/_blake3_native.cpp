@@ -222,6 +222,39 @@ void many(int lanes, const uint8_t* p, int64_t stride, int blocks, uint64_t coun
   }
 }
 
+// The chaining values of the chunks of the nbytes at p (whole chunks, the last one possibly
+// short: the input's end), counters counter, counter + 1, ...: groups of `path` chunks, then of
+// each narrower path down to 4 lanes (a range's edges are short runs), one at a time last.
+void chunk_cvs(const uint8_t* p, int64_t nbytes, uint64_t counter, int path, uint32_t (*cv)[8]) {
+  int64_t c = 0, whole = nbytes / CHUNK, chunks = (nbytes + CHUNK - 1) / CHUNK;
+  for (int lanes = path; lanes >= 4; lanes /= 2)
+    for (; c + lanes <= whole; c += lanes)
+      many(lanes, p + c * CHUNK, CHUNK, CHUNK / BLOCK, counter + c, 1, 0, cv + c);
+  for (; c < chunks; ++c) {
+    int64_t n = nbytes - c * CHUNK < CHUNK ? nbytes - c * CHUNK : CHUNK;
+    chunk_cv(p + c * CHUNK, n, counter + c, false, cv[c]);
+  }
+}
+
+// The (non-root) chaining value of a node of `count` (a power of two) chunks whose chaining values
+// are cv[0 .. count), into cv[0]: parents level by level, in place (pair i of a level is the 64
+// bytes at cv[2 i], stored as words: little-endian on every platform this builds for, as load32
+// reads them; a group's output lands below the pairs it has not read yet).
+void merge_node(uint32_t (*cv)[8], int64_t count, int path) {
+  for (; count > 1; count /= 2) {
+    int64_t i = 0, pairs = count / 2;
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(cv);
+    for (int lanes = path; lanes >= 4; lanes /= 2)
+      for (; i + lanes <= pairs; i += lanes) many(lanes, base + 64 * i, 64, 1, 0, 0, PARENT, cv + i);
+    for (; i < pairs; ++i) parent_cv(cv[2 * i], cv[2 * i + 1], 0, cv[i]);
+  }
+}
+
+void cv_bytes(const uint32_t cv[8], uint8_t* out) {
+  for (int i = 0; i < 8; ++i)
+    for (int k = 0; k < 4; ++k) out[4 * i + k] = uint8_t(cv[i] >> (8 * k));
+}
+
 }  // namespace
 
 extern "C" {
@@ -238,24 +271,11 @@ int hq_b3_subtree(const uint8_t* p, int64_t nbytes, uint64_t counter, uint8_t* o
   int64_t chunks = (nbytes + CHUNK - 1) / CHUNK;
   if (chunks & (chunks - 1)) return -1;
   int path = pick(lanes);
-  std::vector<uint32_t> cv(size_t(chunks) * 8);  // level 0: chunk CVs; then each level in place
-  auto at = [&](int64_t i) { return reinterpret_cast<uint32_t(*)[8]>(cv.data() + 8 * i); };
-  int64_t c = 0, whole = nbytes / CHUNK;
-  for (; c + path <= whole; c += path) many(path, p + c * CHUNK, CHUNK, CHUNK / BLOCK, counter + c, 1, 0, at(c));
-  for (; c < chunks; ++c) {
-    int64_t n = nbytes - c * CHUNK < CHUNK ? nbytes - c * CHUNK : CHUNK;
-    chunk_cv(p + c * CHUNK, n, counter + c, false, *at(c));
-  }
-  // Parents, level by level: pair i of a level is the 64 bytes at cv[16 i] (stored as words;
-  // the words are little-endian on every platform this builds for, as load32 reads them).
-  for (int64_t count = chunks; count > 1; count /= 2) {
-    int64_t i = 0, pairs = count / 2;
-    const uint8_t* base = reinterpret_cast<const uint8_t*>(cv.data());
-    for (; i + path <= pairs; i += path) many(path, base + 64 * i, 64, 1, 0, 0, PARENT, at(i));
-    for (; i < pairs; ++i) parent_cv(*at(2 * i), *at(2 * i + 1), 0, *at(i));
-  }
-  for (int i = 0; i < 8; ++i)
-    for (int k = 0; k < 4; ++k) out[4 * i + k] = uint8_t(cv[i] >> (8 * k));
+  std::vector<uint32_t> cv(size_t(chunks) * 8);
+  auto at = reinterpret_cast<uint32_t(*)[8]>(cv.data());
+  chunk_cvs(p, nbytes, counter, path, at);
+  merge_node(at, chunks, path);
+  cv_bytes(at[0], out);
   return 0;
 }
 
@@ -265,8 +285,7 @@ void hq_b3_parent(const uint8_t* left, const uint8_t* right, int root, uint8_t* 
   uint32_t l[8], r[8], o[8];
   for (int i = 0; i < 8; ++i) l[i] = load32(left + 4 * i), r[i] = load32(right + 4 * i);
   parent_cv(l, r, root ? ROOT : 0, o);
-  for (int i = 0; i < 8; ++i)
-    for (int k = 0; k < 4; ++k) out[4 * i + k] = uint8_t(o[i] >> (8 * k));
+  cv_bytes(o, out);
 }
 
 // The digest of an input of at most one chunk (0..1024 bytes).
@@ -274,8 +293,7 @@ int hq_b3_single(const uint8_t* p, int64_t nbytes, uint8_t* out) {
   if (nbytes < 0 || nbytes > CHUNK) return -1;
   uint32_t cv[8];
   chunk_cv(p, nbytes, 0, true, cv);
-  for (int i = 0; i < 8; ++i)
-    for (int k = 0; k < 4; ++k) out[4 * i + k] = uint8_t(cv[i] >> (8 * k));
+  cv_bytes(cv, out);
   return 0;
 }
 

@@ -73,6 +73,10 @@ extern "C" {
 // null), greedily largest first, at most MAX_SUBTREE chunks each, never the root: each one's
 // first chunk, chunk count and chaining value (32 bytes) into first[i], k[i], cv[32 i]. Returns
 // the count, -1 on a read error (errno set), -2 if more than cap.
+// The nodes are hashed a window of at most MAX_SUBTREE chunks at a time (one read): the chunks of
+// all the window's nodes compressed together, `lanes` at a time, then each node's parents. A
+// range starts and ends at any chunk, so its edge nodes are short runs (8, 4, 2, 1 chunks):
+// hashed node by node, those shorter than the path went one chunk at a time.
 int64_t hq_b3_range(int fd, const uint8_t* mem, int64_t mem_at, int64_t size, int64_t start,
                     int64_t end, int64_t* first, int64_t* k, uint8_t* cv, int64_t cap, int lanes) {
   // The input's byte 0 as an address (integer arithmetic: it may lie before the buffer); only
@@ -81,13 +85,26 @@ int64_t hq_b3_range(int fd, const uint8_t* mem, int64_t mem_at, int64_t size, in
   int64_t n = std::max<int64_t>(1, (size + CHUNK - 1) / CHUNK);
   if (n == 1) return 0;  // a one-chunk input is hashed whole by hq_b3_root
   int64_t at = (start + CHUNK - 1) / CHUNK, stop = end >= size ? n : end / CHUNK, count = 0;
+  const int path = pick(lanes);
+  thread_local std::vector<uint32_t> window(size_t(MAX_SUBTREE) * 8);
+  auto cvs = reinterpret_cast<uint32_t(*)[8]>(window.data());
   while (at < stop) {
-    int64_t kk = std::min({at ? (at & -at) : MAX_SUBTREE, pow2_floor(stop - at), MAX_SUBTREE});
-    if (kk >= n) kk = pow2_floor(n - 1);  // never the root
-    if (count == cap) return -2;
-    if (!hash_node(fd, mem, size, at, kk, lanes, cv + 32 * count)) return -1;
-    first[count] = at, k[count] = kk, ++count;
-    at += kk;
+    const int64_t w0 = at, listed = count;  // this window's first chunk and node
+    for (; at < stop; at += k[count - 1]) {  // its nodes: as many as fit in MAX_SUBTREE chunks
+      int64_t kk = std::min({at ? (at & -at) : MAX_SUBTREE, pow2_floor(stop - at), MAX_SUBTREE});
+      if (kk >= n) kk = pow2_floor(n - 1);  // never the root
+      if (at + kk - w0 > MAX_SUBTREE) break;
+      if (count == cap) return -2;
+      first[count] = at, k[count] = kk, ++count;
+    }
+    const int64_t nbytes = node_bytes(w0, at - w0, size);
+    const uint8_t* p = bytes_at(fd, mem, w0 * CHUNK, nbytes);
+    if (!p) return -1;
+    chunk_cvs(p, nbytes, uint64_t(w0), path, cvs);
+    for (int64_t i = listed; i < count; ++i) {
+      merge_node(cvs + (first[i] - w0), k[i], path);
+      cv_bytes(cvs[first[i] - w0], cv + 32 * i);
+    }
   }
   return count;
 }

@@ -100,6 +100,37 @@ def test_nodes_are_aligned_powers_of_two_inside_the_range_and_never_the_root(siz
         assert int(k.sum()) == max(0, whole)  # every whole chunk of the range, once
 
 
+@pytest.mark.parametrize("lanes", PATHS)
+def test_a_ranges_nodes_hashed_together_equal_each_node_hashed_alone(lanes: int, tmp_path) -> None:
+    """``hq_b3_range`` compresses the chunks of all nodes in a window of ``MAX_SUBTREE`` chunks
+    together (the short edge nodes of an unaligned range included, the input's short last chunk
+    too); each node's chaining value must be that node's ``hq_b3_subtree`` — from memory and from
+    a file, for ranges spanning several windows."""
+    lib = bt._LIBRARY.get().lib
+    size = (2 * bt.MAX_SUBTREE + 37) * bt.CHUNK + 517
+    data = _data(size, 13)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    rng = random.Random(lanes)
+    ranges = [(bt.CHUNK + 1, size), (3 * bt.CHUNK, size - 600)]
+    ranges += [(rng.randrange(size // 2), rng.randrange(size // 2, size + 1)) for _ in range(6)]
+    try:
+        for start, end in ranges:
+            from_mem = bt.range_nodes(size, data, 0, start, end, lanes)
+            from_file = bt._range(fd, None, 0, size, start, end, lanes)[1]
+            assert len(from_mem[0]) > 3  # edge nodes and whole windows
+            for got in (from_mem, from_file):
+                for a, k, cv in zip(*got, strict=True):
+                    nbytes = min((a + k) * bt.CHUNK, size) - a * bt.CHUNK
+                    out = ctypes.create_string_buffer(32)
+                    ptr = data.ctypes.data + int(a) * bt.CHUNK
+                    assert lib.hq_b3_subtree(ptr, nbytes, int(a), out, 4) == 0
+                    assert bytes(cv) == out.raw, (start, end, a, k)
+    finally:
+        os.close(fd)
+
+
 def test_data_or_a_file_not_both() -> None:
     with pytest.raises(ValueError, match="data or fd"):
         bt.TreeDigest(10)
