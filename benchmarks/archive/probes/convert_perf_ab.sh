@@ -9,7 +9,7 @@
 # source made here (23.6 GB on /dev/shm). PERF: how to run perf (the lent hosts have none: carry
 # the VM's binary and its libraries, run through their ld.so). Env HQ_VARIANT adds
 # a third arm: NEW_TREE with that environment (HQ_VARIANT='VAR=VALUE ...': a toggle under test).
-# RECIPES: which to time (all five). Output: $OUT or /tmp.
+# RECIPES: which to time (all five); REPS: interleaved rounds (2). Output: $OUT or /tmp.
 set -u
 OLD=$1 NEW=$2 SRC=${3:-/dev/shm/src/synthetic-e256-m2} OUT=${OUT:-/tmp}
 for t in hqo:$OLD hqn:$NEW; do
@@ -36,7 +36,7 @@ if [ -n "${PERF:-}" ]; then
 fi
 TIMEFORMAT="%R %U %S"
 declare -A ARM=([old]="PYTHONPATH=/tmp/hqo:${EXTRA_PATH:-}" [new]="" [var]="${HQ_VARIANT:-}")
-for rep in 1 2; do
+for rep in $(seq "${REPS:-2}"); do
   for r in ${RECIPES:-bf16 ascend-hybrid ascend-w8a8 awq-w4a16 fp4}; do
     for a in old new ${HQ_VARIANT:+var}; do
       t=$( { time (env ${ARM[$a]} bash -c "$(declare -f conv); SRC=$SRC; conv $r" 2>/tmp/err); } 2>&1 )
