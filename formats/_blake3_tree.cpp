@@ -7,9 +7,20 @@ namespace {
 
 constexpr int64_t MAX_SUBTREE = 1 << 12;  // chunks per node hashed at once (4 MiB read)
 
-// Bytes [off, off + n) of the input: mem + off, or read from fd into this thread's buffer.
-const uint8_t* bytes_at(int fd, const uint8_t* mem, int64_t off, int64_t n) {
-  if (mem) return mem + off;
+// Where the input's bytes are: in memory, byte i at address base + i (base is the input's byte 0
+// as an address: integer arithmetic, since it may lie before the buffer that holds the bytes, or
+// even be 0 — a buffer whose address equals its offset, as on a non-PIE Python's heap), else in
+// the file fd.
+struct Input {
+  int fd;
+  uintptr_t base;
+  bool in_memory;
+};
+
+// Bytes [off, off + n) of the input: in memory, or read from fd into this thread's buffer.
+const uint8_t* bytes_at(const Input& in, int64_t off, int64_t n) {
+  if (in.in_memory) return reinterpret_cast<const uint8_t*>(in.base + uintptr_t(off));
+  const int fd = in.fd;
   thread_local std::vector<uint8_t> buf;
   if (int64_t(buf.size()) < n) buf.resize(size_t(std::max(n, MAX_SUBTREE * CHUNK)));
   for (int64_t done = 0; done < n;) {
@@ -27,10 +38,9 @@ int64_t node_bytes(int64_t first, int64_t k, int64_t size) {
 }
 
 // The chaining value of node (first, k) hashed from the input; false on a read error.
-bool hash_node(int fd, const uint8_t* mem, int64_t size, int64_t first, int64_t k, int lanes,
-               uint8_t* cv) {
+bool hash_node(const Input& in, int64_t size, int64_t first, int64_t k, int lanes, uint8_t* cv) {
   int64_t n = node_bytes(first, k, size);
-  const uint8_t* p = bytes_at(fd, mem, first * CHUNK, n);
+  const uint8_t* p = bytes_at(in, first * CHUNK, n);
   return p && hq_b3_subtree(p, n, uint64_t(first), cv, lanes) == 0;
 }
 
@@ -43,7 +53,7 @@ struct Known {
 // The node (first, k) of an input of `size` bytes: a known chaining value, else hashed (an aligned
 // power of two with no known node inside, at most MAX_SUBTREE chunks), else its two children
 // merged. root: the digest instead. Returns false on a read error.
-bool node(const Known& kn, int fd, const uint8_t* mem, int64_t size, int64_t first, int64_t k,
+bool node(const Known& kn, const Input& in, int64_t size, int64_t first, int64_t k,
           bool root, int lanes, uint8_t* out) {
   const int64_t* at = std::lower_bound(kn.first, kn.first + kn.n, first);
   int64_t i = at - kn.first;
@@ -54,11 +64,11 @@ bool node(const Known& kn, int fd, const uint8_t* mem, int64_t size, int64_t fir
   }
   bool pow2 = (k & (k - 1)) == 0;
   if (!root && pow2 && k <= MAX_SUBTREE && (k == 1 || !starts_inside))
-    return hash_node(fd, mem, size, first, k, lanes, out);
+    return hash_node(in, size, first, k, lanes, out);
   int64_t left = pow2_floor(k - 1);
   uint8_t l[32], r[32];
-  if (!node(kn, fd, mem, size, first, left, false, lanes, l) ||
-      !node(kn, fd, mem, size, first + left, k - left, false, lanes, r))
+  if (!node(kn, in, size, first, left, false, lanes, l) ||
+      !node(kn, in, size, first + left, k - left, false, lanes, r))
     return false;
   hq_b3_parent(l, r, root, out);
   return true;
@@ -79,9 +89,8 @@ extern "C" {
 // hashed node by node, those shorter than the path went one chunk at a time.
 int64_t hq_b3_range(int fd, const uint8_t* mem, int64_t mem_at, int64_t size, int64_t start,
                     int64_t end, int64_t* first, int64_t* k, uint8_t* cv, int64_t cap, int lanes) {
-  // The input's byte 0 as an address (integer arithmetic: it may lie before the buffer); only
-  // bytes from start on, inside the buffer, are read through it.
-  if (mem) mem = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(mem) - uintptr_t(mem_at));
+  // Only bytes from start on, inside the buffer, are read through the input's base.
+  const Input in{fd, reinterpret_cast<uintptr_t>(mem) - uintptr_t(mem_at), mem != nullptr};
   int64_t n = std::max<int64_t>(1, (size + CHUNK - 1) / CHUNK);
   if (n == 1) return 0;  // a one-chunk input is hashed whole by hq_b3_root
   int64_t at = (start + CHUNK - 1) / CHUNK, stop = end >= size ? n : end / CHUNK, count = 0;
@@ -98,7 +107,7 @@ int64_t hq_b3_range(int fd, const uint8_t* mem, int64_t mem_at, int64_t size, in
       first[count] = at, k[count] = kk, ++count;
     }
     const int64_t nbytes = node_bytes(w0, at - w0, size);
-    const uint8_t* p = bytes_at(fd, mem, w0 * CHUNK, nbytes);
+    const uint8_t* p = bytes_at(in, w0 * CHUNK, nbytes);
     if (!p) return -1;
     chunk_cvs(p, nbytes, uint64_t(w0), path, cvs);
     for (int64_t i = listed; i < count; ++i) {
@@ -137,12 +146,13 @@ int64_t hq_b3_compact(int64_t* first, int64_t* k, uint8_t* cv, int64_t n, int64_
 int hq_b3_root(int fd, const uint8_t* mem, int64_t size, const int64_t* first, const int64_t* k,
                const uint8_t* cv, int64_t n, uint8_t* out, int lanes) {
   int64_t chunks = std::max<int64_t>(1, (size + CHUNK - 1) / CHUNK);
+  const Input in{fd, reinterpret_cast<uintptr_t>(mem), mem != nullptr};
   if (chunks == 1) {
-    const uint8_t* p = size ? bytes_at(fd, mem, 0, size) : mem;
+    const uint8_t* p = size ? bytes_at(in, 0, size) : mem;
     uint8_t zero = 0;
     return p || !size ? hq_b3_single(p ? p : &zero, size, out) : -1;
   }
-  return node(Known{first, k, cv, n}, fd, mem, size, 0, chunks, true, lanes, out) ? 0 : -1;
+  return node(Known{first, k, cv, n}, in, size, 0, chunks, true, lanes, out) ? 0 : -1;
 }
 
 }  // extern "C"

@@ -117,8 +117,9 @@ def range_nodes(size: int, buf: np.ndarray, at: int, start: int, end: int, lanes
     if not (at <= start <= end <= at + buf.size and buf.flags.c_contiguous and buf.itemsize == 1):
         raise ValueError(f"range_nodes: [{start}, {end}) not inside the buffer's [{at}, {at + buf.size})")  # fmt: skip
     n, out = _range(-1, buf.ctypes.data, at, size, start, end, lanes)
-    if n < 0:
-        raise ValueError(f"blake3 node list overflow at byte {start}")
+    if n < 0:  # -2: more nodes than _range's cap; -1 (a read) cannot happen from memory
+        why = "node list overflow" if n == -2 else f"error {n}"
+        raise ValueError(f"blake3 {why} in bytes [{start}, {end}) of {size} (buffer at {at})")
     return out
 
 

@@ -100,13 +100,24 @@ def test_nodes_are_aligned_powers_of_two_inside_the_range_and_never_the_root(siz
         assert int(k.sum()) == max(0, whole)  # every whole chunk of the range, once
 
 
+def _each_node_alone(data: np.ndarray, at: int, size: int, nodes: tuple) -> None:
+    """Every node's chaining value is that of its bytes (``data`` holds input bytes from
+    ``at`` on) hashed alone by ``hq_b3_subtree``."""
+    lib = bt._LIBRARY.get().lib
+    for a, k, cv in zip(*nodes, strict=True):
+        nbytes = min((a + k) * bt.CHUNK, size) - a * bt.CHUNK
+        out = ctypes.create_string_buffer(32)
+        ptr = data.ctypes.data + int(a) * bt.CHUNK - at
+        assert lib.hq_b3_subtree(ptr, nbytes, int(a), out, 4) == 0
+        assert bytes(cv) == out.raw, (a, k)
+
+
 @pytest.mark.parametrize("lanes", PATHS)
 def test_a_ranges_nodes_hashed_together_equal_each_node_hashed_alone(lanes: int, tmp_path) -> None:
     """``hq_b3_range`` compresses the chunks of all nodes in a window of ``MAX_SUBTREE`` chunks
     together (the short edge nodes of an unaligned range included, the input's short last chunk
     too); each node's chaining value must be that node's ``hq_b3_subtree`` — from memory and from
     a file, for ranges spanning several windows."""
-    lib = bt._LIBRARY.get().lib
     size = (2 * bt.MAX_SUBTREE + 37) * bt.CHUNK + 517
     data = _data(size, 13)
     path = tmp_path / "f.bin"
@@ -121,14 +132,23 @@ def test_a_ranges_nodes_hashed_together_equal_each_node_hashed_alone(lanes: int,
             from_file = bt._range(fd, None, 0, size, start, end, lanes)[1]
             assert len(from_mem[0]) > 3  # edge nodes and whole windows
             for got in (from_mem, from_file):
-                for a, k, cv in zip(*got, strict=True):
-                    nbytes = min((a + k) * bt.CHUNK, size) - a * bt.CHUNK
-                    out = ctypes.create_string_buffer(32)
-                    ptr = data.ctypes.data + int(a) * bt.CHUNK
-                    assert lib.hq_b3_subtree(ptr, nbytes, int(a), out, 4) == 0
-                    assert bytes(cv) == out.raw, (start, end, a, k)
+                _each_node_alone(data, 0, size, got)
     finally:
         os.close(fd)
+
+
+def test_a_buffer_whose_address_is_its_offset_is_read_from_memory() -> None:
+    """``hq_b3_range`` reads the buffer through the input's byte 0 as an address: the buffer's
+    address minus its offset, which is 0 where the two are equal — possible where a non-PIE
+    Python's heap (system Pythons: ~10 MB-1 GB up) overlaps a 5 GB shard's offsets. That 0 was
+    taken for "no buffer, read the file" (fd -1), and the worker's write failed with "blake3
+    node list overflow" (seen once on the 16-core host, pwrite onto tmpfs)."""
+    data = _data(3 * bt.CHUNK * 1024 + 77, 17)
+    for at in (data.ctypes.data, data.ctypes.data - 5, data.ctypes.data + 4096):
+        size = at + data.size + 9 * bt.CHUNK
+        nodes = bt.range_nodes(size, data, at, at, at + data.size)
+        assert int(nodes[1].sum()) >= data.size // bt.CHUNK - 1
+        _each_node_alone(data, at, size, nodes)
 
 
 def test_data_or_a_file_not_both() -> None:
