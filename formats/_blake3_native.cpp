@@ -195,18 +195,23 @@ HQ_MANY(8, 8, __attribute__((target("avx2"))), HQ_LOAD_AVX2)
 HQ_MANY(16, 16, __attribute__((target("avx512f"))), HQ_LOAD_AVX512)
 #endif
 
+// The 16-lane path also runs the 8-lane one (a run's last chunks): both instruction sets asked.
 int best_lanes() {
 #ifdef HQ_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return 16;
-  if (__builtin_cpu_supports("avx2")) return 8;
+  const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2 && __builtin_cpu_supports("avx512f")) return 16;
+  if (avx2) return 8;
 #endif
   return 4;
 }
 
+// The path of at most `lanes` lanes (0 or less: the best): 16, 8 or 4 — never more than this CPU
+// has, and 4 for any request under 8 (``many`` has no other widths).
 int pick(int lanes) {
   static const int best = best_lanes();
-  return lanes <= 0 || lanes > best ? best : lanes;
+  const int want = lanes <= 0 || lanes > best ? best : lanes;
+  return want >= 16 ? 16 : want >= 8 ? 8 : 4;
 }
 
 // N lanes of the path ``lanes``: chunks (stride 1024, 16 blocks, counters counter + j) or

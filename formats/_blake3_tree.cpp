@@ -84,9 +84,9 @@ extern "C" {
 // first chunk, chunk count and chaining value (32 bytes) into first[i], k[i], cv[32 i]. Returns
 // the count, -1 on a read error (errno set), -2 if more than cap.
 // The nodes are hashed a window of at most MAX_SUBTREE chunks at a time (one read): the chunks of
-// all the window's nodes compressed together, `lanes` at a time, then each node's parents. A
-// range starts and ends at any chunk, so its edge nodes are short runs (8, 4, 2, 1 chunks):
-// hashed node by node, those shorter than the path went one chunk at a time.
+// all the window's nodes compressed together, `lanes` at a time, then each node's parents (a
+// range starts and ends at any chunk, so its edge nodes are short runs of 8, 4, 2, 1 chunks:
+// hashed node by node, as until 2026-11-29, those went one chunk at a time).
 int64_t hq_b3_range(int fd, const uint8_t* mem, int64_t mem_at, int64_t size, int64_t start,
                     int64_t end, int64_t* first, int64_t* k, uint8_t* cv, int64_t cap, int lanes) {
   // Only bytes from start on, inside the buffer, are read through the input's base.
