@@ -217,7 +217,7 @@ class Int4CpuExperts(ExpertLayerFormat):
     ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`quantize_rows` of numpy rows ``a`` [R, K], or with ``b`` of ``a`` and ``b`` rows
         interleaved (row 2i from a, 2i + 1 from b: ``gate_up``), by the kernel alone; the packed
-        codes computed into ``into`` where it fits ([R or 2R, K/2] U8, C-contiguous)."""
+        codes computed into ``into`` where it fits ([R or 2R, K/2] U8, C-contiguous, writable)."""
         if self.clip_search:
             raise NotNative("int4_cpu_experts: clip search has no kernel")
         return native(

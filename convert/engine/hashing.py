@@ -14,7 +14,8 @@ little left to wait for. The parent of the workers does this. BLAKE3 is a tree h
 For that, files must fill front to back, several at a time: :func:`fill_order` runs the jobs in
 waves of ``width`` files (one per hashing thread; on a tmpfs at least one per worker,
 :func:`fill_width`: more files than hashing threads there, whose pool workers hash what they
-store), each wave's jobs by their position in their file, files of stacked experts first. Bytes no job writes (none in a plan; a missing expert would leave zeros) are hashed at
+store), each wave's jobs by their position in their file, files of stacked experts first. Bytes
+no job writes (none in a plan; a missing expert would leave zeros) are hashed at
 :meth:`FileHashes.finish`, which returns exactly what ``manifest.file_digest`` gives.
 """
 
