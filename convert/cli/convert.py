@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from hetquant.formats import HetquantError
+from hetquant.formats._gc import frozen
 
 from ..fs.os_errors import errors_as_hetquant
 
@@ -211,6 +212,8 @@ def convert(
     if calib_device != "auto" and calib_data is None:
         raise HetquantError("--calib-device says where to calibrate: give --calib-data TEXT too")
     plan = plan_for(src, rec, size)  # headers only; refuses what the recipe cannot write
+    # the source and plan live as long as the command: out of the collector's passes (formats/_gc.py)
+    click.get_current_context().with_resource(frozen())
     marks["planned"] = time.time()
     log.debug("start-up %s", json.dumps(marks))
     if calib_data is not None:

@@ -30,6 +30,7 @@ from enum import Enum
 from typing import Any
 
 from hetquant.formats import HetquantError, TensorMeta
+from hetquant.formats._gc import paused_gc
 from hetquant.formats.families import TensorRole
 from hetquant.formats.families.vlm import check_vision_kept
 
@@ -168,6 +169,7 @@ def plan_for(source: Any, recipe: Recipe, max_shard_size: int) -> Plan:
     return make_plan(items, recipe, max_shard_size)
 
 
+@paused_gc()  # a job per tensor, a piece per stored one: no cycles (formats/_gc.py)
 def make_plan(items: Iterable[SourceItem], recipe: Recipe, max_shard_size: int) -> Plan:
     """Lay out every output of converting ``items`` with ``recipe`` (shape-only)."""
     items = list(items)

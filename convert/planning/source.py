@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from hetquant.formats import HetquantError, WeightFormat
+from hetquant.formats._gc import paused_gc
 from hetquant.formats._lazy import torch
 from hetquant.formats._quant_native import absmax_array
 from hetquant.formats.arrays import NotNative, RowsInto, float_row_arrays, native
@@ -99,6 +100,7 @@ class SourceCheckpoint:
     _maps: dict[Path, MappedFile] = field(default_factory=dict, repr=False)
 
     @classmethod
+    @paused_gc()  # a graph of ~10^5-10^6 objects, no cycles (formats/_gc.py)
     def open(
         cls, root: str | Path, revision: str | None = None, repo_id: str | None = None
     ) -> SourceCheckpoint:
