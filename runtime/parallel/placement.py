@@ -251,26 +251,24 @@ class ModelPlacement:
         """``reason(world)``: why ``world`` TP ranks cannot hold the modules (None: they can);
         and the gcd that every valid world divides."""
         heads = self.cfg.tp_head_counts
-        split = [
-            (info, pl, d)
-            for mid, info in self.modules.items()
-            if (d := split_of(pl := self.roles[mid], layout)) is not None
-        ]
+        # modules that split alike (format, shape, dim, padding) pass or fail alike: the first of
+        # each kind stands for the rest (Qwen3-235B's 36,474 split modules at fp4 are 6 kinds)
+        kinds: dict[tuple, tuple[ModuleInfo, Placement, int]] = {}
+        for mid, info in self.modules.items():
+            if (d := split_of(pl := self.roles[mid], layout)) is not None:
+                kinds.setdefault((info.fmt, info.shape, d, pl.rule.treat.padded), (info, pl, d))
 
         def reason(world: int) -> str | None:
             bad = [h for h in heads if h % world]
             if world > 1 and not layout.attn_dp and bad:
                 kind = ("heads", "KV heads")[heads.index(bad[0])]  # as ``tp_head_counts`` lists
                 return f"tp_size {world} does not divide {bad[0]} {kind}"
-            seen: set[tuple] = set()
-            for info, pl, dim in split:
-                key = (info.fmt, info.shape, dim, pl.rule.treat.padded)
-                if key not in seen and (why := _tp_split_ok(info, pl, dim, world)):
+            for info, pl, dim in kinds.values():
+                if why := _tp_split_ok(info, pl, dim, world):
                     return f"tp_size {world}: {why}"
-                seen.add(key)
             return None
 
-        sizes = [info.shape[d] for info, pl, d in split if not pl.rule.treat.padded]
+        sizes = {info.shape[d] for info, pl, d in kinds.values() if not pl.rule.treat.padded}
         return reason, math.gcd(*sizes, *(() if layout.attn_dp else heads))
 
     def _check_accel(self, layout: ParallelLayout) -> None:
