@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,11 @@ def parse_json(raw: bytes | str, origin: str) -> Any:
     except json.JSONDecodeError as e:  # e.msg and e.pos only: no text of the file
         raise HetquantError(
             f"{origin}: invalid JSON ({e.msg} at byte {e.pos}); fix or re-download the file"
+        ) from None
+    except ValueError:  # an integer past Python's digit limit: no number hetquant reads
+        raise HetquantError(
+            f"{origin}: a number too long to read (over {sys.get_int_max_str_digits()} digits); "
+            "not a file hetquant wrote or reads — replace it"
         ) from None
     except RecursionError:
         doc = _TOO_DEEP

@@ -51,8 +51,12 @@ def allowed_bases(root: str | os.PathLike[str]) -> tuple[Path, ...]:
 
 
 def is_inside(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> bool:
-    """Whether ``path``, every symbolic link followed, lies in ``allowed_bases(root)``."""
-    real = Path(path).resolve()
+    """Whether ``path``, every symbolic link followed, lies in ``allowed_bases(root)``; a link
+    that leads back to itself is refused (HetquantError)."""
+    try:
+        real = Path(path).resolve()
+    except RuntimeError:  # Python 3.11-3.12: "Symlink loop from ..." (3.13 raises OSError)
+        raise HetquantError(f"{path}: a symbolic link loop; replace it with the file") from None
     return any(real.is_relative_to(base) for base in allowed_bases(root))
 
 

@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 _LEN = struct.Struct("<Q")
+MAX_DIMS = 16  # no weight has this many dims (every artifact and source here: at most 3)
 _MAX_HEADER = MAX_JSON_BYTES  # the safetensors library's own limit (100,000,000)
 _ALIGN = 8
 
@@ -131,10 +132,14 @@ def _entry(path: Path, name: str, spec: object, data_start: int, size: int) -> H
     if (
         shape is None
         or not isinstance(dtype, str)
-        or not all(_is_int(d) and d >= 0 for d in shape)
+        or len(shape) > MAX_DIMS
+        or not all(_is_int(d) and 0 <= d < 2**63 for d in shape)
         or not (_is_int(begin) and _is_int(end))
     ):
-        raise HetquantError(f"{path}: malformed header entry for tensor {name!r}")
+        raise HetquantError(
+            f"{path}: malformed header entry for tensor {name!r} (a dtype string, a shape of at "
+            f"most {MAX_DIMS} dims each below 2**63, two integer data_offsets)"
+        )
     try:
         want = math.prod(shape) * itemsize(dtype)
     except HetquantError as e:

@@ -134,7 +134,10 @@ class Artifact:
         """MoE layer → its ``cpu_experts/layer_XXX.safetensors`` (for the CPU expert pool)."""
         files = self.manifest.get("parts", {}).get("cpu_experts", {}).get("files", [])
         paths = [inside(self.root, f, self.root / MANIFEST, "cpu_experts file") for f in files]
-        return {int(p.stem.split("_")[-1]): p for p in paths}
+        layers = [p.stem.rpartition("_")[2] for p in paths]  # layer_XXX.safetensors
+        if bad := [str(p) for p, n in zip(paths, layers, strict=True) if not n.isdigit()]:
+            raise HetquantError(f"{self.root / MANIFEST}: cpu_experts file {bad[0]} is not named layer_<number>.safetensors; re-run the conversion")  # fmt: skip
+        return {int(n): p for n, p in zip(layers, paths, strict=True)}
 
     def cpu_expert_pool(self, subpools: int = 1, **options: Any) -> Any:
         """The ``cpu_experts/`` part as a ``CpuExpertPool`` (runtime/experts/expert_pool.py); ``load``
@@ -243,6 +246,8 @@ def _open(root: Path, pin: ManifestPin) -> Artifact:
     weight_map = _json(root / INDEX).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise HetquantError(f"{root / INDEX}: no weight_map; re-run the conversion")
+    if not all(isinstance(f, str) for f in weight_map.values()):
+        raise HetquantError(f"{root / INDEX}: a weight_map value is not a file name; re-run the conversion")  # fmt: skip
     headers = {}
     for file in sorted(set(weight_map.values()), key=str):
         headers[file] = read_header(inside(root, file, root / INDEX, "shard")).entries
