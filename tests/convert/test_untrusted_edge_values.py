@@ -11,7 +11,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from support import MANIFEST, error_line, read_json, run_cli, write_json
+from support import MANIFEST, error_line, read_json, run_cli, st_header, write_json
 
 from hetquant.formats import HetquantError
 from hetquant.formats.json_io import MAX_JSON_BYTES
@@ -87,3 +87,25 @@ def test_a_manifest_past_the_json_limit_is_not_read(art: Path) -> None:
     with pytest.raises(HetquantError, match="more than the 100,000,000 a JSON file here may have"):
         open_artifact(art)
     _refused("run", art, "--tokens", "1,2,3", needle="a JSON file here may have")
+
+
+def test_a_tokenizer_past_the_json_limit_is_not_read(art: Path) -> None:
+    os.truncate(art / "tokenizer.json", MAX_JSON_BYTES + 1)  # sparse: the library read it whole
+    _refused("run", art, "--prompt", "Hello", needle="tokenizer.json: 100,000,001 bytes")
+
+
+def test_a_zero_byte_stacked_tensor_does_not_vouch_for_a_million_experts(art: Path) -> None:
+    """``verify`` bounds what config.json claims by what the files can hold; a stacked tensor of
+    2^40 experts holding no bytes counted as 2^42 tensors, and a config claiming 10^6 experts a
+    layer was then expanded (minutes, GBs)."""
+    shard = art / "model-00001-of-00001.safetensors"
+    start, header = st_header(shard)
+    data = shard.read_bytes()[start:]
+    header["empty"] = {"dtype": "U8", "shape": [2**40, 0, 0], "data_offsets": [len(data)] * 2}
+    raw = json.dumps(header).encode()
+    shard.unlink()  # a hard link of the session's artifact: replaced, not written
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    cfg = read_json(art / "config.json")
+    write_json(art / "config.json", {**cfg, "n_routed_experts": 10**6})
+    res = run_cli("verify", art)  # a failed check, from the bound
+    assert res.exit_code == 1 and "more than the artifact's files hold" in res.stdout, res.stdout
