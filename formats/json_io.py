@@ -22,7 +22,7 @@ import numpy as np
 from .errors import HetquantError
 from .safe_paths import open_binary
 
-__all__ = ["MAX_DEPTH", "MAX_JSON_BYTES", "load_json", "parse_json"]
+__all__ = ["MAX_DEPTH", "MAX_JSON_BYTES", "load_json", "parse_json", "require_json_size"]
 
 MAX_JSON_BYTES = 100 * 1000 * 1000
 MAX_DEPTH = 64
@@ -39,16 +39,20 @@ def load_json(path: str | os.PathLike[str], *, limit: int = MAX_JSON_BYTES) -> A
     path = Path(path)
     try:
         with open_binary(path) as f:  # regular files only: a FIFO is refused, not waited on
-            size = os.fstat(f.fileno()).st_size
-            if size > limit:
-                raise HetquantError(
-                    f"{path}: {size:,} bytes, more than the {limit:,} a JSON file here may have; "
-                    "it is not a file hetquant wrote or reads — replace it"
-                )
+            require_json_size(path, os.fstat(f.fileno()).st_size, limit)
             raw = f.read(limit + 1)
     except FileNotFoundError:
         raise HetquantError(f"{path}: not found") from None
     return parse_json(raw, str(path))
+
+
+def require_json_size(path: str | os.PathLike[str], size: int, limit: int = MAX_JSON_BYTES) -> None:
+    """Refuse a JSON file of ``size`` bytes past ``limit``, before it is read (HetquantError)."""
+    if size > limit:
+        raise HetquantError(
+            f"{path}: {size:,} bytes, more than the {limit:,} a JSON file here may have; "
+            "it is not a file hetquant wrote or reads — replace it"
+        )
 
 
 def parse_json(raw: bytes | str, origin: str) -> Any:

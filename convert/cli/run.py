@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from hetquant.formats import HetquantError
-from hetquant.formats.json_io import MAX_JSON_BYTES
+from hetquant.formats.json_io import require_json_size
 
 from .base import must_exist, writable_output, write_output
 
@@ -176,8 +176,7 @@ def _tokenizer(artifact: Path) -> Any:
         raise HetquantError(
             f"{artifact}: no tokenizer.json (a regular file) for --prompt; give --tokens instead"
         )
-    if (size := path.stat().st_size) > MAX_JSON_BYTES:  # the library would read it whole
-        raise HetquantError(f"{path}: {size:,} bytes, more than the {MAX_JSON_BYTES:,} a JSON file here may have; not a tokenizer — replace it")  # fmt: skip
+    require_json_size(path, path.stat().st_size)  # the library would read it whole
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises its own Exception type for a bad file

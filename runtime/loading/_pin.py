@@ -29,7 +29,7 @@ from typing import TypeVar
 
 from hetquant.formats.errors import HetquantError
 from hetquant.formats.filenames import MANIFEST_NAME
-from hetquant.formats.json_io import MAX_JSON_BYTES
+from hetquant.formats.json_io import require_json_size
 
 __all__ = ["ManifestPin", "Replaced", "open_pinned"]
 
@@ -63,15 +63,15 @@ class ManifestPin:
         self._closer = weakref.finalize(self, os.close, fd)
 
     def read(self) -> bytes:
-        """The manifest's bytes, as opened; refused past ``MAX_JSON_BYTES``, as ``load_json``
+        """The manifest's bytes, as opened; refused past the JSON limit, as ``load_json``
         refuses any JSON file."""
         size, chunks, pos = os.fstat(self.fd).st_size, [], 0
-        while pos <= MAX_JSON_BYTES and size <= MAX_JSON_BYTES:
-            if not (chunk := os.pread(self.fd, max(size - pos, 1 << 16), pos)):
-                return b"".join(chunks)
+        require_json_size(self.path, size)
+        while chunk := os.pread(self.fd, max(size - pos, 1 << 16), pos):
             chunks.append(chunk)
             pos += len(chunk)
-        raise HetquantError(f"{self.path}: {max(size, pos):,} bytes, more than the {MAX_JSON_BYTES:,} a JSON file here may have; it is not a file hetquant wrote — replace it")  # fmt: skip
+            require_json_size(self.path, pos)  # grown since
+        return b"".join(chunks)
 
     def current(self) -> bool:
         """Whether the manifest path still names the manifest this pin holds."""
