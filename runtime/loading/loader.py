@@ -135,7 +135,9 @@ class Artifact:
         files = self.manifest.get("parts", {}).get("cpu_experts", {}).get("files", [])
         paths = [inside(self.root, f, self.root / MANIFEST, "cpu_experts file") for f in files]
         layers = [p.stem.rpartition("_")[2] for p in paths]  # layer_XXX.safetensors
-        if bad := [str(p) for p, n in zip(paths, layers, strict=True) if not n.isdigit()]:
+        if bad := [
+            str(p) for p, n in zip(paths, layers, strict=True) if not (n.isascii() and n.isdigit())
+        ]:
             raise HetquantError(f"{self.root / MANIFEST}: cpu_experts file {bad[0]} is not named layer_<number>.safetensors; re-run the conversion")  # fmt: skip
         return {int(n): p for n, p in zip(layers, paths, strict=True)}
 

@@ -70,11 +70,12 @@ def test_an_index_value_that_is_no_file_name(art: Path) -> None:
     _refused("run", art, "--tokens", "1,2,3", needle="a weight_map value is not a file name")
 
 
-def test_a_cpu_experts_file_not_named_by_its_layer(art: Path) -> None:
+@pytest.mark.parametrize("layer", ["one", "\u00b2"])  # a word; a digit int() does not read
+def test_a_cpu_experts_file_not_named_by_its_layer(art: Path, layer: str) -> None:
     doc = read_json(art / MANIFEST)
     files = doc["parts"]["cpu_experts"]["files"]
     old = files[0]
-    new = old.rpartition("_")[0] + "_one.safetensors"
+    new = f"{old.rpartition('_')[0]}_{layer}.safetensors"
     (art / old).rename(art / new)
     files[0] = new
     doc["files"] = {(new if k == old else k): v for k, v in doc["files"].items()}
